@@ -1,0 +1,1 @@
+"""tandem_inference: controller, gateway, engine launcher and the transformers engine."""

@@ -1,0 +1,201 @@
+"""The adapter store: immutable, atomically published versions on the shared volume.
+
+Layout under the store root::
+
+    <run>/v000007/manifest.json     run, version, parent, step, job id, sha256 of every file
+    <run>/v000007/adapter/          what the engine loads (adapter_config.json + weights)
+    <run>/v000007/trainer/          what the trainer resumes from (optimizer state)
+    <run>/.tmp-v000007-<uuid>/      a version being written; never read
+
+A version becomes visible only by `rename` of a complete, fsynced directory, so a crash while
+writing never leaves a partial version behind. Every path that comes from Redis or a request
+is resolved inside the root; anything outside it is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from tandem.errors import AdapterRejected, VersionExists
+from tandem.runs import adapter_name, check_run_name
+
+MANIFEST = "manifest.json"
+ADAPTER_DIR = "adapter"
+TRAINER_DIR = "trainer"
+
+
+class Manifest(BaseModel):
+    """What a published version is, and the checksums that prove its files."""
+
+    run: str
+    version: int = Field(ge=1)
+    parent: int = Field(ge=0)
+    """Version the training started from (0 = the base model)."""
+    step: int = Field(ge=0)
+    """Client-side train step that produced it."""
+    job_id: str
+    """Train job that produced it; a retried job finds its version by this id."""
+    base_model: str
+    lora_rank: int = Field(ge=1)
+    created_at: float = Field(default_factory=time.time)
+    files: dict[str, str] = Field(default_factory=dict)
+    """Path relative to the version directory -> sha256 hex."""
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+    @property
+    def adapter_name(self) -> str:
+        return adapter_name(self.run, self.version)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AdapterStore:
+    """Publish, find and verify adapter versions under one root directory."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).resolve()
+
+    def resolve(self, path: str | Path) -> Path:
+        """`path` (relative to the root, or absolute) if it lies inside the root; else refuse."""
+        candidate = (self.root / path).resolve()
+        if candidate != self.root and not candidate.is_relative_to(self.root):
+            raise AdapterRejected(
+                f"path {str(path)!r} resolves to {candidate}, outside the adapter store "
+                f"{self.root}; adapter paths must stay inside the store"
+            )
+        return candidate
+
+    def run_dir(self, run: str) -> Path:
+        try:
+            check_run_name(run)
+        except ValueError as exc:
+            raise AdapterRejected(str(exc)) from exc
+        return self.resolve(run)
+
+    def version_dir(self, run: str, version: int) -> Path:
+        return self.run_dir(run) / f"v{version:06d}"
+
+    def adapter_dir(self, run: str, version: int) -> Path:
+        return self.version_dir(run, version) / ADAPTER_DIR
+
+    def versions(self, run: str) -> list[int]:
+        """Published versions of a run on disk, oldest first."""
+        d = self.run_dir(run)
+        if not d.is_dir():
+            return []
+        found = [int(p.name[1:]) for p in d.iterdir() if p.name.startswith("v") and p.name[1:].isdigit()]
+        return sorted(found)
+
+    def read_manifest(self, run: str, version: int) -> Manifest:
+        path = self.version_dir(run, version) / MANIFEST
+        try:
+            return Manifest.model_validate_json(path.read_text())
+        except FileNotFoundError as exc:
+            raise AdapterRejected(f"{run} v{version}: no manifest at {path}") from exc
+        except ValueError as exc:
+            raise AdapterRejected(f"{run} v{version}: unreadable manifest at {path}: {exc}") from exc
+
+    @contextmanager
+    def staging(self, run: str, version: int) -> Iterator[Path]:
+        """A private directory to write a version into; removed if the block raises."""
+        tmp = self.run_dir(run) / f".tmp-v{version:06d}-{uuid.uuid4().hex[:8]}"
+        (tmp / ADAPTER_DIR).mkdir(parents=True)
+        (tmp / TRAINER_DIR).mkdir()
+        try:
+            yield tmp
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def publish(self, staged: Path, manifest: Manifest) -> Manifest:
+        """Checksum, fsync and rename a staged directory into place as `manifest.version`.
+
+        Raises VersionExists when that version is already published (versions are immutable).
+        """
+        final = self.version_dir(manifest.run, manifest.version)
+        files = {
+            str(p.relative_to(staged)): sha256_file(p)
+            for p in sorted(staged.rglob("*"))
+            if p.is_file() and p.name != MANIFEST
+        }
+        manifest = manifest.model_copy(update={"files": files, "created_at": time.time()})
+        (staged / MANIFEST).write_text(manifest.model_dump_json(indent=2))
+        _fsync_tree(staged)
+        if final.exists():
+            shutil.rmtree(staged, ignore_errors=True)
+            raise VersionExists(f"{manifest.run} v{manifest.version} is already published at {final}")
+        os.rename(staged, final)
+        _fsync_dir(final.parent)
+        return manifest
+
+    def verify(self, run: str, version: int) -> Manifest:
+        """Check a version against its manifest; raise AdapterRejected naming what is wrong."""
+        vdir = self.version_dir(run, version)
+        if not vdir.is_dir():
+            raise AdapterRejected(f"{run} v{version}: no directory {vdir}")
+        manifest = self.read_manifest(run, version)
+        if manifest.run != run or manifest.version != version:
+            raise AdapterRejected(
+                f"{vdir}: manifest says {manifest.run} v{manifest.version}, expected {run} v{version}"
+            )
+        for rel, digest in manifest.files.items():
+            path = self.resolve(vdir / rel)
+            if not path.is_relative_to(vdir):
+                raise AdapterRejected(f"{run} v{version}: manifest path {rel!r} leaves {vdir}")
+            if not path.is_file():
+                raise AdapterRejected(f"{run} v{version}: file {rel} is missing")
+            if sha256_file(path) != digest:
+                raise AdapterRejected(f"{run} v{version}: checksum of {rel} does not match the manifest")
+        config = vdir / ADAPTER_DIR / "adapter_config.json"
+        if f"{ADAPTER_DIR}/adapter_config.json" not in manifest.files or not config.is_file():
+            raise AdapterRejected(f"{run} v{version}: adapter/adapter_config.json is missing")
+        return manifest
+
+    def adapter_config(self, run: str, version: int) -> dict[str, Any]:
+        return json.loads((self.adapter_dir(run, version) / "adapter_config.json").read_text())
+
+    def remove_stale_staging(self, run: str) -> int:
+        """Delete leftovers of writes that crashed; returns how many were removed."""
+        d = self.run_dir(run)
+        if not d.is_dir():
+            return 0
+        stale = [p for p in d.iterdir() if p.name.startswith(".tmp-")]
+        for p in stale:
+            shutil.rmtree(p, ignore_errors=True)
+        return len(stale)

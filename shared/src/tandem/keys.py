@@ -1,0 +1,58 @@
+"""Every Redis key tandem uses, built in one place under one prefix.
+
+Keeping the layout here means a reader can see the whole Redis schema at once and an
+operator can `SCAN tandem:*` to find everything tandem owns.
+"""
+
+from __future__ import annotations
+
+PREFIX = "tandem"
+
+#: rq queue that carries train jobs (rq adds its own `rq:queue:` prefix).
+TRAIN_QUEUE = "tandem-train"
+
+#: Redis Stream with every event (`adapter_ready`, `adapter_loaded`, ...).
+EVENTS = f"{PREFIX}:events"
+
+#: Set of run names.
+RUNS = f"{PREFIX}:runs"
+
+
+def run(name: str) -> str:
+    """JSON of the run's spec."""
+    return f"{PREFIX}:run:{name}"
+
+
+def run_versions(name: str) -> str:
+    """Sorted set of published versions (score = version), member = manifest JSON."""
+    return f"{PREFIX}:run:{name}:versions"
+
+
+def run_jobs(name: str) -> str:
+    """Hash job id -> version it published (the idempotency record)."""
+    return f"{PREFIX}:run:{name}:jobs"
+
+
+def run_steps(name: str) -> str:
+    """Counter of submitted train steps."""
+    return f"{PREFIX}:run:{name}:steps"
+
+
+def run_serving(name: str) -> str:
+    """Version the inference side serves for the run (written by the controller)."""
+    return f"{PREFIX}:run:{name}:serving"
+
+
+def run_lock(name: str) -> str:
+    """Lock held by the trainer while it trains a run, so two workers never race."""
+    return f"{PREFIX}:run:{name}:lock"
+
+
+def cursor(consumer: str) -> str:
+    """Last event id a consumer has handled."""
+    return f"{PREFIX}:cursor:{consumer}"
+
+
+def gpu_lease() -> str:
+    """Lease on the shared GPU (shared mode)."""
+    return f"{PREFIX}:gpu:lease"

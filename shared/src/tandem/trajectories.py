@@ -1,0 +1,82 @@
+"""Trajectories and groups: what rollouts produce and training consumes.
+
+A trajectory keeps token ids, not text, so training sees exactly the tokens that were
+sampled (re-tokenising text drifts). `rollout_logprobs` are the sampling policy's logprobs
+of each completion token; the loss uses them for the importance ratio, which is what lets
+the policy that sampled be older than the one training. `loss_mask` marks which completion
+tokens are trained on (0 for tool output or user turns inside a multi-turn completion).
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Trajectory(BaseModel):
+    """One sampled completion, its reward, and the version that produced it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_ids: list[int] = Field(min_length=1)
+    """Token ids of the prompt (chat template applied)."""
+    completion_ids: list[int] = Field(min_length=1)
+    """Token ids the policy generated (and, in multi-turn, the masked-out turns between)."""
+    rollout_logprobs: list[float]
+    """Logprob of each completion token under the policy that sampled it."""
+    loss_mask: list[int] | None = None
+    """1 for tokens to train on, 0 to skip; default all ones."""
+    reward: float
+    """Scalar reward."""
+    version: int = Field(0, ge=0)
+    """Adapter version that produced the completion (0 = base model)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Trajectory:
+        n = len(self.completion_ids)
+        if len(self.rollout_logprobs) != n:
+            raise ValueError(
+                f"rollout_logprobs has {len(self.rollout_logprobs)} entries but completion_ids "
+                f"has {n}; give one logprob per completion token"
+            )
+        if self.loss_mask is not None:
+            if len(self.loss_mask) != n:
+                raise ValueError(
+                    f"loss_mask has {len(self.loss_mask)} entries but completion_ids has {n}"
+                )
+            if any(m not in (0, 1) for m in self.loss_mask):
+                raise ValueError("loss_mask must hold only 0 and 1")
+        if not math.isfinite(self.reward):
+            raise ValueError(f"reward is {self.reward}; rewards must be finite numbers")
+        if any(not math.isfinite(lp) or lp > 1e-4 for lp in self.rollout_logprobs):
+            raise ValueError("rollout_logprobs must be finite and <= 0")
+        if any(t < 0 for t in self.prompt_ids) or any(t < 0 for t in self.completion_ids):
+            raise ValueError("token ids must be >= 0")
+        return self
+
+    @property
+    def mask(self) -> list[int]:
+        """The loss mask with its default filled in."""
+        return self.loss_mask if self.loss_mask is not None else [1] * len(self.completion_ids)
+
+
+class TrajectoryGroup(BaseModel):
+    """Completions of one prompt, compared with each other for group-normalised advantages."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    trajectories: list[Trajectory]
+
+    @model_validator(mode="after")
+    def _at_least_two(self) -> TrajectoryGroup:
+        if len(self.trajectories) < 2:
+            raise ValueError(
+                f"a group has {len(self.trajectories)} trajectory; GRPO compares completions "
+                "of one prompt, so give each group at least 2"
+            )
+        return self
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]

