@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+__all__ = ["build_tiny_model"]
+
 log = logging.getLogger(__name__)
 
 STAMP_FILE = "tandem_tiny.json"
@@ -46,7 +48,6 @@ _WORDS = (
     "please thanks here there what which when where why how many much more less first last "
     "next value result step digit digits math problem equals plus minus times divided"
 ).split()
-_PUNCT = (".", ",", "!", "?", ";", ":")
 
 
 def _synthetic_corpus(n_lines: int = 4000) -> list[str]:
@@ -59,24 +60,22 @@ def _synthetic_corpus(n_lines: int = 4000) -> list[str]:
             return rng.choice(_WORDS)
         return "".join(rng.choice(syllables) for _ in range(rng.randint(1, 3)))
 
-    def number() -> str:
-        kind = rng.randrange(5)
-        if kind == 0:
-            return str(rng.randint(0, 9))
-        if kind == 1:
-            return str(rng.randint(10, 99999))
-        if kind == 2:
-            return f"{rng.uniform(0, 1000):.{rng.randint(1, 3)}f}"
-        if kind == 3:
-            return f"{rng.randint(1990, 2030)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
-        a, b = rng.randint(0, 999), rng.randint(0, 999)
-        return f"{a} {rng.choice('+-*/=')} {b}"
+    numbers = (  # small ints, big ints, decimals, dates, arithmetic
+        lambda: str(rng.randint(0, 9)),
+        lambda: str(rng.randint(10, 99999)),
+        lambda: f"{rng.uniform(0, 1000):.{rng.randint(1, 3)}f}",
+        lambda: f"{rng.randint(1990, 2030)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}",
+        lambda: f"{rng.randint(0, 999)} {rng.choice('+-*/=')} {rng.randint(0, 999)}",
+    )
 
     lines = []
     for _ in range(n_lines):
-        parts = [number() if rng.random() < 0.3 else word() for _ in range(rng.randint(3, 14))]
+        parts = [rng.choice(numbers)() if rng.random() < 0.3 else word() for _ in range(rng.randint(3, 14))]
         text = " ".join(parts)
-        lines.append(text[:1].upper() + text[1:] + rng.choice(_PUNCT))
+        text = text[:1].upper() + text[1:] + rng.choice(".,!?;:")
+        if rng.random() < 0.2:  # ChatML bodies, so role names become single tokens
+            text = f"{rng.choice(('system', 'user', 'assistant'))}\n{text}"
+        lines.append(text)
     return lines
 
 
@@ -137,6 +136,7 @@ def _build_into(tmp: Path, params: dict) -> None:
 
     tokenizer = _train_tokenizer(params["vocab_size"])
     tokenizer.save_pretrained(tmp)
+    _patch_tokenizer_config(tmp)
     eot, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     config = Qwen2Config(
         vocab_size=len(tokenizer),  # every id the tokenizer can emit is < vocab_size
@@ -156,13 +156,20 @@ def _build_into(tmp: Path, params: dict) -> None:
     )
     torch.manual_seed(params["seed"])
     model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+    digit_ids = tokenizer.convert_tokens_to_ids([str(d) for d in range(10)])
+    with torch.no_grad():  # digit prior: see build_tiny_model's docstring
+        model.lm_head.weight[digit_ids] *= params["digit_logit_scale"]
     model.save_pretrained(tmp, safe_serialization=True)
-    GenerationConfig(
-        bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot, do_sample=True, temperature=1.0, top_p=1.0
+    GenerationConfig(  # plain sampling, so generate() draws from exactly the policy RL scores
+        bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot,
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
     ).save_pretrained(tmp)
     n_params = sum(p.numel() for p in model.parameters())
     stamp = {**params, "format_version": FORMAT_VERSION, "n_params": n_params, "final_vocab_size": len(tokenizer)}
     (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
+    tmp.chmod(0o755)  # mkdtemp makes 0700 dirs; a shared model cache must be readable
+    for f in tmp.iterdir():
+        f.chmod(0o644)
 
 
 def _read_stamp(path: Path) -> dict | None:
@@ -192,9 +199,16 @@ def build_tiny_model(
     intermediate_size: int = 128,
     max_position_embeddings: int = 1024,
     initializer_range: float = 0.2,
+    digit_logit_scale: float = 2.0,
     overwrite: bool = False,
 ) -> Path:
     """Build (or reuse) the tiny model at ``out_dir`` and return its path.
+
+    ``digit_logit_scale`` multiplies the lm_head rows of the tokens "0".."9".
+    A purely random model samples digits at about 10/vocab (~2-4%), so most
+    short samples score 0 on the toy digit reward and RL sees little signal;
+    at 2.0 roughly 20-30% of sampled tokens are digits, far from 0 and 1.
+    Pass 1.0 for a plain random init.
 
     Idempotent: a complete build with identical parameters is reused. The build
     happens in a temp dir beside ``out_dir`` and is renamed into place, so
@@ -206,11 +220,12 @@ def build_tiny_model(
         seed=seed, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
         num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings, initializer_range=initializer_range,
+        digit_logit_scale=digit_logit_scale,
     )
     if not overwrite and _matches(_read_stamp(out), params):
         log.info("reusing tiny model at %s", out)
         return out
-    if out.exists() and not overwrite and any(out.iterdir()):
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not a tiny model built with {params}; pass overwrite=True")
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -243,7 +258,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="rebuild even if out_dir holds a model")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    path = build_tiny_model(args.out_dir, seed=args.seed, overwrite=args.overwrite)
+    try:
+        path = build_tiny_model(args.out_dir, seed=args.seed, overwrite=args.overwrite)
+    except FileExistsError as exc:
+        parser.exit(1, f"error: {exc}\n")
     stamp = _read_stamp(path) or {}
     log.info("tiny Qwen2: %s params, vocab %s, seed %s", stamp.get("n_params"), stamp.get("final_vocab_size"), args.seed)
     print(path)

@@ -1,0 +1,150 @@
+"""The toy task that proves the loop: teach a model to answer with digits.
+
+reward = share of completion tokens that are digit tokens. The script starts the whole stack
+as local processes (Redis, engine, inference, trainer), creates a run, and for each step
+rolls out groups through the gateway, scores them, trains one GRPO step and waits until the
+new version serves (or pipelines with --max-staleness > 0). It prints a row per step, a
+summary table, writes a reward curve PNG and the rows as JSON, and exits non-zero when the
+reward did not rise.
+
+    python examples/digits.py --steps 40            # what `make demo` runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from tandem import Client, LoraConfig, OptimizerConfig
+from tandem.cli import TINY_MODEL, ensure_tiny_model
+from tandem.stack import Stack, StackConfig
+
+PROMPTS = [
+    "Write some numbers.",
+    "What comes next: 3 5 7",
+    "Tell me about your day.",
+    "Give me a phone number.",
+    "Count for me.",
+    "What is the answer?",
+    "Say something.",
+    "List a few values.",
+]
+
+
+def digit_token_ids(model_dir: str) -> set[int]:
+    """Ids of tokens that decode to digits only (the tokenizer splits digits one per token)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    ids = set()
+    for i in range(tok.get_vocab_size()):
+        text = tok.decode([i]).strip()
+        if text and text.isdigit():
+            ids.add(i)
+    return ids
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--prompts-per-step", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--max-staleness", type=int, default=0, help="0 = synchronous; 1-2 = pipelined")
+    parser.add_argument("--model", default=TINY_MODEL)
+    parser.add_argument("--out", default=".tandem/demo", help="state, logs and results")
+    parser.add_argument("--min-rise", type=float, default=0.3, help="required rise of the reward (last 5 vs first 5 steps)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    out = Path(args.out)
+    if args.model == TINY_MODEL:
+        print("building the tiny model (seeded, a few seconds) ...", flush=True)
+        ensure_tiny_model(args.model)
+    digits = digit_token_ids(args.model)
+    state = out / f"stack-{int(time.time())}"
+    print(f"starting the stack (logs in {state}/logs) ...", flush=True)
+    rows = []
+    with Stack(StackConfig(state_dir=state, model=args.model, gateway_port=0)) as stack:
+        client = Client(stack.gateway_url, stack.redis_url)
+        run = client.create_run(
+            "digits",
+            base_model=str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
+            lora=LoraConfig(r=8, alpha=16),
+            optimizer=OptimizerConfig(lr=args.lr),
+            max_staleness_steps=max(args.max_staleness, 0),
+        )
+        print(f"{'step':>4} {'reward':>7} {'served by':>9} {'new ver':>7} {'rollout s':>9} {'train s':>7} {'sync s':>7} {'ready→served ms':>15}")
+        t_start = time.monotonic()
+        for step in range(1, args.steps + 1):
+            t0 = time.monotonic()
+            groups, rewards, versions = [], [], set()
+            for p in range(args.prompts_per_step):
+                prompt = PROMPTS[(step * args.prompts_per_step + p) % len(PROMPTS)]
+                comps = run.chat([{"role": "user", "content": prompt}], n=args.group_size, max_tokens=args.max_tokens)
+                scores = [sum(t in digits for t in c.completion_ids) / len(c.completion_ids) for c in comps]
+                groups.append(run.group(comps, scores))
+                rewards += scores
+                versions |= {c.version for c in comps}
+            t1 = time.monotonic()
+            result = run.train(groups, wait=args.max_staleness == 0)
+            t2 = time.monotonic()
+            row = {"step": step, "reward": statistics.fmean(rewards), "served_by": max(versions),
+                   "oldest_served_by": min(versions), "rollout_s": t1 - t0, "sync_s": t2 - t1,
+                   "wall_s": t2 - t_start}
+            if hasattr(result, "version"):
+                served_at = result.metrics.get("served_at", 0.0)
+                row |= {"version": result.version, "train_s": result.train_s,
+                        "ready_to_served_ms": (served_at - result.published_at) * 1000 if served_at else None}
+            rows.append(row)
+            print(f"{step:>4} {row['reward']:>7.3f} {'v' + str(row['served_by']):>9} "
+                  f"{'v' + str(row.get('version', '?')):>7} {row['rollout_s']:>9.2f} {row.get('train_s', 0):>7.2f} "
+                  f"{row['sync_s']:>7.2f} {row.get('ready_to_served_ms') or 0:>15.1f}", flush=True)
+        run.wait_all()
+        client.close()
+    return report(rows, out, args.min_rise)
+
+
+def report(rows: list[dict], out: Path, min_rise: float) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rows.json").write_text(json.dumps(rows, indent=1))
+    first = statistics.fmean(r["reward"] for r in rows[:5])
+    last = statistics.fmean(r["reward"] for r in rows[-5:])
+    plot(rows, out / "reward.png")
+    print()
+    print(f"reward: first 5 steps {first:.3f} -> last 5 steps {last:.3f} (rise {last - first:+.3f})")
+    sync = sorted(r["sync_s"] for r in rows)
+    print(f"sync latency (train() to new version serving): median {statistics.median(sync):.2f} s, max {sync[-1]:.2f} s")
+    print(f"reward curve: {out / 'reward.png'}   rows: {out / 'rows.json'}")
+    if last - first < min_rise:
+        print(f"FAILED: the reward rose by {last - first:.3f}, less than {min_rise}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["reward"] for r in rows], marker="o", ms=3)
+    ax.set_xlabel("train step")
+    ax.set_ylabel("mean reward (share of digit tokens)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("tandem toy task: reward per step")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

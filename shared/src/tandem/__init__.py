@@ -1,0 +1,16 @@
+"""tandem: RL fine-tuning of LLMs with LoRA, inference and training as separate services.
+
+This light package holds settings, schemas, Redis keys, the event stream, the adapter store
+and the client SDK. It never imports torch.
+"""
+
+from tandem.client import Client, Completion, Run, TrainHandle
+from tandem.jobs import TrainJob, TrainResult
+from tandem.runs import LoraConfig, LossConfig, OptimizerConfig, RunSpec
+from tandem.trajectories import Trajectory, TrajectoryGroup
+
+__all__ = [
+    "Client", "Completion", "LoraConfig", "LossConfig", "OptimizerConfig", "Run", "RunSpec",
+    "TrainHandle", "TrainJob", "TrainResult", "Trajectory", "TrajectoryGroup",
+]
+__version__ = "0.1.0"

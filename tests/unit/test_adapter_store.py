@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tandem.adapters import AdapterStore, Manifest
+from tandem.errors import AdapterRejected, VersionExists
+
+
+def publish(store: AdapterStore, run: str = "r", version: int = 1, payload: bytes = b"weights") -> Manifest:
+    with store.staging(run, version) as tmp:
+        (tmp / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 8}))
+        (tmp / "adapter" / "adapter_model.safetensors").write_bytes(payload)
+        (tmp / "trainer" / "optimizer.pt").write_bytes(b"opt")
+        return store.publish(tmp, Manifest(run=run, version=version, parent=version - 1, step=version,
+                                           job_id="j", base_model="m", lora_rank=8))
+
+
+def test_publish_then_verify(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path)
+    m = publish(store)
+    assert set(m.files) == {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "trainer/optimizer.pt"}
+    assert store.verify("r", 1) == store.read_manifest("r", 1)
+    assert store.versions("r") == [1]
+    assert not any(p.name.startswith(".tmp") for p in (tmp_path / "r").iterdir())
+
+
+def test_versions_are_immutable(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path)
+    publish(store)
+    with pytest.raises(VersionExists):
+        publish(store, payload=b"other")
+    assert (store.adapter_dir("r", 1) / "adapter_model.safetensors").read_bytes() == b"weights"
+
+
+def test_a_failed_write_leaves_no_version(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path)
+    with pytest.raises(RuntimeError):
+        with store.staging("r", 1) as tmp:
+            (tmp / "adapter" / "partial").write_bytes(b"x")
+            raise RuntimeError("crash while writing")
+    assert store.versions("r") == []
+    assert list((tmp_path / "r").iterdir()) == []
+
+
+def test_stale_staging_dirs_are_invisible_and_removable(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path)
+    (tmp_path / "r" / ".tmp-v000001-dead").mkdir(parents=True)
+    assert store.versions("r") == []
+    assert store.remove_stale_staging("r") == 1
+
+
+def test_bad_checksum_is_rejected(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path)
+    publish(store)
+    (store.adapter_dir("r", 1) / "adapter_model.safetensors").write_bytes(b"tampered")
+    with pytest.raises(AdapterRejected, match="checksum of adapter/adapter_model.safetensors"):
+        store.verify("r", 1)
+
+
+def test_missing_file_is_rejected(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path)
+    publish(store)
+    (store.adapter_dir("r", 1) / "adapter_model.safetensors").unlink()
+    with pytest.raises(AdapterRejected, match="missing"):
+        store.verify("r", 1)
+
+
+@pytest.mark.parametrize("path", ["../outside", "/etc", "r/../../x"])
+def test_paths_outside_the_store_are_refused(tmp_path: Path, path: str) -> None:
+    store = AdapterStore(tmp_path / "store")
+    with pytest.raises(AdapterRejected, match="outside the adapter store"):
+        store.resolve(path)
+
+
+def test_run_names_that_escape_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(AdapterRejected, match="run name"):
+        AdapterStore(tmp_path).version_dir("../x", 1)

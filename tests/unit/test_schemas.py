@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tandem.errors import ValidationFailed
+from tandem.jobs import TrainJob, parse_job
+from tandem.runs import RunSpec, adapter_name, check_run_name
+from tandem.trajectories import Trajectory, TrajectoryGroup
+
+
+def traj(**kw):
+    base = dict(prompt_ids=[1, 2], completion_ids=[3, 4], rollout_logprobs=[-0.5, -1.0], reward=1.0)
+    return {**base, **kw}
+
+
+def job(groups):
+    return {"run": "r1", "groups": groups}
+
+
+@pytest.mark.parametrize("name", ["digits", "a", "run-1.b_c"])
+def test_valid_run_names(name: str) -> None:
+    assert check_run_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["", "a:b", "a@b", "../x", "-x", "a/b", "x" * 64])
+def test_invalid_run_names_are_refused_with_the_name(name: str) -> None:
+    with pytest.raises(ValueError, match="run name"):
+        check_run_name(name)
+
+
+def test_adapter_names_are_unique_per_version_and_colon_free() -> None:
+    names = {adapter_name("r", v) for v in range(1, 50)}
+    assert len(names) == 49 and not any(":" in n for n in names)
+
+
+def test_run_spec_defaults_are_plain_lora() -> None:
+    spec = RunSpec(name="r", base_model="m")
+    assert spec.lora.r == 16 and "q_proj" in spec.lora.target_modules
+    with pytest.raises(ValueError, match="base_model"):
+        RunSpec(name="r", base_model=" ")
+
+
+@pytest.mark.parametrize(
+    ("payload", "field"),
+    [
+        (job([]), "groups"),
+        (job([{"trajectories": [traj()]}]), "groups.0"),
+        (job([{"trajectories": [traj(reward=math.nan), traj()]}]), "reward"),
+        (job([{"trajectories": [traj(reward=math.inf), traj()]}]), "reward"),
+        (job([{"trajectories": [traj(rollout_logprobs=[-1.0]), traj()]}]), "rollout_logprobs"),
+        (job([{"trajectories": [traj(reward="abc"), traj()]}]), "reward"),
+        (job([{"trajectories": [traj(completion_ids="x"), traj()]}]), "completion_ids"),
+        ({"run": "bad:name", "groups": []}, "run"),
+    ],
+)
+def test_bad_jobs_fail_naming_the_field(payload: dict, field: str) -> None:
+    with pytest.raises(ValidationFailed) as info:
+        parse_job(payload)
+    assert field in str(info.value)
+
+
+def test_a_good_job_round_trips_through_json() -> None:
+    j = parse_job(job([{"trajectories": [traj(), traj(reward=0.0, loss_mask=[1, 0])]}]))
+    again = TrainJob.model_validate_json(j.model_dump_json())
+    assert again == j
+    assert again.groups[0].trajectories[1].mask == [1, 0]
+    assert isinstance(again.groups[0], TrajectoryGroup)
+    assert Trajectory.model_validate(traj()).mask == [1, 1]

@@ -1,0 +1,97 @@
+"""The tiny offline model is the fixture every CPU test and demo stands on.
+
+These tests pin what the rest of the suite assumes: it loads through the Auto*
+classes, speaks ChatML, has single-token digits for the digit reward, and is
+byte-for-byte reproducible so cached builds can be trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    from tandem_trainer.tiny_model import build_tiny_model
+except ImportError:  # not installed: run from a plain checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "trainer" / "src"))
+    from tandem_trainer.tiny_model import build_tiny_model
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+def test_loads_with_auto_classes_and_generates(tiny_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    assert model.config.model_type == "qwen2"
+    assert model.dtype == torch.float32
+    assert len(tokenizer) <= model.config.vocab_size
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    assert model.config.eos_token_id == tokenizer.eos_token_id
+    assert model.config.pad_token_id == tokenizer.pad_token_id
+
+    ids = tokenizer("Count 1 2 3 to 4567, then stop.", return_tensors="pt").input_ids
+    assert int(ids.max()) < model.config.vocab_size
+    torch.manual_seed(0)
+    out = model.generate(ids, max_new_tokens=5, do_sample=True, pad_token_id=tokenizer.pad_token_id)
+    assert out.shape[1] > ids.shape[1]
+
+
+def test_chat_template_renders_chatml(tiny_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write numbers"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWrite numbers<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    no_prompt = tokenizer.apply_chat_template(messages[1:], add_generation_prompt=False, tokenize=False)
+    assert no_prompt == "<|im_start|>user\nWrite numbers<|im_end|>\n"
+    ids = tokenizer(text).input_ids
+    assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3
+
+
+def test_digits_are_single_tokens(tiny_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    digit_ids = set()
+    for d in "0123456789":
+        ids = tokenizer.encode(d, add_special_tokens=False)
+        assert len(ids) == 1 and tokenizer.decode(ids) == d
+        digit_ids.add(ids[0])
+    assert len(digit_ids) == 10
+    # Numbers split into one token per digit, so a digit reward counts digits, not numbers.
+    tokens = tokenizer.tokenize("In 2024 it cost 12345.")
+    assert [t for t in tokens if any(c.isdigit() for c in t)] == list("202412345")
+
+
+def test_same_seed_is_byte_identical_and_reused(tiny_dir: Path, tmp_path: Path) -> None:
+    again = build_tiny_model(tmp_path / "again", seed=0)
+    for name in ("model.safetensors", "tokenizer.json", "config.json", "tokenizer_config.json"):
+        assert _sha256(again / name) == _sha256(tiny_dir / name), name
+
+    mtime = (again / "model.safetensors").stat().st_mtime_ns
+    assert build_tiny_model(again, seed=0) == again  # idempotent: no rebuild
+    assert (again / "model.safetensors").stat().st_mtime_ns == mtime
+    with pytest.raises(FileExistsError):
+        build_tiny_model(again, seed=1)
+    build_tiny_model(again, seed=1, overwrite=True)
+    assert _sha256(again / "model.safetensors") != _sha256(tiny_dir / "model.safetensors")
+    assert _sha256(again / "tokenizer.json") == _sha256(tiny_dir / "tokenizer.json")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
