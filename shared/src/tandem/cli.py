@@ -2,6 +2,7 @@
 
     tandem up [--model PATH] [--gateway-port 8000]     start everything as local processes
     tandem settings trainer|inference|client            resolved settings, secrets redacted
+    tandem settings --markdown                          the configuration reference (docs/configuration.md)
     tandem status [RUN]                                 runs, versions, what serves
 """
 
@@ -16,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from tandem.settings import ClientSettings, InferenceSettings, TrainerSettings
+from tandem.settings import SERVICES, ClientSettings, settings_markdown
 
 TINY_MODEL = ".tandem/models/tiny"
 
@@ -60,8 +61,13 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_settings(args: argparse.Namespace) -> int:
-    cls = {"trainer": TrainerSettings, "inference": InferenceSettings, "client": ClientSettings}[args.service]
-    print(json.dumps(cls().redacted(), indent=2))
+    if args.markdown:
+        print(settings_markdown(), end="")
+        return 0
+    if not args.service:
+        print("name a service (trainer, inference, client) or pass --markdown", file=sys.stderr)
+        return 2
+    print(json.dumps(SERVICES[args.service]().redacted(), indent=2))
     return 0
 
 
@@ -86,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--redis-port", type=int, default=0, help="0 = a free port")
     up.set_defaults(func=cmd_up)
     st = sub.add_parser("settings", help="print resolved settings, secrets redacted")
-    st.add_argument("service", choices=["trainer", "inference", "client"])
+    st.add_argument("service", nargs="?", choices=sorted(SERVICES))
+    st.add_argument("--markdown", action="store_true", help="print the configuration reference of every service")
     st.set_defaults(func=cmd_settings)
     status = sub.add_parser("status", help="runs, their newest and serving versions")
     status.add_argument("run", nargs="?")

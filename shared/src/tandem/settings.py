@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import redis
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.errors import BackendUnavailable
@@ -21,6 +21,8 @@ from tandem.errors import BackendUnavailable
 
 class RedisSettings(BaseModel):
     """Where Redis is."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
 
     url: str = "redis://127.0.0.1:6379/0"
     """Redis URL (`redis://[:password@]host:port/db`)."""
@@ -49,12 +51,16 @@ class RedisSettings(BaseModel):
 class StoreSettings(BaseModel):
     """The adapter volume."""
 
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
     root: Path = Path(".tandem/adapters")
     """Directory that holds every adapter version; shared by trainer (rw) and inference (ro)."""
 
 
 class EngineSettings(BaseModel):
     """The inference engine (SGLang, or the transformers engine on CPU)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
 
     kind: Literal["transformers", "sglang"] = "transformers"
     """Which engine serves rollouts."""
@@ -98,6 +104,8 @@ class EngineSettings(BaseModel):
 class ControllerSettings(BaseModel):
     """The inference controller that follows the event stream and loads adapters."""
 
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
     consumer: str = "inference"
     """Name of the controller's cursor on the event stream."""
     keep_versions: int = Field(2, ge=1, le=64)
@@ -108,6 +116,8 @@ class ControllerSettings(BaseModel):
 
 class GatewaySettings(BaseModel):
     """The OpenAI-compatible gateway."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
 
     host: str = "127.0.0.1"
     """Interface the gateway binds to."""
@@ -120,6 +130,8 @@ class GatewaySettings(BaseModel):
 class TrainerBackendSettings(BaseModel):
     """How the trainer runs the model."""
 
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
     kind: Literal["auto", "peft", "unsloth"] = "auto"
     """`auto` picks Unsloth when it imports and CUDA is there, else peft."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -129,7 +141,8 @@ class TrainerBackendSettings(BaseModel):
 
 
 _CONFIG = SettingsConfigDict(
-    env_prefix="TANDEM_", env_nested_delimiter="__", env_file=".env", extra="ignore"
+    env_prefix="TANDEM_", env_nested_delimiter="__", env_file=".env", extra="ignore",
+    use_attribute_docstrings=True,
 )
 
 
@@ -173,3 +186,54 @@ class ClientSettings(_ServiceSettings):
     """Timeout of one rollout request, in seconds."""
     train_timeout_s: float = Field(1800.0, gt=0)
     """How long a synchronous `train()` waits for the new version to serve, in seconds."""
+
+
+SERVICES: dict[str, type[_ServiceSettings]] = {
+    "trainer": TrainerSettings,
+    "inference": InferenceSettings,
+    "client": ClientSettings,
+}
+
+
+def _type_name(ann: Any) -> str:
+    args = get_args(ann)
+    if get_origin(ann) is Literal:
+        return " / ".join(f"`{a}`" for a in args)
+    if args:
+        return " or ".join(_type_name(a) for a in args)
+    return "none" if ann is type(None) else getattr(ann, "__name__", str(ann))
+
+
+def _rows(model: type[BaseModel], env: str, path: str) -> list[str]:
+    rows = []
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows += _rows(ann, f"{env}{name.upper()}__", f"{path}{name}.")
+            continue
+        default = info.get_default(call_default_factory=True)
+        shown = "(unset)" if default is None else f"`{default}`"
+        kind = _type_name(ann)
+        bounds = ", ".join(
+            f"{k} {getattr(m, k)}" for m in info.metadata for k in ("ge", "gt", "le", "lt") if getattr(m, k, None) is not None
+        )
+        desc = (info.description or "").replace("\n", " ")
+        rows.append(f"| `{path}{name}` | `{env}{name.upper()}` | {kind}{' (' + bounds + ')' if bounds else ''} | {shown} | {desc} |")
+    return rows
+
+
+def settings_markdown() -> str:
+    """The configuration reference (docs/configuration.md), generated from these classes."""
+    out = [
+        "# Configuration",
+        "",
+        "Generated from `shared/src/tandem/settings.py` by `tandem settings --markdown`; a test keeps it in sync.",
+        "Every setting is an environment variable with the prefix `TANDEM_` and `__` between sections;",
+        "a `.env` file in the working directory is read too, and keys meant for other services are ignored.",
+        "Print what a service resolved, secrets redacted, with `tandem settings trainer|inference|client`.",
+    ]
+    for service, cls in SERVICES.items():
+        out += ["", f"## {service}", "", (cls.__doc__ or "").strip(), "",
+                "| setting | environment variable | type | default | meaning |", "|---|---|---|---|---|"]
+        out += _rows(cls, "TANDEM_", "")
+    return "\n".join(out) + "\n"
