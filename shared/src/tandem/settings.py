@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.errors import BackendUnavailable
+from tandem.runs import DEFAULT_TARGETS
 
 
 class RedisSettings(BaseModel):
@@ -90,6 +91,28 @@ class EngineSettings(BaseModel):
     """Timeout of one generation request, in seconds."""
     max_new_tokens_limit: int = Field(4096, ge=1)
     """Largest `max_tokens` a request may ask for."""
+    sglang_python: str = "python3"
+    """Interpreter of SGLang's own environment (SGLang and tandem never share one)."""
+    lora_target_modules: tuple[str, ...] = DEFAULT_TARGETS
+    """Modules SGLang prepares LoRA buffers for; adapters may target a subset."""
+    max_loras_per_batch: int = Field(8, ge=1, le=256)
+    """Adapters SGLang mixes in one batch (the base model takes a slot)."""
+    tp_size: int = Field(1, ge=1, le=64)
+    """Tensor-parallel size of SGLang."""
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1)
+    """Share of GPU memory SGLang reserves for weights and KV cache; unset = SGLang's default."""
+    cuda_graph_max_bs: int | None = Field(None, ge=1)
+    """Largest batch size SGLang captures CUDA graphs for; small values shorten boot."""
+    disable_cuda_graph: bool = False
+    """Skip CUDA-graph capture (faster boot, slower decode)."""
+    extra_args: list[str] = Field(default_factory=list)
+    """More `sglang.launch_server` flags, passed as they are."""
+    boot_timeout_s: float = Field(900.0, gt=0)
+    """How long the launcher waits for SGLang to become healthy, in seconds."""
+    max_restarts: int = Field(5, ge=0)
+    """Restarts of a crashed SGLang within `restart_window_s` before the launcher gives up."""
+    restart_window_s: float = Field(600.0, gt=0)
+    """Window over which restarts are counted, in seconds."""
 
     @model_validator(mode="after")
     def _no_colon(self) -> EngineSettings:
@@ -127,6 +150,36 @@ class GatewaySettings(BaseModel):
     """When set, requests need `Authorization: Bearer KEY`."""
 
 
+class GpuSettings(BaseModel):
+    """Which GPUs each side uses; read by both services from the same `.env`."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    mode: Literal["split", "shared", "cpu"] = "cpu"
+    """split: disjoint GPUs for inference and training; shared: both on one GPU with a lease; cpu: no GPU."""
+    inference: list[int] = Field(default_factory=lambda: [0])
+    """GPU indices of the inference engine (split and shared mode)."""
+    trainer: list[int] = Field(default_factory=lambda: [1])
+    """GPU indices of the trainer (split mode; shared mode uses the inference GPU)."""
+    lease_ttl_s: float = Field(60.0, gt=0, le=3600)
+    """Shared mode: a GPU lease expires this long after its holder's last renewal, in seconds."""
+    lease_wait_s: float = Field(600.0, gt=0)
+    """Shared mode: how long the trainer waits for inference to hand the GPU over, in seconds."""
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> GpuSettings:
+        if self.mode == "split":
+            both = sorted(set(self.inference) & set(self.trainer))
+            if both:
+                raise ValueError(
+                    f"split mode needs disjoint GPUs, but gpus.inference={self.inference} and "
+                    f"gpus.trainer={self.trainer} share {both}; pick other GPUs or use mode 'shared'"
+                )
+            if not self.inference or not self.trainer:
+                raise ValueError("split mode needs gpus.inference and gpus.trainer to name at least one GPU each")
+        return self
+
+
 class TrainerBackendSettings(BaseModel):
     """How the trainer runs the model."""
 
@@ -160,6 +213,7 @@ class _ServiceSettings(BaseSettings):
 class TrainerSettings(_ServiceSettings):
     """Settings of the trainer worker (`tandem-trainer`)."""
 
+    gpus: GpuSettings = GpuSettings()
     backend: TrainerBackendSettings = TrainerBackendSettings()
     job_timeout_s: int = Field(1800, ge=1, le=86400)
     """Default timeout of one train job, in seconds (a job may set its own)."""
@@ -170,6 +224,7 @@ class TrainerSettings(_ServiceSettings):
 class InferenceSettings(_ServiceSettings):
     """Settings of the inference side: engine, controller and gateway."""
 
+    gpus: GpuSettings = GpuSettings()
     engine: EngineSettings = EngineSettings()
     controller: ControllerSettings = ControllerSettings()
     gateway: GatewaySettings = GatewaySettings()

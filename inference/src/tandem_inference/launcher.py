@@ -1,0 +1,185 @@
+"""Starts SGLang in its own environment and keeps it running.
+
+tandem's controller and gateway live in one Python environment, SGLang in another (their
+pins conflict); they meet only over HTTP. The launcher builds the `sglang.launch_server`
+command line from settings, starts it, waits until it is healthy, and supervises it: when
+the process dies (or the controller asks, e.g. after an unload that hung), it starts it
+again and calls `on_restart`, so the controller reloads the versions that were serving.
+Restarts are bounded (`max_restarts` within `restart_window_s`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+
+from tandem.errors import TandemError
+from tandem.settings import InferenceSettings
+
+log = logging.getLogger("tandem.launcher")
+
+
+class EngineBootError(TandemError):
+    """SGLang did not become healthy, or crashed more often than allowed."""
+
+
+def sglang_argv(settings: InferenceSettings) -> list[str]:
+    """The `sglang.launch_server` command line for these settings."""
+    eng = settings.engine
+    url = urlparse(eng.url)
+    argv = [
+        eng.sglang_python, "-m", "sglang.launch_server",
+        "--model-path", eng.model,
+        "--served-model-name", eng.served_model_name,
+        "--host", url.hostname or "127.0.0.1",
+        "--port", str(url.port or 30000),
+        "--enable-lora",
+        "--max-lora-rank", str(eng.max_lora_rank),
+        "--lora-target-modules", *eng.lora_target_modules,
+        "--max-loras-per-batch", str(eng.max_loras_per_batch),
+        "--max-loaded-loras", str(max(eng.max_loaded_adapters, eng.max_loras_per_batch)),
+        "--tp-size", str(eng.tp_size),
+        "--enable-metrics",
+        "--enable-cache-report",
+        # NOTE: dynamic LoRA loading breaks with more than one tokenizer worker (SGLang #31084, 0.5.x).
+        "--tokenizer-worker-num", "1",
+    ]
+    if eng.admin_api_key is not None:
+        argv += ["--admin-api-key", eng.admin_api_key.get_secret_value()]
+    if eng.mem_fraction_static is not None:
+        argv += ["--mem-fraction-static", str(eng.mem_fraction_static)]
+    if settings.gpus.mode == "shared":
+        argv.append("--enable-memory-saver")
+    if eng.disable_cuda_graph:
+        argv.append("--disable-cuda-graph")
+    elif eng.cuda_graph_max_bs is not None:
+        argv += ["--cuda-graph-max-bs", str(eng.cuda_graph_max_bs)]
+    return argv + list(eng.extra_args)
+
+
+def sglang_env(settings: InferenceSettings, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    if settings.gpus.mode != "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in settings.gpus.inference)
+    # /health as a liveness check: the default one-token generation fails while the scheduler is busy.
+    env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
+    return env
+
+
+class Launcher:
+    """Own one SGLang process: start, wait healthy, restart on death, stop."""
+
+    def __init__(
+        self,
+        settings: InferenceSettings,
+        http: httpx.AsyncClient,
+        *,
+        argv: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+        on_restart: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.http = http
+        self.argv = argv or sglang_argv(settings)
+        self.env = env or sglang_env(settings)
+        self.log_path = log_path
+        self.on_restart = on_restart
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts: deque[float] = deque()
+        self.boot_s: float | None = None
+        self._stopping = False
+
+    @property
+    def url(self) -> str:
+        return self.settings.engine.url
+
+    async def start(self) -> float:
+        """Start the engine and wait until it is healthy; returns the boot time in seconds."""
+        t0 = time.monotonic()
+        out = self.log_path.open("ab") if self.log_path else None
+        log.info("starting engine: %s", " ".join(a if "key" not in p else "***" for p, a in zip([""] + self.argv, self.argv)))
+        self.proc = subprocess.Popen(
+            self.argv, env=self.env, stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        if out:
+            out.close()
+        await self.wait_healthy(self.settings.engine.boot_timeout_s)
+        self.boot_s = time.monotonic() - t0
+        log.info("engine healthy in %.1f s (pid %d)", self.boot_s, self.proc.pid)
+        return self.boot_s
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise EngineBootError(
+                    f"engine exited with code {self.proc.returncode} while booting; see {self.log_path or 'its output'}"
+                )
+            try:
+                resp = await self.http.get(f"{self.url}/health", timeout=5.0)
+                if resp.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.5)
+        raise EngineBootError(f"engine at {self.url} not healthy after {timeout_s:.0f} s; see {self.log_path}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _allow_restart(self) -> bool:
+        now = time.monotonic()
+        window = self.settings.engine.restart_window_s
+        while self.restarts and now - self.restarts[0] > window:
+            self.restarts.popleft()
+        return len(self.restarts) < self.settings.engine.max_restarts
+
+    async def restart(self, reason: str) -> None:
+        """Stop (if running) and start again, then let the controller reload what served."""
+        if not self._allow_restart():
+            raise EngineBootError(
+                f"engine restarted {len(self.restarts)} times in {self.settings.engine.restart_window_s:.0f} s; "
+                f"giving up (last reason: {reason})"
+            )
+        self.restarts.append(time.monotonic())
+        log.warning("restarting engine: %s", reason)
+        self.terminate()
+        await self.start()
+        if self.on_restart is not None:
+            await self.on_restart()
+
+    async def supervise(self, poll_s: float = 1.0) -> None:
+        """Run until stopped: restart the engine whenever its process dies."""
+        while not self._stopping:
+            if not self.alive() and not self._stopping:
+                code = self.proc.returncode if self.proc else None
+                await self.restart(f"process exited with code {code}")
+            await asyncio.sleep(poll_s)
+
+    def terminate(self, timeout_s: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.terminate()

@@ -1,0 +1,94 @@
+"""The GPU lease of shared mode: one GPU, two services, never both at once.
+
+The trainer takes the lease before a job and gives it back after; the inference side,
+seeing the lease requested, drains its requests, releases GPU memory and acknowledges; the
+trainer trains only after that acknowledgement; when the lease ends, inference resumes. The
+lease has an expiry that its holder renews, so a trainer that dies holding it cannot keep
+the GPU from inference for longer than one TTL.
+
+Redis layout (key `tandem:gpu:lease`, a hash): holder, state (`requested` -> `granted`),
+expires_at. Expiry is Redis' own (PEXPIRE), renewed by the holder.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from enum import StrEnum
+
+import redis
+
+from tandem import keys
+from tandem.errors import TandemError
+
+
+class LeaseTimeout(TandemError):
+    """The other side did not hand over the GPU in time."""
+
+
+class LeaseState(StrEnum):
+    REQUESTED = "requested"
+    """The trainer wants the GPU; inference must release its memory."""
+    GRANTED = "granted"
+    """Inference released its memory; the trainer may use the GPU."""
+
+
+class GpuLease:
+    """Both sides of the lease; the trainer calls acquire/renew/release, inference the rest."""
+
+    def __init__(self, conn: redis.Redis, *, ttl_s: float = 60.0, holder: str | None = None) -> None:
+        self.conn = conn
+        self.ttl_ms = int(ttl_s * 1000)
+        self.holder = holder or f"trainer-{uuid.uuid4().hex[:8]}"
+        self.key = keys.gpu_lease()
+
+    # trainer side -----------------------------------------------------------
+    def request(self) -> bool:
+        """Ask for the GPU; False while another live holder has it."""
+        pipe = self.conn.pipeline()
+        pipe.hsetnx(self.key, "holder", self.holder)
+        pipe.hget(self.key, "holder")
+        _, holder = pipe.execute()
+        if holder is None or holder.decode() != self.holder:
+            return False
+        self.conn.hsetnx(self.key, "state", LeaseState.REQUESTED.value)
+        self.conn.pexpire(self.key, self.ttl_ms)
+        return True
+
+    def acquire(self, *, wait_s: float, poll_s: float = 0.05) -> float:
+        """Request the GPU and wait until inference granted it; returns seconds waited."""
+        t0 = time.monotonic()
+        deadline = t0 + wait_s
+        while time.monotonic() < deadline:
+            if self.request() and self.state() is LeaseState.GRANTED:
+                return time.monotonic() - t0
+            time.sleep(poll_s)
+        self.release()
+        raise LeaseTimeout(
+            f"inference did not release the GPU within {wait_s:.0f} s (lease {self.key}); "
+            "is the inference service running in shared mode?"
+        )
+
+    def renew(self) -> bool:
+        """Push the expiry out by one TTL; False if the lease is no longer ours."""
+        holder = self.conn.hget(self.key, "holder")
+        if holder is None or holder.decode() != self.holder:
+            return False
+        return bool(self.conn.pexpire(self.key, self.ttl_ms))
+
+    def release(self) -> None:
+        """Give the GPU back (only if we hold it)."""
+        holder = self.conn.hget(self.key, "holder")
+        if holder is not None and holder.decode() == self.holder:
+            self.conn.delete(self.key)
+
+    # inference side ------------------------------------------------------------
+    def state(self) -> LeaseState | None:
+        """None when nobody holds or wants the GPU (or the lease expired)."""
+        raw = self.conn.hget(self.key, "state")
+        return LeaseState(raw.decode()) if raw else None
+
+    def grant(self) -> None:
+        """Say the GPU memory is released; the requester may train."""
+        if self.conn.exists(self.key):
+            self.conn.hset(self.key, "state", LeaseState.GRANTED.value)

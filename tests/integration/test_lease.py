@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tandem.lease import GpuLease, LeaseState, LeaseTimeout
+
+pytestmark = pytest.mark.integration
+
+
+def test_trainer_waits_for_inference_to_grant(redis_conn) -> None:
+    trainer = GpuLease(redis_conn, ttl_s=5, holder="t1")
+    inference = GpuLease(redis_conn, ttl_s=5)
+
+    def serve() -> None:
+        while inference.state() is not LeaseState.REQUESTED:
+            time.sleep(0.01)
+        inference.grant()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    trainer.acquire(wait_s=5)
+    t.join()
+    assert inference.state() is LeaseState.GRANTED
+    trainer.release()
+    assert inference.state() is None
+
+
+def test_a_second_trainer_cannot_take_a_held_lease(redis_conn) -> None:
+    a = GpuLease(redis_conn, ttl_s=5, holder="a")
+    b = GpuLease(redis_conn, ttl_s=5, holder="b")
+    assert a.request()
+    assert not b.request()
+    b.release()  # not ours: nothing happens
+    assert a.state() is LeaseState.REQUESTED
+
+
+def test_a_lease_held_by_a_dead_trainer_expires(redis_conn) -> None:
+    dead = GpuLease(redis_conn, ttl_s=0.2, holder="dead")
+    assert dead.request()
+    time.sleep(0.35)
+    alive = GpuLease(redis_conn, ttl_s=5, holder="alive")
+    assert alive.request()
+    assert not dead.renew()
+
+
+def test_acquire_times_out_and_gives_the_request_back(redis_conn) -> None:
+    lease = GpuLease(redis_conn, ttl_s=5, holder="t")
+    with pytest.raises(LeaseTimeout, match="did not release the GPU"):
+        lease.acquire(wait_s=0.2)
+    assert lease.state() is None

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+from tandem.settings import EngineSettings, GpuSettings, InferenceSettings
+from tandem_inference.launcher import sglang_argv, sglang_env
+
+
+def settings(**engine) -> InferenceSettings:
+    return InferenceSettings(
+        engine=EngineSettings(kind="sglang", model="/models/qwen", url="http://127.0.0.1:31000", **engine),
+        gpus=GpuSettings(mode="split", inference=[0], trainer=[1]),
+    )
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_lora_flags_come_from_settings() -> None:
+    argv = sglang_argv(settings(max_lora_rank=32, max_loras_per_batch=4, max_loaded_adapters=6))
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    assert "--enable-lora" in argv and "--enable-metrics" in argv and "--enable-cache-report" in argv
+    assert flag(argv, "--max-lora-rank") == "32"
+    assert flag(argv, "--max-loras-per-batch") == "4"
+    assert flag(argv, "--max-loaded-loras") == "6"
+    assert flag(argv, "--port") == "31000" and flag(argv, "--model-path") == "/models/qwen"
+    targets = argv[argv.index("--lora-target-modules") + 1 : argv.index("--max-loras-per-batch")]
+    assert targets == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert flag(argv, "--tokenizer-worker-num") == "1"
+    assert "--enable-memory-saver" not in argv and "--admin-api-key" not in argv
+
+
+def test_shared_mode_enables_the_memory_saver_and_keys_pass_through() -> None:
+    s = settings(admin_api_key="sekret", mem_fraction_static=0.5, cuda_graph_max_bs=8, extra_args=["--x", "1"])
+    s = s.model_copy(update={"gpus": GpuSettings(mode="shared", inference=[0])})
+    argv = sglang_argv(s)
+    assert "--enable-memory-saver" in argv
+    assert flag(argv, "--admin-api-key") == "sekret"
+    assert flag(argv, "--mem-fraction-static") == "0.5"
+    assert flag(argv, "--cuda-graph-max-bs") == "8"
+    assert argv[-2:] == ["--x", "1"]
+
+
+def test_disable_cuda_graph_wins_over_max_bs() -> None:
+    argv = sglang_argv(settings(disable_cuda_graph=True, cuda_graph_max_bs=8))
+    assert "--disable-cuda-graph" in argv and "--cuda-graph-max-bs" not in argv
+
+
+def test_engine_sees_only_its_gpus() -> None:
+    env = sglang_env(settings(), base={"PATH": "/bin"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
