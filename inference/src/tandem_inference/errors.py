@@ -2,15 +2,24 @@
 
     TandemError                    (tandem.errors)
     └── InferenceError             anything the inference side raises on purpose
-        └── EngineError            the transformers engine refused or failed an operation
-            ├── InvalidRequest     a generation request with a bad value (HTTP 400; names it)
-            ├── AdapterNotLoaded   a request or unload naming an adapter that is not loaded (400)
-            ├── AdapterLoadFailed  an adapter the engine refuses to load; nothing changed (400)
-            ├── EngineUnavailable  no model to run: memory released or not loaded yet (503)
-            └── EngineBusy         in-flight requests did not finish in time (503)
+        ├── EngineError            the transformers engine refused or failed an operation
+        │   ├── InvalidRequest     a generation request with a bad value (HTTP 400; names it)
+        │   ├── AdapterNotLoaded   a request or unload naming an adapter that is not loaded (400)
+        │   ├── AdapterLoadFailed  an adapter the engine refuses to load; nothing changed (400)
+        │   │   └── AdapterLoadError   (engine client) the engine answered a load with an error;
+        │   │                          carries the adapter name and the engine's message
+        │   ├── EngineUnavailable  no model to run: memory released or not loaded yet (503);
+        │   │   │                  (engine client) the engine cannot be reached
+        │   │   └── EngineTimeout  (engine client) the engine did not answer within the call's timeout
+        │   ├── EngineBusy         in-flight requests did not finish in time (503)
+        │   └── EngineResponseError  (engine client) the engine answered an error status;
+        │                          carries the status and the engine's message
+        └── ModelNotFound          (gateway) a `model` that names no run or loaded version (404);
+                                   carries the known names
 
 Errors from torch, transformers and peft are translated where they enter tandem_inference,
-with a message that names the offending value and what to do.
+with a message that names the offending value and what to do. The engine client translates
+httpx errors and engine error bodies the same way, naming the URL or the adapter.
 """
 
 from __future__ import annotations
@@ -44,3 +53,40 @@ class EngineUnavailable(EngineError):
 
 class EngineBusy(EngineError):
     """In-flight requests did not finish within the allowed time; nothing was changed."""
+
+
+# Raised by the engine client (engine_client.py) and the gateway -------------------------
+
+
+class AdapterLoadError(AdapterLoadFailed):
+    """The engine answered a load with an error; the previous version keeps serving."""
+
+    def __init__(
+        self, message: str, *, adapter: str | None = None, status_code: int | None = None,
+        engine_message: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.adapter = adapter
+        self.status_code = status_code
+        self.engine_message = engine_message if engine_message is not None else message
+
+
+class EngineTimeout(EngineUnavailable):
+    """The engine did not answer within the timeout of the call's kind."""
+
+
+class EngineResponseError(EngineError):
+    """The engine answered an error status (or `success: false`); its own message is kept."""
+
+    def __init__(self, message: str, *, status_code: int, engine_message: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.engine_message = engine_message if engine_message is not None else message
+
+
+class ModelNotFound(InferenceError):
+    """A gateway `model` that names no known run, or a version that is not loaded."""
+
+    def __init__(self, message: str, *, known: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.known = list(known or [])

@@ -100,7 +100,11 @@ class TrainHandle:
     def _handle(self, event: Event) -> bool:
         if event.run != self.run.name:
             return False
-        if event.kind is EventKind.TRAIN_FAILED and event.job_id == self.job_id:
+        if (
+            event.kind is EventKind.TRAIN_FAILED
+            and event.job_id == self.job_id
+            and not event.data.get("retries_left")  # rq retries it: wait for the retry
+        ):
             raise TrainFailed(f"step {self.step} failed: {event.data.get('message', 'no message')}")
         if event.kind is EventKind.ADAPTER_READY and event.job_id == self.job_id:
             self._version = event.version

@@ -43,6 +43,11 @@ def run_serving(name: str) -> str:
     return f"{PREFIX}:run:{name}:serving"
 
 
+def run_loaded(name: str) -> str:
+    """JSON list of the versions the engine holds for the run (written by the controller)."""
+    return f"{PREFIX}:run:{name}:loaded"
+
+
 def run_lock(name: str) -> str:
     """Lock held by the trainer while it trains a run, so two workers never race."""
     return f"{PREFIX}:run:{name}:lock"
@@ -56,3 +61,12 @@ def cursor(consumer: str) -> str:
 def gpu_lease() -> str:
     """Lease on the shared GPU (shared mode)."""
     return f"{PREFIX}:gpu:lease"
+
+
+def trainer_alive(worker_name: str) -> str:
+    """Short-TTL key a live trainer worker keeps refreshing; value = its instance token."""
+    return f"{PREFIX}:trainer:{worker_name}:alive"
+
+
+#: Lock held while one trainer requeues the jobs of dead workers.
+TRAINER_RECOVERY = f"{PREFIX}:trainer:recovery"

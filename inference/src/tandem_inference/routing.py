@@ -1,0 +1,204 @@
+"""The routing table: which adapter version serves a gateway `model`, held in memory.
+
+The controller and the gateway run in one process so that a version switch is a change to
+this table, not a Redis round trip per request. Per run it holds the loaded versions (the
+serving one is the newest), per version the number of requests in flight, so the controller
+unloads a version only once nothing uses it.
+
+Model strings the gateway accepts:
+
+    <base model name>   the base model, no run (version 0); wins over a run of the same name
+    <run>               the run's serving version; version 0 (the base model) until one loads
+    <run>@v7, <run>@7   that version, which must be loaded (v0 = the base model)
+
+Rules that keep routing safe: a version enters the table only after the engine confirmed
+its load (so an alias never points at a version the engine lacks), and leaves the routable
+set before it is unloaded (so no request is sent to an unloaded version; SGLang would reload
+it silently from disk). Resolution and acquire happen under one lock, without awaiting, so
+the controller cannot retire a version between the two.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from tandem.runs import RUN_NAME, adapter_name
+from tandem_inference.errors import ModelNotFound
+
+_PINNED = re.compile(r"^(?P<run>[^@]+)@v?(?P<version>\d+)$")
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one request goes: a run (or none for the bare base model) and a version."""
+
+    run: str | None
+    version: int
+
+    @property
+    def adapter(self) -> str | None:
+        """Engine-side adapter name, None for version 0 (the base model)."""
+        return adapter_name(self.run, self.version) if self.run is not None and self.version > 0 else None
+
+    def name(self, base_model: str) -> str:
+        """Canonical model string of this route: `run@vN`, or the base model's name."""
+        return f"{self.run}@v{self.version}" if self.run is not None else base_model
+
+
+class Lease:
+    """One request's hold on a version; releasing twice is harmless."""
+
+    def __init__(self, table: RoutingTable, route: Route) -> None:
+        self.table = table
+        self.route = route
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.table._release(self.route)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()
+
+
+def parse_model(model: str) -> tuple[str, int | None]:
+    """Split `run@v7` / `run@7` into (run, 7) and `run` into (run, None)."""
+    m = _PINNED.match(model)
+    if m:
+        return m.group("run"), int(m.group("version"))
+    return model, None
+
+
+class RoutingTable:
+    """Runs, their loaded versions and in-flight counts; safe to use from several threads."""
+
+    def __init__(self, base_model: str) -> None:
+        self.base_model = base_model
+        self._lock = threading.Lock()
+        self._runs: set[str] = set()
+        self._loaded: dict[str, set[int]] = defaultdict(set)
+        self._in_flight: dict[Route, int] = defaultdict(int)
+
+    # what the controller changes -------------------------------------------
+    def add_run(self, run: str) -> None:
+        """Make a run routable (to version 0 until a version loads)."""
+        if not RUN_NAME.match(run):
+            raise ValueError(f"run name {run!r} is invalid")
+        with self._lock:
+            self._runs.add(run)
+
+    def add_version(self, run: str, version: int) -> None:
+        """Record a version the engine confirmed loaded; the run's alias moves to its newest."""
+        if version < 1:
+            raise ValueError(f"version {version} of {run!r}: only versions >= 1 are adapters")
+        with self._lock:
+            self._runs.add(run)
+            self._loaded[run].add(version)
+
+    def retire(self, run: str, version: int) -> int:
+        """Stop routing to a version (before unloading it); returns its in-flight count."""
+        with self._lock:
+            self._loaded[run].discard(version)
+            return self._in_flight.get(Route(run, version), 0)
+
+    # what anyone may read ---------------------------------------------------
+    def runs(self) -> list[str]:
+        with self._lock:
+            return sorted(self._runs)
+
+    def has_run(self, run: str) -> bool:
+        with self._lock:
+            return run in self._runs
+
+    def loaded(self, run: str) -> list[int]:
+        """Routable versions of a run, oldest first."""
+        with self._lock:
+            return sorted(self._loaded.get(run, ()))
+
+    def serving(self, run: str) -> int:
+        """Version the run's alias points at (0 = base model)."""
+        with self._lock:
+            return max(self._loaded.get(run) or (0,))
+
+    def in_flight(self, run: str | None, version: int) -> int:
+        with self._lock:
+            return self._in_flight.get(Route(run, version), 0)
+
+    def in_flight_total(self) -> int:
+        with self._lock:
+            return sum(self._in_flight.values())
+
+    def known_models(self) -> list[str]:
+        """Every model string that resolves now: base, runs, and `run@vN` of loaded versions."""
+        with self._lock:
+            out = [self.base_model]
+            for run in sorted(self._runs):
+                out.append(run)
+                out.extend(f"{run}@v{v}" for v in sorted(self._loaded.get(run, ())))
+            return out
+
+    def snapshot(self) -> dict[str, Any]:
+        """Runs with serving and loaded versions and in-flight counts, for status pages."""
+        with self._lock:
+            return {
+                run: {
+                    "serving_version": max(self._loaded.get(run) or (0,)),
+                    "loaded_versions": sorted(self._loaded.get(run, ())),
+                    "in_flight": {str(r.version): n for r, n in self._in_flight.items()
+                                  if r.run == run and n},
+                }
+                for run in sorted(self._runs)
+            }
+
+    # resolution -------------------------------------------------------------
+    def resolve(self, model: str) -> Route:
+        """The route of a gateway `model` string; ModelNotFound lists what is known."""
+        with self._lock:
+            return self._resolve(model)
+
+    def checkout(self, model: str) -> Lease:
+        """Resolve and count one request in flight on the result, atomically."""
+        with self._lock:
+            route = self._resolve(model)
+            self._in_flight[route] += 1
+        return Lease(self, route)
+
+    def _resolve(self, model: str) -> Route:
+        if model == self.base_model:
+            return Route(None, 0)
+        run, version = parse_model(model)
+        if run not in self._runs:
+            raise ModelNotFound(
+                f"unknown model {model!r}: no run {run!r}; known: {self.base_model!r} (the base model) "
+                f"and runs {sorted(self._runs)}",
+                known=[self.base_model, *sorted(self._runs)],
+            )
+        loaded = self._loaded.get(run, set())
+        if version is None:
+            return Route(run, max(loaded or (0,)))
+        if version == 0 or version in loaded:
+            return Route(run, version)
+        versions = [f"{run}@v{v}" for v in sorted(loaded)]
+        raise ModelNotFound(
+            f"version {version} of run {run!r} is not loaded; loaded: {versions or 'none'} "
+            f"(plus {run}@v0, the base model)",
+            known=[f"{run}@v0", *versions],
+        )
+
+    def _release(self, route: Route) -> None:
+        with self._lock:
+            n = self._in_flight.get(route, 0) - 1
+            if n > 0:
+                self._in_flight[route] = n
+            else:
+                self._in_flight.pop(route, None)

@@ -1,0 +1,402 @@
+"""The controller against a real redis-server, the real transformers engine and real adapters.
+
+Adapters are made the way the trainer makes them: a peft LoRA on the tiny model saved into a
+store staging directory, published with a manifest, registered, announced with adapter_ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+import torch
+from prometheus_client import generate_latest
+
+from conftest import serve_app
+from tandem import keys
+from tandem.adapters import AdapterStore, Manifest
+from tandem.events import Cursor, Event, EventKind, EventStream
+from tandem.registry import Registry
+from tandem.runs import RunSpec
+from tandem.settings import (
+    ControllerSettings,
+    EngineSettings,
+    InferenceSettings,
+    RedisSettings,
+    StoreSettings,
+)
+from tandem_inference.controller import Controller
+from tandem_inference.engine_client import EngineClient
+from tandem_inference.engine_server import create_engine_app
+from tandem_inference.errors import EngineTimeout, ModelNotFound
+from tandem_inference.routing import RoutingTable
+
+pytestmark = pytest.mark.integration
+
+MAX_RANK = 8
+
+
+# the trainer's side, done by hand ---------------------------------------------------------
+def publish(
+    store: AdapterStore,
+    registry: Registry,
+    tiny_model: Path,
+    run: str,
+    version: int,
+    *,
+    rank: int = 4,
+    config_patch: dict | None = None,
+) -> Manifest:
+    """Build a LoRA whose B matrices are nonzero (so it changes outputs), publish and register it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model),
+        LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"]),
+    )
+    gen = torch.Generator().manual_seed(version)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    with store.staging(run, version) as staged:
+        model.save_pretrained(staged / "adapter")
+        if config_patch:
+            cfg_path = staged / "adapter" / "adapter_config.json"
+            cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **config_patch}))
+        manifest = store.publish(
+            staged,
+            Manifest(
+                run=run,
+                version=version,
+                parent=version - 1,
+                step=version,
+                job_id=f"job-{run}-{version}",
+                base_model=str(tiny_model),
+                lora_rank=rank,
+            ),
+        )
+    registry.register_version(manifest)
+    return manifest
+
+
+def announce(events: EventStream, store: AdapterStore, manifest: Manifest, *, path: str | None = None) -> str:
+    rel = str(store.adapter_dir(manifest.run, manifest.version).relative_to(store.root))
+    return events.append(
+        Event(
+            kind=EventKind.ADAPTER_READY,
+            run=manifest.run,
+            version=manifest.version,
+            job_id=manifest.job_id,
+            data={
+                "path": path if path is not None else rel,
+                "step": manifest.step,
+                "parent": manifest.parent,
+                "metrics": {},
+                "published_at": manifest.created_at,
+            },
+        )
+    )
+
+
+async def wait_until(
+    pred: Callable[[], bool] | Callable[[], Awaitable[bool]], timeout_s: float = 30.0, what: str = "condition"
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if asyncio.iscoroutine(got):
+            got = await got
+        if got:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def committed_past(conn: redis.Redis, entry_id: str) -> bool:
+    """Whether the controller's cursor is at or after stream entry `entry_id`."""
+
+    def key(eid: str) -> tuple[int, int]:
+        ms, seq = eid.split("-")
+        return int(ms), int(seq)
+
+    return key(Cursor(conn, "inference").get()) >= key(entry_id)
+
+
+def events_of(events: EventStream, kind: EventKind, run: str) -> list[Event]:
+    return [e for e in events.history(run=run) if e.kind is kind]
+
+
+# fixtures -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine_url(tiny_model: Path) -> Iterator[str]:
+    settings = EngineSettings(
+        model=str(tiny_model), device="cpu", max_lora_rank=MAX_RANK, max_loaded_adapters=64
+    )
+    with serve_app(create_engine_app(settings)) as url:
+        yield url
+
+
+@pytest.fixture
+def run(redis_conn: redis.Redis, tiny_model: Path) -> str:
+    """A fresh run name (the engine is shared by the module, so names must not repeat)."""
+    name = f"r{uuid.uuid4().hex[:8]}"
+    Registry(redis_conn).create_run(RunSpec(name=name, base_model=str(tiny_model)))
+    return name
+
+
+@pytest.fixture
+def settings(redis_url: str, tmp_path: Path, engine_url: str, tiny_model: Path) -> InferenceSettings:
+    return InferenceSettings(
+        redis=RedisSettings(url=redis_url),
+        store=StoreSettings(root=tmp_path / "store"),
+        engine=EngineSettings(url=engine_url, model=str(tiny_model), max_lora_rank=64, unload_timeout_s=10),
+        controller=ControllerSettings(block_ms=50, keep_versions=2),
+    )
+
+
+@pytest.fixture
+async def engine(engine_url: str) -> AsyncIterator[EngineClient]:
+    async with httpx.AsyncClient() as http:
+        yield EngineClient(http, engine_url)
+
+
+@pytest.fixture
+def store(settings: InferenceSettings) -> AdapterStore:
+    settings.store.root.mkdir(parents=True, exist_ok=True)
+    return AdapterStore(settings.store.root)
+
+
+@pytest.fixture
+async def start(
+    settings: InferenceSettings, redis_conn: redis.Redis, engine: EngineClient, store: AdapterStore
+) -> AsyncIterator[Callable[[], Awaitable[Controller]]]:
+    """Start a controller (a fresh table each time, like a new process); all are stopped after."""
+    started: list[Controller] = []
+
+    async def _start() -> Controller:
+        controller = Controller(settings, redis_conn, engine, store, RoutingTable("base"))
+        controller.start()
+        started.append(controller)
+        await wait_until(lambda: controller.reconciled, what="reconcile")
+        return controller
+
+    yield _start
+    for c in started:
+        await c.stop()
+
+
+# tests ----------------------------------------------------------------------------------------
+async def test_ready_event_loads_switches_alias_and_announces(
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: EngineClient, tiny_model: Path
+) -> None:
+    controller = await start()
+    registry, events = Registry(redis_conn), EventStream(redis_conn)
+    assert controller.table.resolve(run).version == 0  # a known run with no version: the base model
+
+    manifest = publish(store, registry, tiny_model, run, 1)
+    ready_id = announce(events, store, manifest)
+    await wait_until(lambda: events_of(events, EventKind.ADAPTER_LOADED, run), what="adapter_loaded")
+
+    loaded = events_of(events, EventKind.ADAPTER_LOADED, run)[0]
+    assert loaded.version == 1 and loaded.job_id == manifest.job_id
+    assert loaded.data["adapter"] == f"{run}-v1" and loaded.data["step"] == 1
+    assert loaded.data["load_ms"] > 0 and loaded.data["ready_to_loaded_ms"] >= loaded.data["load_ms"]
+    assert controller.table.resolve(run).adapter == f"{run}-v1"
+    assert registry.serving(run) == 1
+    assert json.loads(redis_conn.get(keys.run_loaded(run))) == [1]
+    assert (await engine.loaded_adapters())[f"{run}-v1"] == str(store.adapter_dir(run, 1))
+    await wait_until(lambda: committed_past(redis_conn, ready_id), what="cursor commit")
+
+    # the adapter is really in use: greedy output under it differs from the base model's
+    prompt, params = [5, 6, 7, 8], {"max_new_tokens": 6, "temperature": 0}
+    base = await engine.generate(prompt, params)
+    tuned = await engine.generate(prompt, params, lora_name=f"{run}-v1")
+    assert base["meta_info"]["output_token_logprobs"] != tuned["meta_info"]["output_token_logprobs"]
+
+    metrics = generate_latest(controller.metrics.registry).decode()
+    assert f'tandem_adapter_loads_total{{run="{run}"}} 1.0' in metrics
+    assert f'tandem_serving_version{{run="{run}"}} 1.0' in metrics
+    assert "tandem_adapter_load_seconds_count 1.0" in metrics
+
+
+async def test_restart_resumes_from_cursor_and_reconciles(
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, tiny_model: Path
+) -> None:
+    registry, events = Registry(redis_conn), EventStream(redis_conn)
+    first = await start()
+    ready_id = announce(events, store, publish(store, registry, tiny_model, run, 1))
+    await wait_until(lambda: first.table.serving(run) == 1, what="v1 serving")
+    await wait_until(lambda: committed_past(redis_conn, ready_id), what="cursor commit")
+    await first.stop()
+
+    # while the controller is down: the stream is lost and v2 is only registered (no event)
+    redis_conn.delete(keys.EVENTS)
+    publish(store, registry, tiny_model, run, 2)
+
+    second = await start()  # fresh table, like a new process; the engine still holds v1
+    assert second.table.serving(run) == 2 and second.table.loaded(run) == [1, 2]
+    assert registry.serving(run) == 2
+    announced = events_of(events, EventKind.ADAPTER_LOADED, run)
+    assert [e.version for e in announced] == [2] and announced[0].job_id == f"job-{run}-2"
+
+    # it follows on from the persisted cursor: a new event is handled, nothing old is replayed
+    ready3 = announce(events, store, publish(store, registry, tiny_model, run, 3))
+    await wait_until(lambda: second.table.serving(run) == 3, what="v3 serving")
+    await wait_until(lambda: committed_past(redis_conn, ready3), what="cursor commit")
+    assert [e.version for e in events_of(events, EventKind.ADAPTER_LOADED, run)] == [2, 3]
+
+
+def flip_a_byte(store: AdapterStore, run: str, version: int) -> None:
+    weights = store.adapter_dir(run, version) / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("bad_checksum", "checksum of adapter/adapter_model.safetensors does not match"),
+        ("missing_file", "file adapter/adapter_model.safetensors is missing"),
+        ("rank_too_high", f"LoRA rank 16 is above the engine's max_lora_rank {MAX_RANK}"),
+        ("outside_store", "outside the adapter store"),
+        ("other_version_path", "not the version's adapter directory"),
+        ("engine_refuses", "DoRA adapters are not supported"),
+    ],
+)
+async def test_bad_versions_are_rejected_and_the_previous_keeps_serving(
+    case: str,
+    expected: str,
+    run: str,
+    start,
+    redis_conn: redis.Redis,
+    store: AdapterStore,
+    engine: EngineClient,
+    tiny_model: Path,
+) -> None:
+    registry, events = Registry(redis_conn), EventStream(redis_conn)
+    controller = await start()
+    announce(events, store, publish(store, registry, tiny_model, run, 1))
+    await wait_until(lambda: controller.table.serving(run) == 1, what="v1 serving")
+
+    path = None
+    if case == "rank_too_high":
+        manifest = publish(store, registry, tiny_model, run, 2, rank=16)
+    elif case == "engine_refuses":
+        manifest = publish(store, registry, tiny_model, run, 2, config_patch={"use_dora": True})
+    else:
+        manifest = publish(store, registry, tiny_model, run, 2)
+    if case == "bad_checksum":
+        flip_a_byte(store, run, 2)
+    elif case == "missing_file":
+        (store.adapter_dir(run, 2) / "adapter_model.safetensors").unlink()
+    elif case == "outside_store":
+        path = "../x"
+    elif case == "other_version_path":
+        path = str(store.adapter_dir(run, 1).relative_to(store.root))
+    announce(events, store, manifest, path=path)
+
+    await wait_until(lambda: events_of(events, EventKind.ADAPTER_REJECTED, run), what="adapter_rejected")
+    rejected = events_of(events, EventKind.ADAPTER_REJECTED, run)
+    assert len(rejected) == 1 and rejected[0].version == 2 and rejected[0].job_id == manifest.job_id
+    assert expected in rejected[0].data["message"]
+    assert controller.table.serving(run) == 1 and registry.serving(run) == 1
+    assert f"{run}-v2" not in await engine.loaded_adapters()
+    with pytest.raises(ModelNotFound):
+        controller.table.resolve(f"{run}@v2")
+    assert [e.version for e in events_of(events, EventKind.ADAPTER_LOADED, run)] == [1]
+
+
+async def test_old_versions_unload_after_the_keep_window_once_idle(
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: EngineClient, tiny_model: Path
+) -> None:
+    registry, events = Registry(redis_conn), EventStream(redis_conn)
+    controller = await start()
+    table = controller.table
+    for version in (1, 2):
+        announce(events, store, publish(store, registry, tiny_model, run, version))
+    await wait_until(lambda: table.loaded(run) == [1, 2], what="v1 and v2 loaded")
+
+    lease = table.checkout(f"{run}@v1")  # a request still running on v1
+    announce(events, store, publish(store, registry, tiny_model, run, 3))
+    await wait_until(lambda: table.serving(run) == 3, what="v3 serving")
+    assert table.loaded(run) == [2, 3]  # v1 left the keep-window: no longer routed ...
+    with pytest.raises(ModelNotFound):
+        table.resolve(f"{run}@v1")
+    await asyncio.sleep(0.5)  # ... but not unloaded while the request holds it
+    assert f"{run}-v1" in await engine.loaded_adapters()
+    assert json.loads(redis_conn.get(keys.run_loaded(run))) == [2, 3]
+
+    lease.release()
+    await wait_until(lambda: _lacks(engine, f"{run}-v1"), what="v1 unloaded")
+    held = await engine.loaded_adapters()
+    assert f"{run}-v2" in held and f"{run}-v3" in held
+    assert controller.status()["retiring"] == []
+
+
+async def _lacks(engine: EngineClient, name: str) -> bool:
+    return name not in await engine.loaded_adapters()
+
+
+async def test_failed_unload_is_retried_and_never_stops_the_controller(
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: EngineClient, tiny_model: Path
+) -> None:
+    registry, events = Registry(redis_conn), EventStream(redis_conn)
+    controller = await start()
+    for version in (1, 2, 3):
+        announce(events, store, publish(store, registry, tiny_model, run, version))
+    await wait_until(lambda: controller.table.serving(run) == 3, what="v3 serving")
+    await wait_until(lambda: _lacks(engine, f"{run}-v1"), what="v1 unloaded")
+
+    # an engine that fails every unload: the controller logs, backs off and keeps following
+    real_unload = engine.unload_adapter
+    calls: list[str] = []
+
+    async def failing_unload(name: str) -> None:
+        calls.append(name)
+        raise EngineTimeout(f"unload of {name} hung")
+
+    engine.unload_adapter = failing_unload  # type: ignore[method-assign]
+    announce(events, store, publish(store, registry, tiny_model, run, 4))
+    await wait_until(lambda: controller.table.serving(run) == 4, what="v4 serving")
+    await wait_until(lambda: calls == [f"{run}-v2"], what="a failed unload attempt")
+    assert controller.status()["retiring"] == [f"{run}@v2"]
+    assert controller._task is not None and not controller._task.done()
+
+    engine.unload_adapter = real_unload  # type: ignore[method-assign]
+    await wait_until(lambda: _lacks(engine, f"{run}-v2"), timeout_s=10, what="v2 unloaded on retry")
+    assert controller.status()["retiring"] == []
+
+
+async def test_adapters_the_engine_lost_are_loaded_again(
+    run: str,
+    start,
+    redis_conn: redis.Redis,
+    store: AdapterStore,
+    engine: EngineClient,
+    tiny_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("tandem_inference.controller.ENGINE_CHECK_S", 0.1)
+    registry, events = Registry(redis_conn), EventStream(redis_conn)
+    controller = await start()
+    announce(events, store, publish(store, registry, tiny_model, run, 1))
+    await wait_until(lambda: controller.table.serving(run) == 1, what="v1 serving")
+
+    await engine.unload_adapter(f"{run}-v1")  # what an engine restart does to its adapters
+    await wait_until(lambda: _holds(engine, f"{run}-v1"), what="v1 loaded again")
+    assert controller.table.serving(run) == 1
+    assert [e.version for e in events_of(events, EventKind.ADAPTER_LOADED, run)] == [1]  # not announced twice
+
+
+async def _holds(engine: EngineClient, name: str) -> bool:
+    return name in await engine.loaded_adapters()

@@ -1,0 +1,457 @@
+"""The gateway served on loopback with its controller, the real engine, redis and real adapters.
+
+Clients are the `openai` package (what users point at tandem) and plain httpx for the
+error shapes. Versions are published the way the trainer does it (see test_controller).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+
+from conftest import free_port, serve_app
+from tandem.adapters import AdapterStore
+from tandem.events import EventStream
+from tandem.registry import Registry
+from tandem.runs import RunSpec
+from tandem.settings import (
+    ControllerSettings,
+    EngineSettings,
+    GatewaySettings,
+    InferenceSettings,
+    RedisSettings,
+    StoreSettings,
+)
+from tandem_inference.controller import Controller
+from tandem_inference.engine_client import EngineClient
+from tandem_inference.engine_server import create_engine_app
+from tandem_inference.gateway import create_gateway_app
+from tandem_inference.routing import RoutingTable
+from test_controller import announce, publish
+
+pytestmark = pytest.mark.integration
+
+LIMIT = 64
+CHAT = [{"role": "system", "content": "You count."}, {"role": "user", "content": "What is 2 plus 2?"}]
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_model: Path) -> Iterator[str]:
+    settings = EngineSettings(model=str(tiny_model), device="cpu", max_lora_rank=16, max_loaded_adapters=64)
+    with serve_app(create_engine_app(settings)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def inference_settings(
+    redis_url: str, root: Path, engine_url: str, tiny_model: Path, api_key: str | None = None
+) -> InferenceSettings:
+    return InferenceSettings(
+        redis=RedisSettings(url=redis_url),
+        store=StoreSettings(root=root),
+        engine=EngineSettings(url=engine_url, model=str(tiny_model), max_new_tokens_limit=LIMIT),
+        controller=ControllerSettings(block_ms=50, keep_versions=2),
+        gateway=GatewaySettings(api_key=api_key),
+    )
+
+
+@contextmanager
+def gateway(settings: InferenceSettings, tokenizer: Any, *, with_controller: bool = True) -> Iterator[str]:
+    """Serve the gateway (and its controller) like main does; yields its URL once ready."""
+    conn = redis.Redis.from_url(settings.redis.url)
+    http = httpx.AsyncClient()
+    engine = EngineClient.from_settings(http, settings.engine)
+    table = RoutingTable(settings.engine.served_model_name)
+    settings.store.root.mkdir(parents=True, exist_ok=True)
+    controller = (
+        Controller(settings, conn, engine, AdapterStore(settings.store.root), table)
+        if with_controller
+        else None
+    )
+    app = create_gateway_app(
+        settings,
+        engine=engine,
+        table=table,
+        tokenizer=tokenizer,
+        registry=Registry(conn),
+        controller=controller,
+    )
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a: Any) -> Any:  # the process owns the httpx client: close it in its loop
+        async with inner(a):
+            yield
+        await http.aclose()
+
+    app.router.lifespan_context = lifespan
+    with serve_app(app) as url:
+        if controller is not None:
+            wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200, what="gateway ready")
+        yield url
+    conn.close()
+
+
+def wait_until(pred: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.fixture
+def run(redis_conn: redis.Redis, tiny_model: Path) -> str:
+    name = f"g{uuid.uuid4().hex[:8]}"
+    Registry(redis_conn).create_run(RunSpec(name=name, base_model=str(tiny_model)))
+    return name
+
+
+@pytest.fixture
+def settings(redis_url: str, tmp_path: Path, engine_url: str, tiny_model: Path) -> InferenceSettings:
+    return inference_settings(redis_url, tmp_path / "store", engine_url, tiny_model)
+
+
+@pytest.fixture
+def url(settings: InferenceSettings, tokenizer: Any, redis_conn: redis.Redis) -> Iterator[str]:
+    with gateway(settings, tokenizer) as u:
+        yield u
+
+
+def train(
+    settings: InferenceSettings, conn: redis.Redis, tiny_model: Path, url: str, run: str, version: int
+) -> None:
+    """Publish a version like the trainer and wait until the gateway routes the run to it."""
+    store = AdapterStore(settings.store.root)
+    announce(EventStream(conn), store, publish(store, Registry(conn), tiny_model, run, version))
+    wait_until(
+        lambda: httpx.get(f"{url}/v1/runs/{run}").json()["serving_version"] == version,
+        what=f"{run} v{version} serving",
+    )
+
+
+@contextmanager
+def oai(url: str, api_key: str = "unused") -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture
+def client(url: str) -> Iterator[openai.OpenAI]:
+    with oai(url) as c:
+        yield c
+
+
+# tests ------------------------------------------------------------------------------------------
+def test_chat_reports_the_version_and_switches_after_a_load(
+    url: str,
+    client: openai.OpenAI,
+    run: str,
+    settings: InferenceSettings,
+    redis_conn: redis.Redis,
+    tiny_model: Path,
+    tokenizer: Any,
+) -> None:
+    raw = client.chat.completions.with_raw_response.create(model=run, messages=CHAT, max_tokens=6)
+    resp = raw.parse()
+    assert raw.headers["x-tandem-run"] == run and raw.headers["x-tandem-version"] == "0"
+    ext = resp.model_extra["tandem"]
+    assert ext["run"] == run and ext["version"] == 0 and ext["adapter"] is None
+    assert resp.model == f"{run}@v0" and resp.object == "chat.completion"
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    assert choice.logprobs is None  # not asked for
+    expected_prompt = tokenizer(
+        tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )["input_ids"]
+    assert ext["prompt_token_ids"] == expected_prompt
+    assert resp.usage.prompt_tokens == len(expected_prompt)
+    assert (
+        resp.usage.completion_tokens
+        == len(ext["completion_token_ids"][0])
+        == len(ext["completion_logprobs"][0])
+    )
+
+    train(settings, redis_conn, tiny_model, url, run, 1)
+    raw = client.chat.completions.with_raw_response.create(model=run, messages=CHAT, max_tokens=6)
+    ext = raw.parse().model_extra["tandem"]
+    assert raw.headers["x-tandem-version"] == "1"
+    assert ext["version"] == 1 and ext["adapter"] == f"{run}-v1"
+
+
+def test_token_ids_and_logprobs_match_a_direct_generate_call(
+    url: str,
+    client: openai.OpenAI,
+    run: str,
+    settings: InferenceSettings,
+    redis_conn: redis.Redis,
+    tiny_model: Path,
+    engine_url: str,
+    tokenizer: Any,
+) -> None:
+    train(settings, redis_conn, tiny_model, url, run, 1)
+    resp = client.chat.completions.create(
+        model=run, messages=CHAT, max_tokens=10, temperature=0, logprobs=True
+    )
+    ext = resp.model_extra["tandem"]
+    direct = httpx.post(
+        f"{engine_url}/generate",
+        json={
+            "input_ids": ext["prompt_token_ids"],
+            "lora_path": f"{run}-v1",
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 10, "temperature": 0},
+        },
+    ).json()
+    triples = direct["meta_info"]["output_token_logprobs"]
+    assert ext["completion_token_ids"][0] == [t[1] for t in triples] == direct["output_ids"]
+    assert ext["completion_logprobs"][0] == pytest.approx([t[0] for t in triples], abs=1e-5)
+    assert resp.choices[0].message.content == direct["text"]
+    assert [c.logprob for c in resp.choices[0].logprobs.content] == ext["completion_logprobs"][0]
+    assert "".join(c.token for c in resp.choices[0].logprobs.content) == tokenizer.decode(
+        ext["completion_token_ids"][0]
+    )
+
+
+def test_completions_with_text_or_token_ids_and_n(
+    url: str, client: openai.OpenAI, run: str, tokenizer: Any
+) -> None:
+    resp = client.completions.create(model=run, prompt="Count: 1 2 3", max_tokens=5, n=3, logprobs=1)
+    ext = resp.model_extra["tandem"]
+    assert resp.object == "text_completion" and len(resp.choices) == 3
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert ext["prompt_token_ids"] == tokenizer("Count: 1 2 3")["input_ids"]
+    assert len(ext["completion_token_ids"]) == len(ext["completion_logprobs"]) == 3
+    for choice, ids, lps in zip(resp.choices, ext["completion_token_ids"], ext["completion_logprobs"], strict=True):
+        assert choice.logprobs.token_logprobs == lps and len(ids) == len(lps) <= 5
+    assert resp.usage.completion_tokens == sum(len(ids) for ids in ext["completion_token_ids"])
+
+    by_ids = client.completions.create(
+        model="base", prompt=ext["prompt_token_ids"], max_tokens=4, temperature=0
+    )
+    assert by_ids.model_extra["tandem"]["prompt_token_ids"] == ext["prompt_token_ids"]
+    assert by_ids.model_extra["tandem"]["run"] is None and by_ids.model == "base"
+
+
+def test_streaming_chat_and_completions(
+    url: str,
+    client: openai.OpenAI,
+    run: str,
+    settings: InferenceSettings,
+    redis_conn: redis.Redis,
+    tiny_model: Path,
+) -> None:
+    train(settings, redis_conn, tiny_model, url, run, 1)
+    plain = client.chat.completions.create(model=run, messages=CHAT, max_tokens=12, temperature=0)
+    chunks = list(
+        client.chat.completions.create(model=run, messages=CHAT, max_tokens=12, temperature=0, stream=True)
+    )
+    assert all(
+        c.model_extra["tandem"]["run"] == run and c.model_extra["tandem"]["version"] == 1 for c in chunks
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [plain.choices[0].finish_reason]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == plain.usage.completion_tokens
+    assert (
+        last.model_extra["tandem"]["completion_token_ids"]
+        == plain.model_extra["tandem"]["completion_token_ids"]
+    )
+    assert last.model_extra["tandem"]["completion_logprobs"][0] == pytest.approx(
+        plain.model_extra["tandem"]["completion_logprobs"][0], abs=1e-5
+    )
+
+    stream = list(
+        client.completions.create(model=f"{run}@v1", prompt="Count:", max_tokens=6, n=2, stream=True)
+    )
+    texts = {0: "", 1: ""}
+    for c in stream:
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+    ext = stream[-1].model_extra["tandem"]
+    assert len(ext["completion_token_ids"]) == 2 and ext["version"] == 1
+    assert stream[-1].usage.completion_tokens == sum(len(ids) for ids in ext["completion_token_ids"])
+    assert all(len(ids) <= 6 for ids in ext["completion_token_ids"])
+    assert all(isinstance(t, str) for t in texts.values())
+
+
+def test_a_stream_holds_its_version_in_flight_until_it_ends(url: str, run: str) -> None:
+    body = {"model": run, "prompt": "Count:", "max_tokens": LIMIT, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200 and resp.headers["x-tandem-version"] == "0"
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert httpx.get(f"{url}/v1/runs/{run}").json()["in_flight"]["0"] == 1
+        rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+    assert httpx.get(f"{url}/v1/runs/{run}").json()["in_flight"]["0"] == 0
+
+
+def test_pinned_versions_and_unknown_names(
+    url: str,
+    client: openai.OpenAI,
+    run: str,
+    settings: InferenceSettings,
+    redis_conn: redis.Redis,
+    tiny_model: Path,
+) -> None:
+    train(settings, redis_conn, tiny_model, url, run, 1)
+    train(settings, redis_conn, tiny_model, url, run, 2)
+    for model, version in ((f"{run}@v1", 1), (f"{run}@1", 1), (run, 2), (f"{run}@v0", 0)):
+        resp = client.completions.create(model=model, prompt="Count:", max_tokens=2)
+        assert resp.model_extra["tandem"]["version"] == version, model
+
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model=f"{run}@v7", prompt="Count:", max_tokens=2)
+    assert info.value.body["type"] == "model_not_found"
+    assert info.value.body["known"] == [f"{run}@v0", f"{run}@v1", f"{run}@v2"]
+
+    resp = httpx.post(f"{url}/v1/chat/completions", json={"model": "nope", "messages": CHAT})
+    assert resp.status_code == 404
+    assert resp.json()["error"]["type"] == "model_not_found" and resp.json()["error"]["known"] == [
+        "base",
+        run,
+    ]
+    assert httpx.get(f"{url}/v1/runs/nope").status_code == 404
+
+    status = httpx.get(f"{url}/v1/runs/{run}").json()
+    assert (
+        status["serving_version"] == 2
+        and status["loaded_versions"] == [1, 2]
+        and status["latest_version"] == 2
+    )
+    ids = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+    assert ids == ["base", run, f"{run}@v1", f"{run}@v2"]
+
+
+def test_a_run_created_after_start_is_served_by_the_base_model(
+    url: str, client: openai.OpenAI, redis_conn: redis.Redis, tiny_model: Path
+) -> None:
+    Registry(redis_conn).create_run(RunSpec(name="late", base_model=str(tiny_model)))
+    resp = client.completions.create(model="late", prompt="Count:", max_tokens=2)
+    assert resp.model_extra["tandem"] == {**resp.model_extra["tandem"], "run": "late", "version": 0}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "base"},  # no messages
+        {"model": "base", "messages": []},
+        {"model": "base", "messages": "hello"},  # wrong types
+        {"model": "base", "messages": [{"role": "user"}]},
+        {"model": "base", "messages": [{"role": "wizard", "content": "hi"}]},
+        {"model": "base", "messages": CHAT, "temperature": "hot"},
+        {"model": "base", "messages": CHAT, "max_tokens": -1},
+        {"model": "base", "messages": CHAT, "max_tokens": LIMIT + 1},  # above the limit
+        {"model": "base", "messages": CHAT, "n": 0},
+        {"messages": CHAT},
+    ],
+)
+def test_malformed_chat_bodies_are_422(url: str, body: dict) -> None:
+    resp = httpx.post(f"{url}/v1/chat/completions", json=body)
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["error"]["type"] == "invalid_request_error" and resp.json()["error"]["message"]
+
+
+def test_malformed_completion_bodies_are_422(url: str, client: openai.OpenAI) -> None:
+    for body in (
+        {"model": "base"},
+        {"model": "base", "prompt": ""},
+        {"model": "base", "prompt": [1, "x"]},
+        {"model": "base", "prompt": [10**9]},
+        {"model": "base", "prompt": "x", "max_tokens": 10**6},
+    ):
+        resp = httpx.post(f"{url}/v1/completions", json=body)
+        assert resp.status_code == 422, (body, resp.text)
+    resp = httpx.post(
+        f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert resp.status_code == 422
+    with pytest.raises(openai.UnprocessableEntityError, match="above the limit"):
+        client.completions.create(model="base", prompt="x", max_tokens=LIMIT + 1)
+
+
+def test_engine_errors_are_502_and_an_unreachable_engine_503(
+    url: str, redis_url: str, tmp_path: Path, tiny_model: Path, tokenizer: Any
+) -> None:
+    too_long = {
+        "model": "base",
+        "prompt": [5] * 1100,
+        "max_tokens": 2,
+    }  # longer than the tiny model's context
+    resp = httpx.post(f"{url}/v1/completions", json=too_long)
+    assert resp.status_code == 502 and resp.json()["error"]["type"] == "engine_error"
+    assert "/generate" in resp.json()["error"]["message"]
+
+    dead = inference_settings(redis_url, tmp_path / "s2", f"http://127.0.0.1:{free_port()}", tiny_model)
+    with gateway(dead, tokenizer, with_controller=False) as dead_url:
+        resp = httpx.post(
+            f"{dead_url}/v1/completions", json={"model": "base", "prompt": "x", "max_tokens": 2}
+        )
+        assert resp.status_code == 503 and resp.json()["error"]["type"] == "engine_unavailable"
+        assert httpx.get(f"{dead_url}/ready").status_code == 503
+        assert httpx.get(f"{dead_url}/health").status_code == 200
+
+
+def test_api_key_is_required_when_set(
+    redis_url: str, tmp_path: Path, engine_url: str, tiny_model: Path, tokenizer: Any, redis_conn: redis.Redis
+) -> None:
+    settings = inference_settings(redis_url, tmp_path / "store", engine_url, tiny_model, api_key="s3cret")
+    with gateway(settings, tokenizer) as url:
+        body = {"model": "base", "prompt": "x", "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+        wrong = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        with oai(url, api_key="nope") as wrong_key, pytest.raises(openai.AuthenticationError):
+            wrong_key.completions.create(model="base", prompt="x", max_tokens=2)
+        with oai(url, api_key="s3cret") as right_key:
+            assert right_key.completions.create(model="base", prompt="x", max_tokens=2).choices
+        assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/ready").status_code == 200
+
+
+def test_metrics_and_readiness(
+    url: str,
+    client: openai.OpenAI,
+    run: str,
+    settings: InferenceSettings,
+    redis_conn: redis.Redis,
+    tiny_model: Path,
+) -> None:
+    train(settings, redis_conn, tiny_model, url, run, 1)
+    client.completions.create(model=run, prompt="x", max_tokens=2)
+    httpx.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "x"})
+    ready = httpx.get(f"{url}/ready")
+    assert ready.status_code == 200 and ready.json() == {
+        "status": "ready",
+        "engine": True,
+        "reconciled": True,
+    }
+    text = httpx.get(f"{url}/metrics").text
+    assert f'tandem_gateway_requests_total{{model="{run}",route="/v1/completions",status="200"}} 1.0' in text
+    assert 'tandem_gateway_requests_total{model="unknown",route="/v1/completions",status="404"} 1.0' in text
+    assert "tandem_gateway_in_flight 0.0" in text
+    assert 'tandem_gateway_request_seconds_count{route="/v1/completions"} 2.0' in text
+    assert f'tandem_adapter_loads_total{{run="{run}"}} 1.0' in text
+    assert json.loads(redis_conn.get(f"tandem:run:{run}:loaded")) == [1]

@@ -1,0 +1,217 @@
+"""The real worker process (`python -m tandem_trainer.main`) on a real Redis and the tiny model."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from tandem.adapters import AdapterStore
+from tandem.events import EventKind, EventStream
+from tandem.jobs import TrainJob, TrainResult, enqueue
+from tandem.registry import Registry
+from tandem.runs import LoraConfig, LossConfig, RunSpec
+
+pytestmark = pytest.mark.integration
+
+RUN = "worker-run"
+
+
+class WorkerProcess:
+    """One trainer worker subprocess; its output goes to a log file shown on failure."""
+
+    def __init__(self, redis_url: str, store_root: Path, log_path: Path) -> None:
+        env = {
+            **os.environ,
+            "TANDEM_REDIS__URL": redis_url,
+            "TANDEM_STORE__ROOT": str(store_root),
+            "TANDEM_BACKEND__DEVICE": os.environ.get("TANDEM_TEST_TRAINER_DEVICE", "cpu"),
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.log_path = log_path
+        self._log = log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem_trainer.main"], env=env, cwd=store_root.parent,
+            stdout=self._log, stderr=subprocess.STDOUT,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def workers(redis_url: str, tmp_path: Path) -> Iterator[Callable[[], WorkerProcess]]:
+    started: list[WorkerProcess] = []
+    root = tmp_path / "adapters"
+    root.mkdir()
+
+    def start() -> WorkerProcess:
+        w = WorkerProcess(redis_url, root, tmp_path / f"worker-{len(started)}.log")
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
+        print(f"--- {w.log_path.name} ---\n{w.log()[-6000:]}")
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, worker: WorkerProcess) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if worker.proc.poll() is not None:
+            pytest.fail(f"worker exited ({worker.proc.returncode}) while waiting for {what}:\n{worker.log()}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}:\n{worker.log()[-6000:]}")
+        time.sleep(0.1)
+
+
+def status(conn, job_id: str) -> JobStatus | None:
+    return Job.fetch(job_id, connection=conn, serializer=JSONSerializer).get_status()
+
+
+def make_job(job_id: str, *, groups: int = 2, size: int = 4, prompt: int = 6, completion: int = 8,
+             seed: int = 0) -> TrainJob:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(groups):
+        p = [rng.randrange(3, 500) for _ in range(prompt)]
+        out.append({"trajectories": [
+            {"prompt_ids": p, "completion_ids": [rng.randrange(3, 500) for _ in range(completion)],
+             "rollout_logprobs": [-6.2] * completion, "reward": rng.random()}
+            for _ in range(size)
+        ]})
+    return TrainJob.model_validate({"job_id": job_id, "run": RUN, "step": 1, "groups": out, "timeout_s": 300})
+
+
+def test_bad_job_fails_once_and_the_worker_serves_the_next(workers, redis_conn, tiny_model: Path,
+                                                           tmp_path: Path) -> None:
+    Registry(redis_conn).create_run(RunSpec(name=RUN, base_model=str(tiny_model), lora=LoraConfig(r=4)))
+    bad = make_job("bad-job")
+    bad.groups[0].trajectories[0].completion_ids[2] = 4096  # outside the tiny vocab of 512
+    enqueue(redis_conn, bad)
+    enqueue(redis_conn, make_job("good-job", seed=1))
+    worker = workers()
+
+    wait_for(lambda: status(redis_conn, "good-job") == JobStatus.FINISHED, 90, "the good job", worker)
+    failed = Job.fetch("bad-job", connection=redis_conn, serializer=JSONSerializer)
+    assert failed.get_status() == JobStatus.FAILED  # FAILED, not requeued for a retry
+    assert failed.retries_left == 0
+    result = failed.latest_result()
+    assert result is not None and "groups.0.trajectories.0.completion_ids" in (result.exc_string or "")
+    assert "4096" in (result.exc_string or "")
+    train_failed = [e for e in EventStream(redis_conn).history() if e.kind is EventKind.TRAIN_FAILED]
+    assert [(e.job_id, e.data["field"]) for e in train_failed] == [
+        ("bad-job", "groups.0.trajectories.0.completion_ids")
+    ]  # one attempt only
+
+    good = TrainResult.model_validate(Job.fetch("good-job", connection=redis_conn,
+                                                serializer=JSONSerializer).return_value())
+    assert (good.version, good.parent, good.reused) == (1, 0, False)
+    assert Registry(redis_conn).latest_version(RUN) == 1
+    AdapterStore(tmp_path / "adapters").verify(RUN, 1)
+
+    assert worker.stop() == 0  # SIGTERM: warm shutdown, clean exit
+
+
+def test_killed_worker_job_completes_once_on_a_new_worker(workers, redis_conn, tiny_model: Path,
+                                                          tmp_path: Path) -> None:
+    # Six passes over 32 sequences of 300 tokens: a few seconds of work on the tiny model.
+    spec = RunSpec(name=RUN, base_model=str(tiny_model), lora=LoraConfig(r=4), loss=LossConfig(epochs=6))
+    Registry(redis_conn).create_run(spec)
+    job = make_job("big-job", groups=4, size=8, prompt=100, completion=200)
+    enqueue(redis_conn, job)
+    first = workers()
+    wait_for(lambda: status(redis_conn, "big-job") == JobStatus.STARTED, 90, "the job to start", first)
+    wait_for(lambda: "adapter.activate" in first.log(), 30, "training to begin", first)
+    time.sleep(0.3)
+    first.proc.kill()  # SIGKILL: no cleanup, the job is left STARTED with the run lock held
+    first.proc.wait(10)
+    assert status(redis_conn, "big-job") == JobStatus.STARTED
+    registry, store = Registry(redis_conn), AdapterStore(tmp_path / "adapters")
+    assert registry.latest_version(RUN) == 0
+
+    second = workers()
+    wait_for(lambda: status(redis_conn, "big-job") == JobStatus.FINISHED, 120, "the job to finish", second)
+    result = TrainResult.model_validate(Job.fetch("big-job", connection=redis_conn,
+                                                  serializer=JSONSerializer).return_value())
+    assert (result.version, result.parent) == (1, 0)
+    assert [m.version for m in registry.manifests(RUN)] == [1]
+    assert registry.version_of_job(RUN, "big-job") == 1
+    assert store.versions(RUN) == [1]
+    assert store.verify(RUN, 1).job_id == "big-job"
+    assert [p.name for p in store.run_dir(RUN).iterdir()] == ["v000001"]  # no staging left over
+    ready = [e for e in EventStream(redis_conn).history() if e.kind is EventKind.ADAPTER_READY]
+    assert [(e.version, e.job_id) for e in ready] == [(1, "big-job")]
+    assert "job.abandoned job_id=big-job" in second.log()
+
+
+def _start_on_ghost(conn, job_id: str, ghost: str):
+    """Leave `job_id` STARTED by worker `ghost`, as a worker killed mid-job does."""
+    from rq import Queue, SimpleWorker
+
+    from tandem.jobs import train_queue
+
+    enqueue(conn, make_job(job_id))
+    worker = SimpleWorker([train_queue(conn)], name=ghost, connection=conn, serializer=JSONSerializer)
+    worker.register_birth()
+    found = Queue.dequeue_any([train_queue(conn)], None, connection=conn, serializer=JSONSerializer)
+    assert found is not None
+    job, _ = found
+    worker.prepare_execution(job)
+    worker.prepare_job_execution(job)
+    assert job.get_status() == JobStatus.STARTED
+    return job
+
+
+def test_recovery_requeues_only_jobs_of_dead_workers(redis_conn) -> None:
+    from tandem.jobs import train_queue
+    from tandem_trainer.worker import liveness_key, recover_abandoned
+
+    _start_on_ghost(redis_conn, "job-a", "ghost")
+    redis_conn.set(liveness_key("ghost"), "ghost#1", px=60_000)
+    assert recover_abandoned(redis_conn) == []  # its worker lives: left alone
+    assert status(redis_conn, "job-a") == JobStatus.STARTED
+
+    redis_conn.delete(liveness_key("ghost"))  # the worker died (its key ran out)
+    assert recover_abandoned(redis_conn) == ["job-a"]
+    job = Job.fetch("job-a", connection=redis_conn, serializer=JSONSerializer)
+    assert job.get_status() == JobStatus.QUEUED and job.retries_left == 2  # one retry used
+    assert train_queue(redis_conn).job_ids == ["job-a"]
+    assert recover_abandoned(redis_conn) == []  # nothing left to recover
+
+
+def test_restart_under_the_same_name_recovers_its_own_job(redis_conn) -> None:
+    from rq import SimpleWorker
+
+    from tandem_trainer.worker import claim_name, recover_abandoned
+
+    _start_on_ghost(redis_conn, "job-b", "trainer-0")
+    again = SimpleWorker([], name="trainer-0", connection=redis_conn, serializer=JSONSerializer)
+    with pytest.raises(ValueError, match="active worker"):
+        again.register_birth()  # rq refuses a name that looks alive...
+    claim_name(redis_conn, "trainer-0")  # ...so, with no liveness key, the stale one is retired
+    again.register_birth()
+    assert recover_abandoned(redis_conn, dead_names=frozenset({"trainer-0"})) == ["job-b"]
+    assert status(redis_conn, "job-b") == JobStatus.QUEUED

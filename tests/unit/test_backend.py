@@ -1,0 +1,41 @@
+"""Choosing the backend: auto falls back to peft; an explicit unsloth says why it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.errors import ConfigError
+from tandem.settings import TrainerSettings
+from tandem_trainer.backend import resolve_device, select_backend, unsloth_problem
+from tandem_trainer.errors import BackendNotAvailable
+from tandem_trainer.peft_backend import PeftBackend
+
+needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+
+
+@needs_no_gpu
+def test_auto_picks_peft_on_cpu() -> None:
+    backend = select_backend(TrainerSettings(backend={"kind": "auto", "device": "auto"}))
+    assert isinstance(backend, PeftBackend) and backend.device.type == "cpu"
+    assert backend.active is None
+
+
+@needs_no_gpu
+def test_explicit_unsloth_without_cuda_is_a_config_error() -> None:
+    with pytest.raises(BackendNotAvailable) as info:
+        select_backend(TrainerSettings(backend={"kind": "unsloth", "device": "auto"}))
+    assert isinstance(info.value, ConfigError)
+    assert "unsloth" in str(info.value) and "CUDA" in str(info.value) and "peft" in str(info.value)
+
+
+@needs_no_gpu
+def test_cuda_without_a_gpu_is_a_config_error() -> None:
+    with pytest.raises(BackendNotAvailable, match="TANDEM_BACKEND__DEVICE"):
+        resolve_device("cuda")
+    assert resolve_device("auto") == "cpu"
+
+
+def test_unsloth_is_not_available_yet_even_with_cuda() -> None:
+    assert unsloth_problem("cuda") is not None  # the Unsloth backend is not written yet
+    assert "CUDA" in (unsloth_problem("cpu") or "")

@@ -1,0 +1,84 @@
+"""How the gateway folds engine outputs (whole, or cumulative / incremental stream chunks) into choices."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from tandem_inference.gateway import ChatRequest, CompletionRequest, Output
+
+
+def chunk(
+    text: str | None, ids: list[int], total: int, finish: str | None = None, logprobs: bool = True
+) -> dict:
+    meta: dict = {"completion_tokens": total, "finish_reason": {"type": finish} if finish else None}
+    if logprobs:
+        meta["output_token_logprobs"] = [[-float(i), i, None] for i in ids]
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def test_a_whole_result() -> None:
+    out = Output()
+    out.update(chunk("abc", [4, 5, 6], 3, finish="length"))
+    assert (out.text, out.token_ids, out.logprobs, out.finish_reason) == (
+        "abc",
+        [4, 5, 6],
+        [-4.0, -5.0, -6.0],
+        "length",
+    )
+    other = Output()
+    other.update(
+        {"text": "x", "output_ids": [9], "meta_info": {"finish_reason": {"type": "stop", "matched": 2}}}
+    )
+    assert other.token_ids == [9] and other.logprobs == [] and other.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("cumulative", [True, False])
+def test_stream_chunks_cumulative_or_incremental_give_the_same_result(cumulative: bool) -> None:
+    steps = [("He", [1]), ("llo", [2]), (" you", [3, 4])]
+    out, deltas, text, ids = Output(), [], "", []
+    for n, (piece, new) in enumerate(steps):
+        text, ids = text + piece, ids + new
+        last = n == len(steps) - 1
+        c = chunk(
+            text if cumulative else piece, ids if cumulative else new, len(ids), "stop" if last else None
+        )
+        deltas.append(out.update(c))
+    assert deltas == [("He", 0), ("llo", 1), (" you", 2)]
+    assert (
+        out.text == "Hello you" and out.token_ids == [1, 2, 3, 4] and out.logprobs == [-1.0, -2.0, -3.0, -4.0]
+    )
+    assert out.finish_reason == "stop"
+
+
+def test_half_decoded_characters_are_held_back() -> None:
+    out = Output()
+    assert out.update(chunk("a\ufffd", [1], 1)) == ("a", 0)
+    assert out.update(chunk("a\u00e9", [1, 2], 2)) == ("\u00e9", 1)
+    assert out.update(chunk(None, [1, 2, 3], 3, finish="length")) == ("", 2)  # no text in this chunk
+    assert out.token_ids == [1, 2, 3] and out.text == "a\u00e9"
+
+
+def test_request_models() -> None:
+    body = ChatRequest.model_validate(
+        {
+            "model": "r",
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+            ],
+            "stream_options": {"include_usage": True},
+            "user": "ignored",
+        }
+    )
+    assert body.messages[0].as_template_input() == {"role": "user", "content": "ab"}
+    assert body.n == 1 and body.temperature is None and body.stream is False
+    assert CompletionRequest.model_validate({"model": "r", "prompt": [1, 2]}).prompt == [1, 2]
+    for bad in (
+        {"model": "r", "messages": []},
+        {"model": "", "messages": [{"role": "user", "content": "x"}]},
+        {"model": "r", "messages": [{"role": "user", "content": "x"}], "top_p": 0},
+    ):
+        with pytest.raises(ValidationError):
+            ChatRequest.model_validate(bad)
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "r", "prompt": ["a", "b"]})

@@ -1,0 +1,103 @@
+"""The routing table: model resolution, pinned versions, unknown names, in-flight counting."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem_inference.errors import ModelNotFound
+from tandem_inference.routing import Route, RoutingTable, parse_model
+
+
+@pytest.fixture
+def table() -> RoutingTable:
+    t = RoutingTable("base")
+    t.add_run("digits")
+    t.add_run("fresh")
+    t.add_version("digits", 1)
+    t.add_version("digits", 2)
+    return t
+
+
+def test_parse_model() -> None:
+    assert parse_model("digits") == ("digits", None)
+    assert parse_model("digits@v7") == ("digits", 7)
+    assert parse_model("digits@7") == ("digits", 7)
+    assert parse_model("my-run.v2@v10") == ("my-run.v2", 10)
+
+
+def test_base_model_and_runs_resolve(table: RoutingTable) -> None:
+    assert table.resolve("base") == Route(None, 0)
+    assert table.resolve("base").adapter is None
+    assert table.resolve("digits") == Route("digits", 2)
+    assert table.resolve("digits").adapter == "digits-v2"
+    fresh = table.resolve("fresh")  # known run, nothing trained yet: the base model
+    assert fresh == Route("fresh", 0) and fresh.adapter is None
+    assert fresh.name("base") == "fresh@v0" and Route(None, 0).name("base") == "base"
+
+
+def test_pinned_versions(table: RoutingTable) -> None:
+    assert table.resolve("digits@v1") == Route("digits", 1)
+    assert table.resolve("digits@1").adapter == "digits-v1"
+    assert table.resolve("digits@v0") == Route("digits", 0)
+    with pytest.raises(ModelNotFound) as info:
+        table.resolve("digits@v5")
+    assert info.value.known == ["digits@v0", "digits@v1", "digits@v2"]
+    assert "digits@v1" in str(info.value) and "5" in str(info.value)
+
+
+def test_unknown_run_lists_known_ones(table: RoutingTable) -> None:
+    with pytest.raises(ModelNotFound) as info:
+        table.resolve("nope")
+    assert info.value.known == ["base", "digits", "fresh"]
+    assert "'nope'" in str(info.value)
+    with pytest.raises(ModelNotFound):
+        table.resolve("nope@v1")
+
+
+def test_alias_moves_only_when_a_version_is_added(table: RoutingTable) -> None:
+    assert table.serving("digits") == 2
+    table.add_version("digits", 3)  # the controller calls this after the engine confirmed the load
+    assert table.serving("digits") == 3 and table.resolve("digits").version == 3
+    assert table.known_models() == ["base", "digits", "digits@v1", "digits@v2", "digits@v3", "fresh"]
+    with pytest.raises(ValueError):
+        table.add_version("digits", 0)
+
+
+def test_retired_versions_are_never_routed(table: RoutingTable) -> None:
+    assert table.retire("digits", 1) == 0
+    assert table.loaded("digits") == [2]
+    with pytest.raises(ModelNotFound):
+        table.resolve("digits@v1")
+    table.retire("digits", 2)
+    assert table.resolve("digits") == Route("digits", 0)  # back to the base model, never an unloaded version
+
+
+def test_in_flight_counting(table: RoutingTable) -> None:
+    a = table.checkout("digits")
+    b = table.checkout("digits@v2")
+    c = table.checkout("digits@v1")
+    assert a.route == b.route == Route("digits", 2)
+    assert table.in_flight("digits", 2) == 2 and table.in_flight("digits", 1) == 1
+    assert table.in_flight_total() == 3
+    assert table.snapshot()["digits"]["in_flight"] == {"1": 1, "2": 2}
+    # retiring a busy version reports its count; it stays counted until released
+    assert table.retire("digits", 1) == 1
+    c.release()
+    c.release()  # twice is harmless
+    assert table.in_flight("digits", 1) == 0
+    with a:
+        pass
+    assert table.in_flight("digits", 2) == 1
+    b.release()
+    assert table.in_flight_total() == 0
+
+
+def test_failed_checkout_counts_nothing(table: RoutingTable) -> None:
+    with pytest.raises(ModelNotFound):
+        table.checkout("digits@v9")
+    assert table.in_flight_total() == 0
+
+
+def test_invalid_run_name_is_refused(table: RoutingTable) -> None:
+    with pytest.raises(ValueError):
+        table.add_run("bad@name")

@@ -1,0 +1,160 @@
+"""What a train job needs from the model runtime, and how the runtime is chosen.
+
+The job logic (trainer.py) and the loss (grpo.py) are the same whatever runs the model;
+the backend owns the model: it loads the base once and keeps it resident across jobs,
+switches the LoRA adapter to a run's version (fresh for version 0, else weights and
+optimizer state from the version directory), computes per-token logprobs, steps the
+optimizer and writes plain PEFT files that SGLang and the transformers engine both load.
+
+Two backends are planned: `peft` (transformers + peft, CPU or CUDA; written) and
+`unsloth` (CUDA only; not written yet). `auto` takes Unsloth where it can run, else peft.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tandem.runs import RunSpec
+from tandem.settings import TrainerSettings
+
+from tandem_trainer.errors import BackendNotAvailable
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem_trainer.microbatch import MicroBatch
+
+log = logging.getLogger(__name__)
+
+#: File names inside a version's `adapter/` (what engines load) and `trainer/` (resume state).
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+OPTIMIZER_STATE = "optimizer.pt"
+TRAINER_STATE = "trainer_state.json"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What validation needs to know about a base model, read from its config."""
+
+    base_model: str
+    vocab_size: int
+    """Token ids must be below this."""
+    max_positions: int
+    """Longest prompt + completion the model can attend over (max_position_embeddings)."""
+    pad_id: int
+
+
+@dataclass
+class Forward:
+    """Per-token outputs of the policy for one micro-batch, aligned with `MicroBatch.targets`."""
+
+    logprobs: torch.Tensor
+    """[B, W] float32, differentiable with respect to the LoRA parameters."""
+    entropy: torch.Tensor | None = None
+    """[B, W] float32 without grad, when asked for."""
+
+
+class Backend(ABC):
+    """A model runtime that trains one LoRA adapter at a time on a resident base model."""
+
+    name: str = "abstract"
+    device: torch.device
+    """Where micro-batches must be moved before forward()."""
+
+    @abstractmethod
+    def model_info(self, base_model: str) -> ModelInfo:
+        """Vocab size and context length of `base_model` (cheap: the config only)."""
+
+    @abstractmethod
+    def activate(self, spec: RunSpec, version: int, version_dir: Path | None) -> bool:
+        """Make the run's adapter at `version` the one that trains.
+
+        Version 0 (`version_dir` None) is a fresh LoRA seeded by `spec.seed` with a fresh
+        optimizer; later versions load `version_dir/adapter` and `version_dir/trainer`.
+        Returns False when the adapter in memory already was that version (nothing loaded).
+        """
+
+    @abstractmethod
+    def forward(self, batch: MicroBatch, *, entropy: bool = False) -> Forward:
+        """Logprobs of `batch.targets` under the current adapter, with grad."""
+
+    @abstractmethod
+    def reference_logprobs(self, batch: MicroBatch) -> torch.Tensor:
+        """Logprobs of `batch.targets` with the adapter disabled (the base model), no grad."""
+
+    @abstractmethod
+    def step(self, max_grad_norm: float) -> float:
+        """Clip the accumulated gradient, take one optimizer step, zero the gradient.
+
+        Returns the gradient norm before clipping.
+        """
+
+    @abstractmethod
+    def save(self, adapter_dir: Path, trainer_dir: Path, *, trainer_state: dict[str, object]) -> None:
+        """Write adapter_config.json + adapter_model.safetensors, and the optimizer state."""
+
+    @abstractmethod
+    def mark_active(self, run: str, version: int, version_dir: Path) -> None:
+        """Record that the adapter in memory now is `run` at `version`, published in `version_dir`.
+
+        The directory is part of what the cache compares, so two stores never share an entry.
+        """
+
+    @abstractmethod
+    def invalidate(self) -> None:
+        """Forget which version is in memory (after a step that was not published)."""
+
+    @property
+    @abstractmethod
+    def active(self) -> tuple[str, int] | None:
+        """(run, version) of the adapter in memory, if it equals a published version."""
+
+
+def resolve_device(kind: str) -> str:
+    """`auto` -> cuda when torch sees a GPU, else cpu; `cuda` without one is a ConfigError."""
+    import torch
+
+    if kind == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise BackendNotAvailable(
+            "backend.device='cuda' but torch sees no CUDA device "
+            f"(torch {torch.__version__}); set TANDEM_BACKEND__DEVICE=cpu or auto"
+        )
+    return kind
+
+
+def unsloth_problem(device: str) -> str | None:
+    """Why the Unsloth backend cannot run here, or None when it can."""
+    if device != "cuda":
+        return f"the Unsloth backend needs CUDA and the trainer runs on {device}"
+    if importlib.util.find_spec("unsloth") is None:
+        return "unsloth is not installed (install tandem-trainer[unsloth] in the trainer image)"
+    # NOTE: once the Unsloth backend exists, `import unsloth` goes here (it patches transformers
+    # on import, so it is only imported when it will be used).
+    return "the Unsloth backend is not available yet in this version of tandem"
+
+
+def select_backend(settings: TrainerSettings) -> Backend:
+    """The backend `settings.backend.kind` asks for; `auto` falls back to peft."""
+    kind = settings.backend.kind
+    device = resolve_device(settings.backend.device)
+    if kind in ("auto", "unsloth"):
+        problem = unsloth_problem(device)
+        if problem is None:  # pragma: no cover - no Unsloth backend yet
+            raise BackendNotAvailable("the Unsloth backend is not available yet")
+        if kind == "unsloth":
+            raise BackendNotAvailable(
+                f"backend.kind='unsloth' cannot be used: {problem}; "
+                "set TANDEM_BACKEND__KIND=peft (or auto)"
+            )
+        log.info("backend auto: using peft (%s)", problem)
+    from tandem_trainer.peft_backend import PeftBackend
+
+    return PeftBackend(device=device)

@@ -1,0 +1,163 @@
+"""The GRPO loss in plain torch: group advantages, clipped importance ratio, KL, metrics.
+
+GRPO has no value model: each completion's advantage is its reward compared with the other
+completions of the same prompt. The policy gradient is weighted by the importance ratio of
+the current policy to the policy that *sampled* the tokens (`rollout_logprobs`), clipped to
+(1 - clip_low, 1 + clip_high) as in PPO, which is what lets rollouts come from a version a
+few steps older than the one training (async mode, `max_staleness_steps`). The clip band is
+asymmetric (DAPO's "clip higher"): a wider upper bound keeps low-probability tokens able to
+grow. The loss is normalised per token over every trained token of the job (not per
+sequence), so long completions are not down-weighted and micro-batching does not change it.
+
+Nothing here knows about models or devices; the backend supplies logprobs, this module
+turns them into a scalar loss and the numbers worth logging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+#: Log-ratios are clamped to this magnitude before exp, so one wild token cannot make inf.
+MAX_LOG_RATIO = 20.0
+
+
+def group_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Advantages of one group: reward minus the group mean, divided by the group std.
+
+    The std is the population std (the group is the whole sample, not an estimate of a
+    larger one). A group whose rewards are all equal carries no signal about which
+    completion is better, so it gets exactly zero advantages instead of rounding noise
+    divided by eps.
+    """
+    rewards = rewards.to(torch.float64)
+    centered = rewards - rewards.mean()
+    std = rewards.std(unbiased=False)
+    if float(std) < eps:
+        return torch.zeros_like(rewards, dtype=torch.float32)
+    if normalize_std:
+        centered = centered / (std + eps)
+    return centered.to(torch.float32)
+
+
+def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) for each position, without materialising a full log-softmax.
+
+    `logits` is [B, W, V], `targets` [B, W]; returns float32 [B, W]. Row by row, so peak
+    memory is one sequence's logits in float32 rather than the whole batch's.
+    """
+    rows = []
+    for row_logits, row_targets in zip(logits, targets, strict=True):
+        row_logits = row_logits.float()
+        picked = row_logits.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1)
+        rows.append(picked - torch.logsumexp(row_logits, dim=-1))
+    return torch.stack(rows)
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution at each position, [B, W] (a metric, no grad)."""
+    rows = []
+    for row_logits in logits:
+        logp = torch.log_softmax(row_logits.float(), dim=-1)
+        rows.append(-(logp.exp() * logp).sum(-1))
+    return torch.stack(rows)
+
+
+@dataclass
+class LossTerms:
+    """The loss of one micro-batch and the masked sums its metrics are made of."""
+
+    loss: torch.Tensor
+    """Scalar to call backward() on: this micro-batch's share of the job's per-token loss."""
+    sums: dict[str, float]
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    normalizer: float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> LossTerms:
+    """Token-level PPO-clipped policy loss, plus `kl_coef` times the k3 KL to the reference.
+
+    Shapes: `logprobs`, `rollout_logprobs`, `mask` and `ref_logprobs` are [B, W];
+    `advantages` is [B] (one per sequence) or [B, W]. `mask` is 1 on trained tokens.
+    `normalizer` is the number of trained tokens in the whole job (every micro-batch), so
+    summing the returned losses over micro-batches gives the job's mean per-token loss;
+    left out, it is this micro-batch's own token count.
+    """
+    mask = mask.to(logprobs.dtype)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    advantages = advantages.to(logprobs.dtype).expand_as(logprobs)
+    tokens = float(mask.sum())
+    if normalizer is None:
+        normalizer = max(tokens, 1.0)
+
+    log_ratio = (logprobs - rollout_logprobs.to(logprobs.dtype)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    per_token = -torch.minimum(unclipped, clipped)
+
+    sums: dict[str, float] = {}
+    if ref_logprobs is not None and kl_coef > 0:
+        ref_log_ratio = (ref_logprobs.to(logprobs.dtype) - logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        ref_kl = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0  # k3: unbiased, always >= 0
+        per_token = per_token + kl_coef * ref_kl
+        sums["ref_kl"] = float((ref_kl.detach() * mask).sum())
+
+    loss = (per_token * mask).sum() / normalizer
+    with torch.no_grad():
+        ratio_d = ratio.detach()
+        is_clipped = ((advantages > 0) & (ratio_d > 1.0 + clip_high)) | (
+            (advantages < 0) & (ratio_d < 1.0 - clip_low)
+        )
+        sums.update(
+            tokens=tokens,
+            loss=float((per_token.detach() * mask).sum()),
+            clipped=float((is_clipped.to(mask.dtype) * mask).sum()),
+            ratio=float((ratio_d * mask).sum()),
+            # k3 estimate of KL(rollout || current) on tokens the rollout policy sampled.
+            approx_kl=float(((ratio_d - 1.0 - log_ratio.detach()) * mask).sum()),
+        )
+    return LossTerms(loss=loss, sums=sums)
+
+
+@dataclass
+class LossStats:
+    """Running masked sums over every micro-batch (and epoch) of a job, turned into metrics."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+
+    def add(self, sums: dict[str, float]) -> None:
+        for key, value in sums.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def metrics(self) -> dict[str, float]:
+        """Per-token means: loss, clip_frac, approx_kl, ratio_mean, and ref_kl/entropy when measured."""
+        tokens = max(self.sums.get("tokens", 0.0), 1.0)
+        out = {
+            "loss": self.sums.get("loss", 0.0) / tokens,
+            "clip_frac": self.sums.get("clipped", 0.0) / tokens,
+            "approx_kl": self.sums.get("approx_kl", 0.0) / tokens,
+            "ratio_mean": self.sums.get("ratio", 0.0) / tokens,
+        }
+        for key in ("ref_kl", "entropy"):
+            if key in self.sums:
+                out[key] = self.sums[key] / tokens
+        return out
+
+
+def reward_stats(rewards: list[float]) -> dict[str, float]:
+    """Mean and (population) std of the job's rewards."""
+    t = torch.tensor(rewards, dtype=torch.float64)
+    return {"reward_mean": float(t.mean()), "reward_std": float(t.std(unbiased=False))}

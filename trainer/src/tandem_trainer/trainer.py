@@ -1,0 +1,338 @@
+"""One train job, end to end: validate, lock the run, train one GRPO step, publish, announce.
+
+The job is the unit of idempotency. A job that already published (the registry maps its id
+to a version) returns that version again; a job whose version reached the store but not the
+registry (a crash between rename and register) has that version adopted; only otherwise
+does it train. A per-run lock in Redis makes sure two workers never train one run at once,
+and everything that could make a job fail the same way every time is checked before any
+work, so bad input fails fast with a message that names the field.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import redis
+import torch
+
+from tandem import keys
+from tandem.adapters import ADAPTER_DIR, TRAINER_DIR, AdapterStore, Manifest
+from tandem.errors import AdapterRejected, RunNotFound, ValidationFailed
+from tandem.events import Event, EventKind, EventStream
+from tandem.jobs import TrainJob, TrainResult, parse_job
+from tandem.registry import Registry
+from tandem.runs import RunSpec
+from tandem.settings import TrainerSettings
+
+from tandem_trainer.backend import Backend, ModelInfo
+from tandem_trainer.errors import JobRejected, LockTimeout, TrainStepFailed
+from tandem_trainer.grpo import LossStats, group_advantages, grpo_loss, reward_stats
+from tandem_trainer.microbatch import Sample, accumulation_weights, build_microbatches
+
+log = logging.getLogger(__name__)
+
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+_STEAL = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then "
+    "return redis.call('set', KEYS[1], ARGV[2], 'PX', ARGV[3]) end return false"
+)
+
+
+class RunLock:
+    """SET NX PX lock on one run; a holder whose worker is gone is taken over at once.
+
+    The value is `<owner>|<nonce>`; `holder_alive(owner)` says whether that worker still
+    lives (worker.py answers from its liveness keys), so a worker killed while training does
+    not block the run until the lock's TTL runs out.
+    """
+
+    def __init__(
+        self, conn: redis.Redis, run: str, owner: str, holder_alive: Callable[[str], bool]
+    ) -> None:
+        self.conn, self.key, self.holder_alive = conn, keys.run_lock(run), holder_alive
+        self.value = f"{owner}|{uuid.uuid4().hex[:12]}"
+
+    def acquire(self, ttl_ms: int, wait_s: float) -> None:
+        deadline, pause = time.monotonic() + wait_s, 0.05
+        while True:
+            if self.conn.set(self.key, self.value, nx=True, px=ttl_ms):
+                return
+            raw = self.conn.get(self.key)
+            held = raw.decode() if isinstance(raw, bytes) else raw
+            if held is not None and not self.holder_alive(held.split("|")[0]):
+                if self.conn.eval(_STEAL, 1, self.key, held, self.value, ttl_ms):
+                    log.warning("run lock %s taken over from dead holder %s", self.key, held)
+                    return
+            if time.monotonic() > deadline:
+                raise LockTimeout(f"{self.key} stayed held by {held!r} for {wait_s:.0f}s; retry later")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+
+    def release(self) -> None:
+        self.conn.eval(_RELEASE, 1, self.key, self.value)
+
+
+class Trainer:
+    """Runs train jobs against one backend (the resident model), store and Redis."""
+
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        conn: redis.Redis,
+        backend: Backend,
+        store: AdapterStore | None = None,
+        *,
+        owner: str = "trainer",
+        holder_alive: Callable[[str], bool] = lambda owner: True,
+        entropy: bool = True,
+    ) -> None:
+        self.settings, self.conn, self.backend = settings, conn, backend
+        self.store = store or AdapterStore(settings.store.root)
+        self.registry, self.events = Registry(conn), EventStream(conn)
+        self.owner, self.holder_alive, self.entropy = owner, holder_alive, entropy
+
+    # the job ------------------------------------------------------------------
+    def train(self, payload: TrainJob | dict[str, Any], *, retries_left: int = 0) -> TrainResult:
+        """Train one job (or find what it already published); raise JobRejected on bad input.
+
+        `retries_left` is how often the queue will run the job again if it fails for a reason
+        other than its input; it goes into the `train_failed` event so that a client can tell
+        a final failure from one that a retry may still fix.
+        """
+        started = time.perf_counter()
+        raw = payload.model_dump(mode="json") if isinstance(payload, TrainJob) else payload
+        run = raw.get("run") if isinstance(raw, dict) else None
+        job_id = raw.get("job_id") if isinstance(raw, dict) else None
+        run, job_id = run if isinstance(run, str) else "", job_id if isinstance(job_id, str) else None
+        log.info("train.start run=%s job_id=%s", run, job_id)
+        version: int | None = None
+        try:
+            job = self._parse(raw)
+            spec = self._run(job.run)
+            info = self.backend.model_info(spec.base_model)
+            self._check_tokens(job, info)
+            result = self._reused(job)
+            if result is None:
+                lock = RunLock(self.conn, job.run, self.owner, self.holder_alive)
+                lock.acquire(ttl_ms=job.timeout_s * 1000, wait_s=job.timeout_s)
+                try:
+                    result = self._adopt_orphans(job)
+                    if result is None:
+                        parent = self.registry.latest_version(job.run)
+                        version = parent + 1
+                        self._check_versions(job, spec, parent)
+                        result = self._train(job, spec, info, parent)
+                finally:
+                    lock.release()
+        except Exception as exc:
+            if not isinstance(exc, JobRejected):
+                self.backend.invalidate()  # partial gradients or a half-done step: reload next time
+            failure = self._translate(exc)
+            field = failure.field if isinstance(failure, ValidationFailed) else None
+            log.warning(
+                "train.failed run=%s job_id=%s duration_s=%.3f field=%s error=%s message=%s",
+                run, job_id, time.perf_counter() - started, field, type(failure).__name__, failure,
+            )
+            self.events.append(Event(
+                kind=EventKind.TRAIN_FAILED, run=run, version=version, job_id=job_id,
+                data={"message": str(failure), "field": field,
+                      "retries_left": 0 if isinstance(failure, JobRejected) else retries_left},
+            ))
+            if failure is exc:
+                raise
+            raise failure from exc
+        log.info(
+            "train.end run=%s job_id=%s version=%d parent=%d reused=%s duration_s=%.3f loss=%.5f "
+            "reward_mean=%.4f",
+            result.run, result.job_id, result.version, result.parent, result.reused,
+            time.perf_counter() - started, result.metrics.get("loss", 0.0),
+            result.metrics.get("reward_mean", 0.0),
+        )
+        return result
+
+    @staticmethod
+    def _translate(exc: Exception) -> Exception:
+        if isinstance(exc, torch.OutOfMemoryError):
+            return TrainStepFailed(
+                f"out of memory while training ({exc}); lower TANDEM_BACKEND__MICRO_BATCH_TOKENS"
+            )
+        return exc
+
+    # validation ---------------------------------------------------------------
+    @staticmethod
+    def _parse(raw: Any) -> TrainJob:
+        try:
+            return parse_job(raw)
+        except ValidationFailed as exc:
+            raise JobRejected(str(exc), field=exc.field) from exc
+
+    def _run(self, name: str) -> RunSpec:
+        try:
+            return self.registry.get_run(name)
+        except RunNotFound as exc:
+            raise JobRejected(f"run: {exc}; create the run before training it", field="run") from exc
+
+    @staticmethod
+    def _check_tokens(job: TrainJob, info: ModelInfo) -> None:
+        for g, group in enumerate(job.groups):
+            for t, traj in enumerate(group.trajectories):
+                path = f"groups.{g}.trajectories.{t}"
+                for name, ids in (("prompt_ids", traj.prompt_ids), ("completion_ids", traj.completion_ids)):
+                    bad = max(ids)
+                    if bad >= info.vocab_size:
+                        raise JobRejected(
+                            f"{path}.{name}: token id {bad} is outside the vocabulary of "
+                            f"{info.base_model} (vocab_size {info.vocab_size}); ids must be below it",
+                            field=f"{path}.{name}",
+                        )
+                total = len(traj.prompt_ids) + len(traj.completion_ids)
+                if total > info.max_positions:
+                    raise JobRejected(
+                        f"{path}: prompt_ids ({len(traj.prompt_ids)}) + completion_ids "
+                        f"({len(traj.completion_ids)}) = {total} tokens, longer than the context of "
+                        f"{info.base_model} (max_position_embeddings {info.max_positions})",
+                        field=f"{path}.completion_ids",
+                    )
+        if not any(any(traj.mask) for group in job.groups for traj in group.trajectories):
+            raise JobRejected("groups: every completion token is masked out; nothing to train on",
+                              field="groups")
+
+    @staticmethod
+    def _check_versions(job: TrainJob, spec: RunSpec, parent: int) -> None:
+        for g, group in enumerate(job.groups):
+            for t, traj in enumerate(group.trajectories):
+                field = f"groups.{g}.trajectories.{t}.version"
+                if traj.version > parent:
+                    raise JobRejected(
+                        f"{field}: version {traj.version} is newer than run {spec.name!r}'s latest "
+                        f"version {parent}; it cannot have sampled this trajectory", field=field,
+                    )
+                if parent - traj.version > spec.max_staleness_steps:
+                    raise JobRejected(
+                        f"{field}: the trajectory comes from version {traj.version}, "
+                        f"{parent - traj.version} versions older than version {parent} this job trains "
+                        f"from; run {spec.name!r} allows max_staleness_steps={spec.max_staleness_steps}",
+                        field=field,
+                    )
+
+    # idempotency --------------------------------------------------------------
+    def _reused(self, job: TrainJob) -> TrainResult | None:
+        version = self.registry.version_of_job(job.run, job.job_id)
+        manifest = self.registry.manifest(job.run, version) if version is not None else None
+        return self._result(manifest, reused=True) if manifest is not None else None
+
+    def _adopt_orphans(self, job: TrainJob) -> TrainResult | None:
+        """Register versions that reached the store but not the registry; ours is returned.
+
+        Only a crash between rename and register leaves such a version, and it always sits
+        above the newest registered one. Adopting every one in order (whoever's job made it)
+        keeps the version chain linear, and the job that made it finds it on retry.
+        """
+        result = self._reused(job)
+        if result is not None:
+            return result
+        latest = self.registry.latest_version(job.run)
+        for version in self.store.versions(job.run):
+            if version <= latest:
+                continue
+            try:
+                manifest = self.store.verify(job.run, version)
+            except AdapterRejected as exc:
+                vdir = self.store.version_dir(job.run, version)
+                vdir.rename(vdir.with_name(f".tmp-rejected-{vdir.name}-{uuid.uuid4().hex[:8]}"))
+                log.warning("orphan %s v%d failed verification (%s); moved aside", job.run, version, exc)
+                break
+            self._announce(manifest, published_at=time.time())
+            log.info("orphan.adopted run=%s version=%d job_id=%s", job.run, version, manifest.job_id)
+        return self._reused(job)
+
+    def _announce(self, manifest: Manifest, *, published_at: float) -> None:
+        self.registry.register_version(manifest)
+        adapter = self.store.adapter_dir(manifest.run, manifest.version)
+        self.events.append(Event(
+            kind=EventKind.ADAPTER_READY, run=manifest.run, version=manifest.version, job_id=manifest.job_id,
+            data={
+                "path": str(adapter.relative_to(self.store.root)),
+                "step": manifest.step, "parent": manifest.parent, "metrics": manifest.metrics,
+                "published_at": published_at,
+            },
+        ))
+
+    @staticmethod
+    def _result(manifest: Manifest, *, reused: bool, train_s: float = 0.0,
+                published_at: float | None = None) -> TrainResult:
+        return TrainResult(
+            job_id=manifest.job_id, run=manifest.run, step=manifest.step, version=manifest.version,
+            parent=manifest.parent, metrics=manifest.metrics, train_s=train_s,
+            published_at=manifest.created_at if published_at is None else published_at, reused=reused,
+        )
+
+    # training -----------------------------------------------------------------
+    def _train(self, job: TrainJob, spec: RunSpec, info: ModelInfo, parent: int) -> TrainResult:
+        started = time.perf_counter()
+        samples, rewards, flat_groups = [], [], 0
+        for group in job.groups:
+            adv = group_advantages(torch.tensor(group.rewards), normalize_std=spec.loss.normalize_std)
+            flat_groups += int(not adv.any())
+            rewards += group.rewards
+            samples += [
+                Sample(t.prompt_ids, t.completion_ids, t.rollout_logprobs, t.mask, float(a))
+                for t, a in zip(group.trajectories, adv, strict=True)
+            ]
+        self.backend.activate(spec, parent, self.store.version_dir(job.run, parent) if parent else None)
+        batches = build_microbatches(samples, self.settings.backend.micro_batch_tokens, pad_id=info.pad_id)
+        weights = accumulation_weights([mb.tokens for mb in batches])
+        stats, grad_norms = LossStats(), []
+        for _ in range(spec.loss.epochs):
+            for mb, weight in zip(batches, weights, strict=True):
+                if weight == 0:
+                    continue
+                mb = mb.to(self.backend.device)
+                fwd = self.backend.forward(mb, entropy=self.entropy)
+                ref = self.backend.reference_logprobs(mb) if spec.loss.kl_coef > 0 else None
+                terms = grpo_loss(
+                    fwd.logprobs, mb.rollout_logprobs, mb.advantages, mb.mask,
+                    clip_low=spec.loss.clip_low, clip_high=spec.loss.clip_high,
+                    ref_logprobs=ref, kl_coef=spec.loss.kl_coef,
+                )
+                loss_value = float(terms.loss.detach())
+                if not math.isfinite(loss_value):
+                    raise TrainStepFailed(f"the loss is {loss_value} on micro-batch {mb.indices}")
+                (terms.loss * weight).backward()
+                stats.add(terms.sums)
+                if fwd.entropy is not None:
+                    stats.add({"entropy": float((fwd.entropy * mb.mask).sum())})
+            grad_norms.append(self.backend.step(spec.optimizer.max_grad_norm))
+        train_s = time.perf_counter() - started
+        metrics = {
+            **stats.metrics(), **reward_stats(rewards), "grad_norm": grad_norms[-1],
+            "tokens": float(sum(mb.tokens for mb in batches)), "sequences": float(len(samples)),
+            "groups": float(len(job.groups)), "zero_advantage_groups": float(flat_groups),
+            "microbatches": float(len(batches)), "epochs": float(spec.loss.epochs), "train_s": train_s,
+        }
+        return self._publish(job, spec, parent, metrics, train_s)
+
+    def _publish(self, job: TrainJob, spec: RunSpec, parent: int, metrics: dict[str, float],
+                 train_s: float) -> TrainResult:
+        version = parent + 1
+        removed = self.store.remove_stale_staging(job.run)
+        if removed:
+            log.info("store.staging.cleaned run=%s removed=%d", job.run, removed)
+        manifest = Manifest(
+            run=job.run, version=version, parent=parent, step=job.step, job_id=job.job_id,
+            base_model=spec.base_model, lora_rank=spec.lora.r, metrics=metrics,
+        )
+        with self.store.staging(job.run, version) as staged:
+            self.backend.save(staged / ADAPTER_DIR, staged / TRAINER_DIR, trainer_state={
+                "run": job.run, "version": version, "parent": parent, "step": job.step, "job_id": job.job_id,
+            })
+            manifest = self.store.publish(staged, manifest)
+        published_at = time.time()
+        self._announce(manifest, published_at=published_at)
+        self.backend.mark_active(job.run, version, self.store.version_dir(job.run, version))
+        return self._result(manifest, reused=False, train_s=train_s, published_at=published_at)
