@@ -55,7 +55,7 @@ def main() -> int:
     parser.add_argument("--prompts-per-step", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--max-staleness", type=int, default=0, help="0 = synchronous; 1-2 = pipelined")
     parser.add_argument("--model", default=TINY_MODEL)
     parser.add_argument("--out", default=".tandem/demo", help="state, logs and results")
@@ -80,7 +80,7 @@ def main() -> int:
             optimizer=OptimizerConfig(lr=args.lr),
             max_staleness_steps=max(args.max_staleness, 0),
         )
-        print(f"{'step':>4} {'reward':>7} {'served by':>9} {'new ver':>7} {'rollout s':>9} {'train s':>7} {'sync s':>7} {'ready→served ms':>15}")
+        print(f"{'step':>4} {'reward':>7} {'served by':>9} {'new ver':>7} {'rollout s':>9} {'train s':>7} {'sync s':>7} {'publish→loaded ms':>17}")
         t_start = time.monotonic()
         for step in range(1, args.steps + 1):
             t0 = time.monotonic()
@@ -101,11 +101,11 @@ def main() -> int:
             if hasattr(result, "version"):
                 served_at = result.metrics.get("served_at", 0.0)
                 row |= {"version": result.version, "train_s": result.train_s,
-                        "ready_to_served_ms": (served_at - result.published_at) * 1000 if served_at else None}
+                        "publish_to_loaded_ms": (served_at - result.published_at) * 1000 if served_at else None}
             rows.append(row)
             print(f"{step:>4} {row['reward']:>7.3f} {'v' + str(row['served_by']):>9} "
                   f"{'v' + str(row.get('version', '?')):>7} {row['rollout_s']:>9.2f} {row.get('train_s', 0):>7.2f} "
-                  f"{row['sync_s']:>7.2f} {row.get('ready_to_served_ms') or 0:>15.1f}", flush=True)
+                  f"{row['sync_s']:>7.2f} {row.get('publish_to_loaded_ms') or 0:>17.1f}", flush=True)
         run.wait_all()
         client.close()
     return report(rows, out, args.min_rise)

@@ -76,6 +76,9 @@ class StackConfig:
     """Use this Redis instead of starting one."""
     extra_env: dict[str, str] = field(default_factory=dict)
     ready_timeout_s: float = 180.0
+    cpu_threads: int | None = 1
+    """Threads per service for torch on CPU (OMP_NUM_THREADS). Engine and trainer share the
+    cores; with one thread each they stop fighting over them (None: torch's default)."""
 
 
 class Stack:
@@ -113,6 +116,9 @@ class Stack:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        if self.config.cpu_threads is not None:
+            env.setdefault("OMP_NUM_THREADS", str(self.config.cpu_threads))
+            env.setdefault("MKL_NUM_THREADS", str(self.config.cpu_threads))
         env.update(self.config.extra_env)
         return env
 
