@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
 import threading
 import time
 from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
 
 import httpx
@@ -59,6 +61,16 @@ class Prober(threading.Thread):
                 self.first_seen.setdefault(version, done)
             except httpx.HTTPError:
                 self.errors += 1
+
+
+def package_versions() -> dict[str, str]:
+    out = {}
+    for name in ("tandem", "torch", "transformers", "peft", "redis", "rq", "fastapi", "uvicorn"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
 
 
 def pct(values: list[float], q: float) -> float:
@@ -119,7 +131,8 @@ def main() -> int:
     }
     meta = {
         "timestamp": stamp, "versions": len(rows), "model": model, "machine": platform.platform(),
-        "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+        "python": platform.python_version(), "packages": package_versions(),
         "probe_requests": prober.requests, "probe_errors": prober.errors,
         "versions_never_probed": [r["version"] for r in rows if r["publish_to_served_ms"] is None],
     }
