@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -36,6 +38,9 @@ def test_cuda_without_a_gpu_is_a_config_error() -> None:
     assert resolve_device("auto") == "cpu"
 
 
-def test_unsloth_is_not_available_yet_even_with_cuda() -> None:
-    assert unsloth_problem("cuda") is not None  # the Unsloth backend is not written yet
+def test_unsloth_needs_cuda_and_the_package() -> None:
     assert "CUDA" in (unsloth_problem("cpu") or "")
+    if importlib.util.find_spec("unsloth") is None:
+        assert "not installed" in (unsloth_problem("cuda") or "")
+    else:
+        assert unsloth_problem("cuda") is None

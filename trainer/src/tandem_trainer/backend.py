@@ -6,8 +6,8 @@ switches the LoRA adapter to a run's version (fresh for version 0, else weights 
 optimizer state from the version directory), computes per-token logprobs, steps the
 optimizer and writes plain PEFT files that SGLang and the transformers engine both load.
 
-Two backends are planned: `peft` (transformers + peft, CPU or CUDA; written) and
-`unsloth` (CUDA only; not written yet). `auto` takes Unsloth where it can run, else peft.
+Two backends: `peft` (transformers + peft, CPU or CUDA) and `unsloth` (CUDA only, Unsloth's
+fused LoRA kernels). `auto` takes Unsloth where it can run, else peft.
 """
 
 from __future__ import annotations
@@ -136,9 +136,7 @@ def unsloth_problem(device: str) -> str | None:
         return f"the Unsloth backend needs CUDA and the trainer runs on {device}"
     if importlib.util.find_spec("unsloth") is None:
         return "unsloth is not installed (install tandem-trainer[unsloth] in the trainer image)"
-    # NOTE: once the Unsloth backend exists, `import unsloth` goes here (it patches transformers
-    # on import, so it is only imported when it will be used).
-    return "the Unsloth backend is not available yet in this version of tandem"
+    return None
 
 
 def select_backend(settings: TrainerSettings) -> Backend:
@@ -147,8 +145,11 @@ def select_backend(settings: TrainerSettings) -> Backend:
     device = resolve_device(settings.backend.device)
     if kind in ("auto", "unsloth"):
         problem = unsloth_problem(device)
-        if problem is None:  # pragma: no cover - no Unsloth backend yet
-            raise BackendNotAvailable("the Unsloth backend is not available yet")
+        if problem is None:  # pragma: no cover - needs CUDA and unsloth (GPU tests)
+            from tandem_trainer.unsloth_backend import UnslothBackend
+
+            log.info("backend %s: using unsloth", kind)
+            return UnslothBackend(device=device)
         if kind == "unsloth":
             raise BackendNotAvailable(
                 f"backend.kind='unsloth' cannot be used: {problem}; "
@@ -157,4 +158,4 @@ def select_backend(settings: TrainerSettings) -> Backend:
         log.info("backend auto: using peft (%s)", problem)
     from tandem_trainer.peft_backend import PeftBackend
 
-    return PeftBackend(device=device)
+    return PeftBackend(device=device, gradient_checkpointing=settings.backend.gradient_checkpointing)

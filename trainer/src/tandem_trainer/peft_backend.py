@@ -93,19 +93,28 @@ class PeftBackend(Backend):
         started = time.perf_counter()
         log.info("base.load.start base_model=%s device=%s dtype=%s", base_model, self.device, self.dtype)
         try:
-            model = AutoModelForCausalLM.from_pretrained(base_model, dtype=self.dtype)
+            model = self._load_base(base_model)
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"cannot load base model {base_model!r}: {exc}") from exc
+        self._base, self._base_name = model, base_model
+        log.info(
+            "base.load.end base_model=%s duration_s=%.3f", base_model, time.perf_counter() - started
+        )
+
+    def _load_base(self, base_model: str) -> Any:
+        """Load the base model onto the device, frozen, ready for LoRA."""
+        model = AutoModelForCausalLM.from_pretrained(base_model, dtype=self.dtype)
         model.to(self.device)
         model.requires_grad_(False)
         model.config.use_cache = False
         if self.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
-        self._base, self._base_name = model, base_model
-        log.info(
-            "base.load.end base_model=%s duration_s=%.3f", base_model, time.perf_counter() - started
-        )
+        return model
+
+    def _wrap(self, spec: RunSpec, config: LoraConfig) -> Any:
+        """Put fresh LoRA layers (seeded by the caller) on the base model."""
+        return get_peft_model(self._base, config)
 
     def _drop_adapter(self) -> None:
         """Take the LoRA layers out of the base model (without merging them)."""
@@ -143,7 +152,7 @@ class PeftBackend(Backend):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(spec.seed)  # same seed, same fresh adapter
             try:
-                model = get_peft_model(self._base, config)
+                model = self._wrap(spec, config)
             except ValueError as exc:  # e.g. a target module the model does not have
                 raise CheckpointError(f"run {spec.name!r}: cannot apply its LoRA config: {exc}") from exc
         model.train()  # what gradient checkpointing keys on...
