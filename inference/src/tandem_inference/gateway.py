@@ -15,12 +15,13 @@ so the controller never unloads a version under a running request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -48,6 +49,7 @@ from tandem_inference.controller import Controller
 from tandem_inference.engine_client import EngineClient
 from tandem_inference.errors import EngineError, EngineUnavailable, ModelNotFound
 from tandem_inference.routing import Lease, Route, RoutingTable, parse_model
+from tandem_inference.sharing import Admission
 
 log = logging.getLogger("tandem.gateway")
 
@@ -240,8 +242,9 @@ class Gateway:
     """What the routes share: engine, routing table, tokenizer, registry, controller."""
 
     def __init__(self, settings: InferenceSettings, engine: EngineClient, table: RoutingTable, tokenizer: Any,
-                 registry: Registry, controller: Controller | None) -> None:
+                 registry: Registry, controller: Controller | None, admission: Admission | None = None) -> None:
         self.settings = settings
+        self.admission = admission
         self.engine = engine
         self.table = table
         self.tokenizer = tokenizer
@@ -251,7 +254,12 @@ class Gateway:
 
     # resolution -------------------------------------------------------------
     async def checkout(self, model: str) -> Lease:
-        """Resolve `model` and hold its version; a run new to the table is looked up in Redis."""
+        """Resolve `model` and hold its version; a run new to the table is looked up in Redis.
+
+        In shared mode, while the GPU is lent to the trainer, this waits for it to come back.
+        """
+        if self.admission is not None:
+            await self.admission.wait()
         run, _ = parse_model(model)
         try:
             return self.table.checkout(model)
@@ -508,14 +516,18 @@ def create_gateway_app(
     registry: Registry,
     controller: Controller | None = None,
     metrics: CollectorRegistry | None = None,
+    admission: Admission | None = None,
+    background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
 ) -> FastAPI:
     """The gateway app; its lifespan runs `controller` (if given) as a background task.
 
     `engine` wraps the process's one httpx.AsyncClient, which the caller owns and closes.
     `metrics` is the Prometheus registry /metrics serves (a fresh one if None); the
-    controller's registry is served too when it is another one.
+    controller's registry is served too when it is another one. `admission` holds requests
+    while the GPU is lent out (shared mode); `background` coroutines (the GPU-sharing loop,
+    the engine supervisor) run for the app's lifetime.
     """
-    gw = Gateway(settings, engine, table, tokenizer, registry, controller)
+    gw = Gateway(settings, engine, table, tokenizer, registry, controller, admission)
     prom = metrics if metrics is not None else CollectorRegistry()
     gm = GatewayMetrics(prom)
     api_key = settings.gateway.api_key.get_secret_value() if settings.gateway.api_key else None
@@ -524,9 +536,15 @@ def create_gateway_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if controller is not None:
             controller.start()
+        tasks = [asyncio.create_task(job()) for job in background]
         try:
             yield
         finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             if controller is not None:
                 await controller.stop()
 

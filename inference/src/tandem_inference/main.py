@@ -3,8 +3,11 @@
     tandem-inference            (or: python -m tandem_inference.main)
 
 They share a process so that a version switch is an in-memory change of the routing table,
-not a Redis round trip per request. The engine runs separately (SGLang, or
-`python -m tandem_inference.engine_server` on CPU) and is reached over HTTP only.
+not a Redis round trip per request. The engine is reached over HTTP only: with
+`engine.kind = sglang` this process also launches SGLang from its own environment and
+supervises it (`tandem_inference.launcher`); with `transformers` the engine runs separately
+(`tandem-engine`). In shared GPU mode it also lends the GPU to the trainer on request
+(`tandem_inference.sharing`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 from tandem.errors import TandemError
 from tandem.settings import InferenceSettings
@@ -32,7 +36,9 @@ async def serve(settings: InferenceSettings) -> None:
     from tandem_inference.controller import Controller
     from tandem_inference.engine_client import EngineClient
     from tandem_inference.gateway import create_gateway_app
+    from tandem_inference.launcher import Launcher
     from tandem_inference.routing import RoutingTable
+    from tandem_inference.sharing import Admission, GpuSharing
 
     t0 = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(settings.engine.model)
@@ -42,13 +48,34 @@ async def serve(settings: InferenceSettings) -> None:
         engine = EngineClient.from_settings(http, settings.engine)
         table = RoutingTable(settings.engine.served_model_name)
         store = AdapterStore(settings.store.root)
-        controller = Controller(settings, conn, engine, store, table)
+        launcher = None
+        if settings.engine.kind == "sglang":
+            log_dir = Path(settings.store.root).parent / "logs"
+            log_dir.mkdir(parents=True, exist_ok=True)
+            launcher = Launcher(settings, http, log_path=log_dir / "sglang.log")
+            await launcher.start()
+        controller = Controller(settings, conn, engine, store, table,
+                                restart_engine=launcher.restart if launcher else None)
+        if launcher is not None:
+            launcher.on_restart = controller.reconcile
+        background = []
+        admission = None
+        if launcher is not None:
+            background.append(launcher.supervise)
+        if settings.gpus.mode == "shared":
+            admission = Admission()
+            background.append(GpuSharing(settings, conn, engine, table, admission).run)
         app = create_gateway_app(settings, engine=engine, table=table, tokenizer=tokenizer,
                                  registry=Registry(conn), controller=controller,
-                                 metrics=controller.metrics.registry)
+                                 metrics=controller.metrics.registry, admission=admission,
+                                 background=background)
         config = uvicorn.Config(app, host=settings.gateway.host, port=settings.gateway.port,
                                 log_level="info", lifespan="on")
-        await uvicorn.Server(config).serve()
+        try:
+            await uvicorn.Server(config).serve()
+        finally:
+            if launcher is not None:
+                launcher.stop()
     conn.close()
 
 

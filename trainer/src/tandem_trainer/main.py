@@ -16,6 +16,16 @@ import sys
 log = logging.getLogger("tandem_trainer")
 
 
+def trainer_gpus(settings: object) -> str | None:
+    """CUDA_VISIBLE_DEVICES for the trainer: its own GPUs (split), the engine's (shared), none (cpu)."""
+    gpus = settings.gpus  # type: ignore[attr-defined]
+    if gpus.mode == "split":
+        return ",".join(str(g) for g in gpus.trainer)
+    if gpus.mode == "shared":
+        return str(gpus.inference[0])
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the trainer worker until it is asked to stop; `--burst` exits when the queue is empty."""
     from pydantic import ValidationError
@@ -38,6 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         conn = settings.redis.connect()
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # bars are noise in service logs
+        gpus = trainer_gpus(settings)
+        if gpus is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
+            os.environ["CUDA_VISIBLE_DEVICES"] = gpus  # before torch is imported
         from tandem_trainer.worker import serve  # heavy: torch, transformers, peft
 
         serve(settings, conn, name, burst="--burst" in args)

@@ -33,6 +33,7 @@ from tandem_trainer.backend import Backend, ModelInfo
 from tandem_trainer.errors import JobRejected, LockTimeout, TrainStepFailed
 from tandem_trainer.grpo import LossStats, group_advantages, grpo_loss, reward_stats
 from tandem_trainer.microbatch import Sample, accumulation_weights, build_microbatches
+from tandem_trainer.sharing import SharedGpu
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +91,11 @@ class Trainer:
         owner: str = "trainer",
         holder_alive: Callable[[str], bool] = lambda owner: True,
         entropy: bool = True,
+        gpu: SharedGpu | None = None,
     ) -> None:
         self.settings, self.conn, self.backend = settings, conn, backend
+        self.gpu = gpu
+        """Shared mode: the GPU lease held around each job's compute (None in split/cpu mode)."""
         self.store = store or AdapterStore(settings.store.root)
         self.registry, self.events = Registry(conn), EventStream(conn)
         self.owner, self.holder_alive, self.entropy = owner, holder_alive, entropy
@@ -126,7 +130,12 @@ class Trainer:
                         parent = self.registry.latest_version(job.run)
                         version = parent + 1
                         self._check_versions(job, spec, parent)
-                        result = self._train(job, spec, info, parent)
+                        if self.gpu is None:
+                            result = self._train(job, spec, info, parent)
+                        else:
+                            with self.gpu.held() as waited:
+                                result = self._train(job, spec, info, parent)
+                            result.metrics["gpu_wait_s"] = waited
                 finally:
                     lock.release()
         except Exception as exc:

@@ -37,6 +37,7 @@ from tandem.settings import TrainerSettings
 
 from tandem_trainer.backend import select_backend
 from tandem_trainer.errors import JobRejected
+from tandem_trainer.sharing import SharedGpu
 from tandem_trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ def setup(settings: TrainerSettings, conn: redis.Redis, liveness: Liveness) -> T
         trainer = Trainer(
             settings, conn, select_backend(settings), AdapterStore(settings.store.root),
             owner=liveness.token, holder_alive=lambda owner: owner_alive(conn, owner),
+            gpu=SharedGpu(conn, settings.gpus, holder=liveness.token) if settings.gpus.mode == "shared" else None,
         )
         _context = _Context(trainer=trainer, liveness=liveness)
     return _context.trainer

@@ -1,0 +1,58 @@
+"""Shared mode on the local stack: the trainer borrows the engine's device for each job.
+
+On CPU the engine has no GPU memory to free, but the hand-over is the same as on a GPU:
+the trainer asks through the lease, inference drains, releases and grants, the trainer
+trains, gives the lease back, inference resumes. Rollouts sent meanwhile wait; none fails.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tandem import Client, LoraConfig
+from tandem.stack import Stack, StackConfig
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def test_jobs_take_the_device_from_inference_and_give_it_back(tiny_model: Path, tmp_path: Path) -> None:
+    config = StackConfig(state_dir=tmp_path / "stack", model=str(tiny_model), gateway_port=0,
+                         extra_env={"TANDEM_GPUS__MODE": "shared"})
+    with Stack(config) as stack:
+        client = Client(stack.gateway_url, stack.redis_url)
+        run = client.create_run("shared", base_model=str(tiny_model), lora=LoraConfig(r=4, alpha=8))
+        statuses: list[int] = []
+        stop = threading.Event()
+
+        def roll_out() -> None:
+            with httpx.Client(base_url=stack.gateway_url, timeout=60) as http:
+                while not stop.is_set():
+                    r = http.post("/v1/completions", json={"model": "shared", "prompt": "1", "max_tokens": 4})
+                    statuses.append(r.status_code)
+
+        rollers = [threading.Thread(target=roll_out) for _ in range(2)]
+        for t in rollers:
+            t.start()
+        try:
+            for step in range(3):
+                comps = run.chat([{"role": "user", "content": "Count."}], n=4, max_tokens=6)
+                result = run.train([run.group(comps, [0.0, 1.0, 0.5, 0.25])])
+                assert result.version == step + 1
+                assert result.metrics["gpu_wait_s"] >= 0
+        finally:
+            stop.set()
+            for t in rollers:
+                t.join(60)
+        assert statuses and set(statuses) == {200}
+        info = httpx.get(f"{stack.engine_url}/server_info").json()
+        assert info["memory_released"] is False  # resumed after the last job
+        client.close()
+    inference_log = (stack.logs / "inference.log").read_text()
+    trainer_log = (stack.logs / "trainer.log").read_text()
+    assert inference_log.count("gpu lent to the trainer") == 3
+    assert inference_log.count("gpu back") == 3
+    assert trainer_log.count("gpu.lease.granted") == 3
