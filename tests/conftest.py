@@ -109,3 +109,20 @@ def serve_app(app, *, port: int | None = None) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` run only where torch sees a CUDA device; elsewhere they skip cleanly."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    if not has_gpu:
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in gpu_items:
+            item.add_marker(skip)

@@ -1,0 +1,256 @@
+"""The GPU check: real SGLang and the real Unsloth trainer, as tandem runs them, on the toy task.
+
+Runs on a machine with NVIDIA GPUs. Each side runs in its own Python environment (given as
+an interpreter: a venv's python, or a wrapper that sets PYTHONPATH), exactly as the two
+images do: SGLang under the inference service's launcher, Unsloth in the trainer worker.
+For each step it records rollout time, train time, publish -> serving latency, SGLang's
+adapter load time and the reward; for the run, engine boot time and peak GPU memory of each
+side (and whether it grows). Results go to OUT/results.json and OUT/report.md.
+
+    python bench/gpu_check.py --mode split  --shape tiny --out $OUT/split-tiny
+    python bench/gpu_check.py --mode shared --shape 0.5b --out $OUT/shared-0.5b \
+        --sglang-python /opt/sglang/bin/python --trainer-python /opt/trainer/bin/python
+
+`--engine transformers --backend peft` runs the same script on a CPU (a dry run of the
+orchestration; the numbers then say nothing about GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tandem import Client, LoraConfig, OptimizerConfig
+from tandem.events import EventKind
+from tandem.stack import Service, Stack, StackConfig
+
+#: Model shapes: the tiny model, and the transformer body of Qwen2.5-0.5B (random weights;
+#: the vocabulary stays the tiny BPE's 512 tokens, so the embeddings are small).
+SHAPES = {
+    "tiny": {},
+    "0.5b": {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2,
+             "intermediate_size": 4864, "max_position_embeddings": 4096, "initializer_range": 0.1},
+    "1.5b": {"hidden_size": 1536, "num_layers": 28, "num_heads": 12, "num_kv_heads": 2,
+             "intermediate_size": 8960, "max_position_embeddings": 4096, "initializer_range": 0.08},
+}
+PROMPTS = ["Write some numbers.", "Count for me.", "Say something.", "What is the answer?"]
+SGLANG_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+                "--dtype", "bfloat16"]
+
+
+class GpuStack(Stack):
+    """The local stack with the inference side launching SGLang and each side in its own env."""
+
+    def __init__(self, config: StackConfig, args: argparse.Namespace) -> None:
+        super().__init__(config)
+        self.args = args
+
+    def plan(self) -> list[Service]:
+        services = [s for s in super().plan() if s.name == "redis"]
+        if self.args.engine == "transformers":
+            services.append(Service("engine", [self.args.tandem_python, "-m", "tandem_inference.engine_server"],
+                                    ready=lambda: self._http_ok(f"{self.engine_url}/health")))
+        services.append(Service("inference", [self.args.tandem_python, "-m", "tandem_inference.main"],
+                                ready=lambda: self._http_ok(f"{self.gateway_url}/ready")))
+        services.append(Service("trainer", [self.args.trainer_python, "-m", "tandem_trainer.main"],
+                                ready=self._trainer_ready))
+        return services
+
+
+class GpuMemory(threading.Thread):
+    """Samples nvidia-smi: used memory per GPU and per process, every `period_s`."""
+
+    def __init__(self, period_s: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.period_s = period_s
+        self.samples: list[dict] = []
+        self.stop_flag = threading.Event()
+        self.available = shutil.which("nvidia-smi") is not None
+
+    def sample(self) -> dict:
+        gpus = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=10).stdout
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=10).stdout
+        return {
+            "t": time.time(),
+            "gpu_mib": {int(i): float(m) for i, m in (line.split(",") for line in gpus.strip().splitlines())},
+            "pid_mib": {int(p): float(m) for p, m in (line.split(",") for line in apps.strip().splitlines() if line)},
+        }
+
+    def run(self) -> None:
+        while self.available and not self.stop_flag.is_set():
+            try:
+                self.samples.append(self.sample())
+            except (subprocess.SubprocessError, ValueError):
+                pass
+            self.stop_flag.wait(self.period_s)
+
+
+def descendants(pid: int) -> set[int]:
+    """pid and every process below it (SGLang runs a scheduler and a detokenizer as children)."""
+    out = {pid}
+    try:
+        children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    except OSError:
+        return out
+    for child in children:
+        out |= descendants(int(child))
+    return out
+
+
+def digit_ids(model: Path) -> set[int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    return {i for i in range(tok.get_vocab_size()) if tok.decode([i]).strip().isdigit()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=["split", "shared"], default="split")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--lr", type=float, default=None, help="default: 5e-3 tiny, 2e-3 larger")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--engine", choices=["sglang", "transformers"], default="sglang")
+    parser.add_argument("--backend", choices=["unsloth", "peft", "auto"], default="unsloth")
+    parser.add_argument("--tandem-python", default=sys.executable)
+    parser.add_argument("--sglang-python", default="python3")
+    parser.add_argument("--trainer-python", default=sys.executable)
+    parser.add_argument("--inference-gpus", default="[0]")
+    parser.add_argument("--trainer-gpus", default="[1]")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=8)
+    parser.add_argument("--mem-fraction", type=float, default=None)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lr = args.lr or (5e-3 if args.shape == "tiny" else 2e-3)
+
+    from tandem_trainer.tiny_model import build_tiny_model
+
+    t0 = time.monotonic()
+    model = build_tiny_model(out.parent / f"model-{args.shape}", **SHAPES[args.shape])
+    print(f"[gpu_check] model {args.shape} at {model} in {time.monotonic() - t0:.1f} s", flush=True)
+    env = {
+        "TANDEM_GPUS__MODE": args.mode if args.engine == "sglang" else "cpu",
+        "TANDEM_GPUS__INFERENCE": args.inference_gpus,
+        "TANDEM_GPUS__TRAINER": args.trainer_gpus if args.mode == "split" else "[7]",
+        "TANDEM_ENGINE__KIND": args.engine,
+        "TANDEM_ENGINE__SGLANG_PYTHON": args.sglang_python,
+        "TANDEM_ENGINE__MAX_LORA_RANK": "16",
+        "TANDEM_ENGINE__CUDA_GRAPH_MAX_BS": str(args.cuda_graph_max_bs),
+        "TANDEM_ENGINE__EXTRA_ARGS": json.dumps(SGLANG_FLAGS),
+        "TANDEM_BACKEND__KIND": args.backend,
+        "TANDEM_LOG_LEVEL": "INFO",
+    }
+    if args.mode == "shared" and args.engine == "transformers":
+        env["TANDEM_GPUS__MODE"] = "shared"
+    if args.mem_fraction or args.mode == "shared":
+        env["TANDEM_ENGINE__MEM_FRACTION_STATIC"] = str(args.mem_fraction or 0.6)
+    config = StackConfig(state_dir=out / "stack", model=str(model), gateway_port=0, extra_env=env,
+                         ready_timeout_s=1200, cpu_threads=None)
+    memory = GpuMemory()
+    memory.start()
+    rows: list[dict] = []
+    boot: dict[str, float] = {}
+    with GpuStack(config, args) as stack:
+        boot["stack_ready_s"] = time.monotonic() - t0
+        trainer_pids = descendants(stack.service("trainer").proc.pid)
+        inference_pids = descendants(stack.service("inference").proc.pid)
+        client = Client(stack.gateway_url, stack.redis_url)
+        run = client.create_run(f"gpu-{args.mode}", base_model=str(model), lora=LoraConfig(r=16, alpha=32),
+                                optimizer=OptimizerConfig(lr=lr), max_staleness_steps=0)
+        digits = digit_ids(model)
+        for step in range(1, args.steps + 1):
+            s0 = time.monotonic()
+            groups, rewards, versions = [], [], set()
+            for prompt in PROMPTS:
+                comps = run.chat([{"role": "user", "content": prompt}], n=args.group_size, max_tokens=args.max_tokens)
+                scores = [sum(t in digits for t in c.completion_ids) / len(c.completion_ids) for c in comps]
+                groups.append(run.group(comps, scores))
+                rewards += scores
+                versions |= {c.version for c in comps}
+            s1 = time.monotonic()
+            result = run.train(groups)
+            s2 = time.monotonic()
+            served_at = result.metrics.get("served_at", 0.0)
+            mem = memory.samples[-1] if memory.samples else None
+            rows.append({
+                "step": step, "reward": statistics.fmean(rewards), "served_by": sorted(versions),
+                "version": result.version, "rollout_s": s1 - s0, "train_s": result.train_s, "sync_s": s2 - s1,
+                "publish_to_serving_ms": (served_at - result.published_at) * 1000,
+                "gpu_wait_s": result.metrics.get("gpu_wait_s"),
+                "gpu_mib": mem["gpu_mib"] if mem else None,
+            })
+            r = rows[-1]
+            print(f"[gpu_check] step {step:>3} reward {r['reward']:.3f} v{r['version']} rollout {r['rollout_s']:.2f}s "
+                  f"train {r['train_s']:.2f}s sync {r['sync_s']:.2f}s publish->serving {r['publish_to_serving_ms']:.0f}ms",
+                  flush=True)
+        loaded = {e.version: e.data for e in client.events.history(run=run.name, count=10_000)
+                  if e.kind is EventKind.ADAPTER_LOADED}
+        for r in rows:
+            r["sglang_load_ms"] = loaded.get(r["version"], {}).get("load_ms")
+        sglang_log = stack.state / "logs" / "sglang.log"
+        inference_log = (stack.logs / "inference.log").read_text(errors="replace")
+        trainer_log = (stack.logs / "trainer.log").read_text(errors="replace")
+        client.close()
+        trainer_pids |= descendants(stack.service("trainer").proc.pid)
+        inference_pids |= descendants(stack.service("inference").proc.pid)
+    memory.stop_flag.set()
+    memory.join(5)
+
+    m = re.search(r"engine healthy in ([0-9.]+) s", inference_log)
+    boot["engine_boot_s"] = float(m.group(1)) if m else None
+    handovers = [{k: float(v) for k, v in re.findall(r"(\w+_ms)=([0-9.]+)", line)}
+                 for line in inference_log.splitlines() if "gpu lent" in line or "gpu back" in line]
+    side_peak = {"inference": 0.0, "trainer": 0.0}
+    for s in memory.samples:
+        for pid, mib in s["pid_mib"].items():
+            side = "trainer" if pid in trainer_pids else "inference" if pid in inference_pids else None
+            if side is None:  # SGLang's children re-parented: count them as inference in split mode
+                side = "inference"
+            side_peak[side] = max(side_peak[side], mib)
+    first = statistics.fmean(r["reward"] for r in rows[:5])
+    last = statistics.fmean(r["reward"] for r in rows[-5:])
+
+    def p(key: str, q: float) -> float | None:
+        vals = sorted(r[key] for r in rows if r.get(key) is not None)
+        return vals[min(len(vals) - 1, round(q * (len(vals) - 1)))] if vals else None
+
+    growth = None
+    if len(rows) > 6 and rows[3]["gpu_mib"] and rows[-1]["gpu_mib"]:
+        growth = {str(g): rows[-1]["gpu_mib"][g] - rows[3]["gpu_mib"][g] for g in rows[-1]["gpu_mib"]}
+    summary = {
+        "mode": args.mode, "shape": args.shape, "engine": args.engine, "backend": args.backend, "steps": len(rows),
+        "lr": lr, "reward_first5": first, "reward_last5": last, "reward_rise": last - first,
+        "publish_to_serving_ms_p50": p("publish_to_serving_ms", 0.5),
+        "publish_to_serving_ms_p95": p("publish_to_serving_ms", 0.95),
+        "sglang_load_ms_p50": p("sglang_load_ms", 0.5), "sglang_load_ms_p95": p("sglang_load_ms", 0.95),
+        "rollout_s_p50": p("rollout_s", 0.5), "train_s_p50": p("train_s", 0.5), "sync_s_p50": p("sync_s", 0.5),
+        "boot": boot, "peak_gpu_mib_by_side": side_peak, "gpu_mib_growth_step4_to_last": growth,
+        "handovers": handovers[:10], "handover_count": len(handovers),
+        "trainer_backend_line": next((ln for ln in trainer_log.splitlines() if "backend" in ln.lower()), None),
+        "machine": platform.platform(), "python": platform.python_version(),
+        "sglang_log_tail": sglang_log.read_text(errors="replace").splitlines()[-5:] if sglang_log.exists() else [],
+    }
+    (out / "results.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    print(json.dumps(summary, indent=1))
+    return 0 if last > first else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
