@@ -60,6 +60,9 @@ def sglang_argv(settings: InferenceSettings) -> list[str]:
         argv += ["--mem-fraction-static", str(eng.mem_fraction_static)]
     if settings.gpus.mode == "shared":
         argv.append("--enable-memory-saver")
+        if "weights" in settings.gpus.release_tags:
+            # Released weights come back as garbage unless SGLang keeps a CPU copy to restore.
+            argv.append("--enable-weights-cpu-backup")
     if eng.disable_cuda_graph:
         argv.append("--disable-cuda-graph")
     elif eng.cuda_graph_max_bs is not None:
@@ -169,16 +172,29 @@ class Launcher:
             await asyncio.sleep(poll_s)
 
     def terminate(self, timeout_s: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """Stop the engine and everything it started.
+
+        SGLang's scheduler and detokenizer are child processes in the engine's process group;
+        they can outlive a leader that crashed and keep the GPU memory, so the whole group is
+        killed even when the leader is already gone.
+        """
+        if self.proc is None:
             return
+        group = self.proc.pid  # start_new_session: the leader's pid is the group id
+        if self.proc.poll() is None:
+            try:
+                os.killpg(group, signal.SIGTERM)
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("engine did not stop in %.0f s; killing it", timeout_s)
+            except ProcessLookupError:
+                pass
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+            os.killpg(group, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        if self.proc.poll() is None:
+            self.proc.wait(10)
 
     def stop(self) -> None:
         self._stopping = True

@@ -61,6 +61,7 @@ class GpuSharing:
         poll_s: float = 0.05,
     ) -> None:
         self.lease = GpuLease(conn, ttl_s=settings.gpus.lease_ttl_s, holder="inference")
+        self.tags = list(settings.gpus.release_tags)
         self.engine = engine
         self.table = table
         self.admission = admission
@@ -92,7 +93,7 @@ class GpuSharing:
         while self.table.in_flight_total() > 0:
             await asyncio.sleep(0.005)
         t1 = time.monotonic()
-        await self.engine.release_memory()
+        await self.engine.release_memory(self.tags)
         t2 = time.monotonic()
         self.released = True
         await asyncio.to_thread(self.lease.grant)
@@ -101,7 +102,7 @@ class GpuSharing:
 
     async def _take_back(self) -> None:
         t0 = time.monotonic()
-        await self.engine.resume_memory()
+        await self.engine.resume_memory(self.tags)
         self.released = False
         self.admission.open()
         done = time.monotonic()

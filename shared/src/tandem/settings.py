@@ -165,6 +165,9 @@ class GpuSettings(BaseModel):
     """Shared mode: a GPU lease expires this long after its holder's last renewal, in seconds."""
     lease_wait_s: float = Field(600.0, gt=0)
     """Shared mode: how long the trainer waits for inference to hand the GPU over, in seconds."""
+    release_tags: list[Literal["kv_cache", "weights", "cuda_graph"]] = Field(default_factory=lambda: ["kv_cache"])
+    """Shared mode: what the engine frees for the trainer. The KV cache is nearly all of it; adding
+    `weights` makes SGLang keep a CPU copy of the base weights (--enable-weights-cpu-backup)."""
 
     @model_validator(mode="after")
     def _disjoint(self) -> GpuSettings:
