@@ -32,10 +32,20 @@ class StackError(TandemError):
     """A service of the local stack did not start; the message names it and its log."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(low: int | None = None, high: int | None = None) -> int:
+    """A free TCP port on loopback: any, or the first free one in [low, high)."""
+    if low is None or high is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    for port in range(low, high):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise ConfigError(f"no free port between {low} and {high}")
 
 
 def redis_server_binary() -> str:
@@ -88,7 +98,9 @@ class Stack:
         self.config = config
         self.state = config.state_dir.resolve()
         self.logs = self.state / "logs"
-        self.engine_port = config.engine_port or free_port()
+        # NOTE: SGLang 0.5.12 derives a gRPC port above its own and refuses to start when that
+        # passes 65535 (seen with a random high port): keep the engine port low.
+        self.engine_port = config.engine_port or free_port(30000, 31000)
         self.gateway_port = config.gateway_port or free_port()
         self.redis_port = config.redis_port or free_port()
         self.redis_url = config.redis_url or f"redis://127.0.0.1:{self.redis_port}/0"
