@@ -8,16 +8,12 @@ byte-for-byte reproducible so cached builds can be trusted.
 from __future__ import annotations
 
 import hashlib
-import sys
+import json
 from pathlib import Path
 
 import pytest
 
-try:
-    from tandem_trainer.tiny_model import build_tiny_model
-except ImportError:  # not installed: run from a plain checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "trainer" / "src"))
-    from tandem_trainer.tiny_model import build_tiny_model
+from tandem_trainer.tiny_model import build_tiny_model
 
 
 def _sha256(path: Path) -> str:
@@ -95,3 +91,14 @@ def test_same_seed_is_byte_identical_and_reused(tiny_dir: Path, tmp_path: Path) 
     assert _sha256(again / "model.safetensors") != _sha256(tiny_dir / "model.safetensors")
     assert _sha256(again / "tokenizer.json") == _sha256(tiny_dir / "tokenizer.json")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
+
+
+def test_a_build_from_an_older_recipe_is_rebuilt(tiny_dir: Path, tmp_path: Path) -> None:
+    out = build_tiny_model(tmp_path / "old", seed=0)
+    stamp_path = out / "tandem_tiny.json"
+    stamp = json.loads(stamp_path.read_text())
+    stamp_path.write_text(json.dumps({**stamp, "format_version": 0}))
+    assert build_tiny_model(out, seed=0) == out
+    assert json.loads(stamp_path.read_text())["format_version"] == stamp["format_version"]
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["top_k"] == json.loads((out / "config.json").read_text())["vocab_size"]  # SGLang refuses 0

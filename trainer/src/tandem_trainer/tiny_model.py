@@ -28,7 +28,7 @@ __all__ = ["build_tiny_model"]
 log = logging.getLogger(__name__)
 
 STAMP_FILE = "tandem_tiny.json"
-FORMAT_VERSION = 1  # bump when the build recipe changes, so old caches rebuild
+FORMAT_VERSION = 2  # bump when the build recipe changes, so old caches rebuild
 CORPUS_SEED = 1234  # corpus (and so the vocab) does not depend on the model seed
 QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -160,9 +160,12 @@ def _build_into(tmp: Path, params: dict) -> None:
     with torch.no_grad():  # digit prior: see build_tiny_model's docstring
         model.lm_head.weight[digit_ids] *= params["digit_logit_scale"]
     model.save_pretrained(tmp, safe_serialization=True)
-    GenerationConfig(  # plain sampling, so generate() draws from exactly the policy RL scores
+    # Plain sampling, so generate() draws from exactly the policy RL scores. top_k is the whole
+    # vocabulary rather than 0: SGLang's OpenAI routes take their defaults from this file and
+    # refuse top_k=0 (seen with 0.5.12), while a full-vocabulary top_k filters nothing anywhere.
+    GenerationConfig(
         bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot,
-        do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+        do_sample=True, temperature=1.0, top_k=len(tokenizer), top_p=1.0,
     ).save_pretrained(tmp)
     n_params = sum(p.numel() for p in model.parameters())
     stamp = {**params, "format_version": FORMAT_VERSION, "n_params": n_params, "final_vocab_size": len(tokenizer)}
@@ -213,6 +216,7 @@ def build_tiny_model(
     Idempotent: a complete build with identical parameters is reused. The build
     happens in a temp dir beside ``out_dir`` and is renamed into place, so
     readers never see a half-written model, even under concurrent builds.
+    The same model built by an older recipe (format version) is rebuilt in place.
     Raises FileExistsError if ``out_dir`` holds something else and not ``overwrite``.
     """
     out = Path(out_dir).resolve()
@@ -222,10 +226,13 @@ def build_tiny_model(
         max_position_embeddings=max_position_embeddings, initializer_range=initializer_range,
         digit_logit_scale=digit_logit_scale,
     )
-    if not overwrite and _matches(_read_stamp(out), params):
+    stamp = _read_stamp(out)
+    if not overwrite and _matches(stamp, params):
         log.info("reusing tiny model at %s", out)
         return out
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+    # the same model from an older recipe is rebuilt; anything else there is not ours to replace
+    older_recipe = stamp is not None and all(stamp.get(k) == v for k, v in params.items())
+    if not older_recipe and out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not a tiny model built with {params}; pass overwrite=True")
 
     out.parent.mkdir(parents=True, exist_ok=True)
