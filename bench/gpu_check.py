@@ -29,8 +29,6 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
-
 from tandem import Client, LoraConfig, OptimizerConfig
 from tandem.events import EventKind
 from tandem.stack import Service, Stack, StackConfig

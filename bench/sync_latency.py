@@ -23,7 +23,7 @@ import statistics
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
@@ -89,7 +89,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="default: bench/results/<timestamp>")
     args = parser.parse_args()
 
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out = Path(args.out or f"bench/results/{stamp}")
     out.mkdir(parents=True, exist_ok=True)
     if args.model == TINY_MODEL:
@@ -156,7 +156,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for ax, key, title in zip(axes, ["ready_to_loaded_ms", "publish_to_served_ms"],
-                              ["adapter_ready -> adapter_loaded", "publish -> first response served"]):
+                              ["adapter_ready -> adapter_loaded", "publish -> first response served"], strict=False):
         vals = [r[key] for r in rows if r[key] is not None]
         ax.hist(vals, bins=20)
         ax.set_title(title)

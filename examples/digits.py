@@ -80,7 +80,8 @@ def main() -> int:
             optimizer=OptimizerConfig(lr=args.lr),
             max_staleness_steps=max(args.max_staleness, 0),
         )
-        print(f"{'step':>4} {'reward':>7} {'served by':>9} {'new ver':>7} {'rollout s':>9} {'train s':>7} {'sync s':>7} {'publish→loaded ms':>17}")
+        print(f"{'step':>4} {'reward':>7} {'served by':>9} {'new ver':>7} {'rollout s':>9} {'train s':>7} "
+              f"{'sync s':>7} {'publish→loaded ms':>17}")
         t_start = time.monotonic()
         for step in range(1, args.steps + 1):
             t0 = time.monotonic()

@@ -17,9 +17,9 @@ import httpx
 import pytest
 import redis
 import torch
+from conftest import serve_app
 from prometheus_client import generate_latest
 
-from conftest import serve_app
 from tandem import keys
 from tandem.adapters import AdapterStore, Manifest
 from tandem.events import Cursor, Event, EventKind, EventStream

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import torch
 from conftest import serve_app
+
 from tandem.settings import EngineSettings
 from tandem_inference.engine_server import create_engine_app
 
@@ -244,7 +245,7 @@ def test_openai_chat_with_served_adapter_logprobs_and_n(
     assert base["usage"]["completion_tokens"] == 6
     assert base["usage"]["total_tokens"] == base["usage"]["prompt_tokens"] + 6
     tuned_lps = [c["logprob"] for c in tuned["choices"][0]["logprobs"]["content"]]
-    assert max(abs(a - c["logprob"]) for a, c in zip(tuned_lps, content)) > 0.01  # the adapter served it
+    assert max(abs(a - c["logprob"]) for a, c in zip(tuned_lps, content, strict=False)) > 0.01  # the adapter served it
     # the prompt is the chat template with a generation prompt; token ids come back on request
     ids = client.post("/v1/chat/completions", json={**body, "return_token_ids": True}).json()
     from transformers import AutoTokenizer

@@ -18,8 +18,9 @@ import httpx
 import openai
 import pytest
 import redis
-
 from conftest import free_port, serve_app
+from test_controller import announce, publish
+
 from tandem.adapters import AdapterStore
 from tandem.events import EventStream
 from tandem.registry import Registry
@@ -37,7 +38,6 @@ from tandem_inference.engine_client import EngineClient
 from tandem_inference.engine_server import create_engine_app
 from tandem_inference.gateway import create_gateway_app
 from tandem_inference.routing import RoutingTable
-from test_controller import announce, publish
 
 pytestmark = pytest.mark.integration
 

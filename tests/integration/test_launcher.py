@@ -10,10 +10,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import free_port
 
 from tandem.settings import EngineSettings, InferenceSettings
 from tandem_inference.launcher import EngineBootError, Launcher
-from conftest import free_port
 
 pytestmark = pytest.mark.integration
 

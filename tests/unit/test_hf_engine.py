@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tandem_inference.errors import (
     AdapterLoadFailed,
     AdapterNotLoaded,
@@ -107,7 +108,7 @@ def test_logprobs_match_teacher_forced_recomputation(loaded: HFEngine, kw: dict)
             with loaded._use(adapter):
                 expected = teacher_forced(loaded, prompt, seq.output_ids)
             assert len(seq.logprobs) == len(seq.output_ids) > 0
-            assert max(abs(a - b) for a, b in zip(seq.logprobs, expected)) < 1e-4
+            assert max(abs(a - b) for a, b in zip(seq.logprobs, expected, strict=False)) < 1e-4
 
 
 def test_adapter_changes_the_distribution_and_base_is_untouched(loaded: HFEngine) -> None:
@@ -118,7 +119,7 @@ def test_adapter_changes_the_distribution_and_base_is_untouched(loaded: HFEngine
         with_adapter = teacher_forced(loaded, prompt, base[0])
     with loaded._use(None):
         without = teacher_forced(loaded, prompt, base[0])
-    assert max(abs(a - b) for a, b in zip(with_adapter, without)) > 0.1
+    assert max(abs(a - b) for a, b in zip(with_adapter, without, strict=False)) > 0.1
     assert sample(loaded, None, temperature=0) == base
 
 
@@ -314,5 +315,5 @@ def test_identical_unseeded_requests_waiting_for_the_model_run_as_one_batch(load
     for seq in samples:
         with loaded._use("a"):
             expected = teacher_forced(loaded, prompt, seq.output_ids)
-        assert max(abs(a - b) for a, b in zip(seq.logprobs, expected)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(seq.logprobs, expected, strict=False)) < 1e-4
     assert not loaded._pending and params.n == 1

@@ -34,8 +34,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
-from tandem.settings import EngineSettings
 
+from tandem.settings import EngineSettings
 from tandem_inference.errors import (
     AdapterLoadFailed,
     AdapterNotLoaded,
@@ -624,7 +624,7 @@ def _native(
         "weight_version": "default",
     }
     if logprobs:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.logprobs, s.output_ids)]
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.logprobs, s.output_ids, strict=False)]
         meta["input_token_logprobs"] = []
         if top > 0:
             meta["output_top_logprobs"] = [[] for _ in s.output_ids]
@@ -640,7 +640,7 @@ def _logprobs(eng: HFEngine, ids: list[int], lps: list[float], chat: bool) -> di
         return {
             "content": [
                 {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-                for tok, lp in zip(tokens, lps)
+                for tok, lp in zip(tokens, lps, strict=False)
             ]
         }
     offsets, at = [], 0

@@ -559,7 +559,7 @@ class HFEngine:
         for step in range(p.max_new_tokens):
             tokens, logprobs = _sample(logits, p, gen)
             keep = []
-            for row, (token, logprob) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
+            for row, (token, logprob) in enumerate(zip(tokens.tolist(), logprobs.tolist(), strict=False)):
                 seq = seqs[rows[row]]
                 seq.output_ids.append(token)
                 seq.logprobs.append(logprob)

@@ -111,7 +111,8 @@ class Launcher:
         """Start the engine and wait until it is healthy; returns the boot time in seconds."""
         t0 = time.monotonic()
         out = self.log_path.open("ab") if self.log_path else None
-        log.info("starting engine: %s", " ".join(a if "key" not in p else "***" for p, a in zip([""] + self.argv, self.argv)))
+        shown = [a if prev != "--admin-api-key" else "***" for prev, a in zip(["", *self.argv], self.argv, strict=False)]
+        log.info("starting engine: %s", " ".join(shown))
         self.proc = subprocess.Popen(
             self.argv, env=self.env, stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -16,9 +16,8 @@ import time
 
 import redis
 
-from tandem.lease import GpuLease, LeaseState
+from tandem.lease import GpuLease
 from tandem.settings import InferenceSettings
-
 from tandem_inference.engine_client import EngineClient
 from tandem_inference.routing import RoutingTable
 
@@ -98,7 +97,8 @@ class GpuSharing:
         self.released = True
         await asyncio.to_thread(self.lease.grant)
         self._current = {"drain_ms": (t1 - t0) * 1000, "release_ms": (t2 - t1) * 1000, "lent_at": t2}
-        log.info("gpu lent to the trainer: drain_ms=%.1f release_ms=%.1f", *(v for v in list(self._current.values())[:2]))
+        log.info("gpu lent to the trainer: drain_ms=%.1f release_ms=%.1f",
+                 self._current["drain_ms"], self._current["release_ms"])
 
     async def _take_back(self) -> None:
         t0 = time.monotonic()

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 
 from tandem.runs import RunSpec
 from tandem.settings import TrainerSettings
-
 from tandem_trainer.errors import BackendNotAvailable
 
 if TYPE_CHECKING:

@@ -28,7 +28,6 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tandem.runs import RunSpec
-
 from tandem_trainer.backend import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,

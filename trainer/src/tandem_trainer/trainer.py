@@ -28,7 +28,6 @@ from tandem.jobs import TrainJob, TrainResult, parse_job
 from tandem.registry import Registry
 from tandem.runs import RunSpec
 from tandem.settings import TrainerSettings
-
 from tandem_trainer.backend import Backend, ModelInfo
 from tandem_trainer.errors import JobRejected, LockTimeout, TrainStepFailed
 from tandem_trainer.grpo import LossStats, group_advantages, grpo_loss, reward_stats

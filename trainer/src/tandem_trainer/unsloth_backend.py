@@ -20,13 +20,12 @@ from typing import Any
 # Unsloth skips materialising logits in training forwards unless told to; GRPO needs them.
 os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")
 
-import unsloth  # noqa: E402,F401  (must come before transformers)
 import torch  # noqa: E402
+import unsloth  # noqa: E402,F401  (must come before transformers)
 from peft import LoraConfig  # noqa: E402
 from unsloth import FastLanguageModel  # noqa: E402
 
 from tandem.runs import RunSpec  # noqa: E402
-
 from tandem_trainer.peft_backend import PeftBackend  # noqa: E402
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,6 @@ from tandem.adapters import AdapterStore
 from tandem.errors import ConfigError
 from tandem.jobs import train_queue
 from tandem.settings import TrainerSettings
-
 from tandem_trainer.backend import select_backend
 from tandem_trainer.errors import JobRejected
 from tandem_trainer.sharing import SharedGpu
