@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from tandem import Client, LoraConfig, OptimizerConfig
+from tandem import Client, LoraConfig, OptimizerConfig, toy
 from tandem.events import EventKind
 from tandem.stack import Service, Stack, StackConfig
 
@@ -108,13 +108,6 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
-def digit_ids(model: Path) -> set[int]:
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
-    return {i for i in range(tok.get_vocab_size()) if tok.decode([i]).strip().isdigit()}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=["split", "shared"], default="split")
@@ -172,23 +165,17 @@ def main() -> int:
         client = Client(stack.gateway_url, stack.redis_url)
         run = client.create_run(f"gpu-{args.mode}", base_model=str(model), lora=LoraConfig(r=16, alpha=32),
                                 optimizer=OptimizerConfig(lr=lr), max_staleness_steps=0)
-        digits = digit_ids(model)
+        digits = toy.digit_token_ids(model)
         for step in range(1, args.steps + 1):
             s0 = time.monotonic()
-            groups, rewards, versions = [], [], set()
-            for prompt in PROMPTS:
-                comps = run.chat([{"role": "user", "content": prompt}], n=args.group_size, max_tokens=args.max_tokens)
-                scores = [sum(t in digits for t in c.completion_ids) / len(c.completion_ids) for c in comps]
-                groups.append(run.group(comps, scores))
-                rewards += scores
-                versions |= {c.version for c in comps}
+            rolled = toy.roll_out(run, digits, PROMPTS, group_size=args.group_size, max_tokens=args.max_tokens)
             s1 = time.monotonic()
-            result = run.train(groups)
+            result = run.train(rolled.groups)
             s2 = time.monotonic()
             served_at = result.metrics.get("served_at", 0.0)
             mem = memory.samples[-1] if memory.samples else None
             rows.append({
-                "step": step, "reward": statistics.fmean(rewards), "served_by": sorted(versions),
+                "step": step, "reward": rolled.mean_reward, "served_by": sorted(set(rolled.versions)),
                 "version": result.version, "rollout_s": s1 - s0, "train_s": result.train_s, "sync_s": s2 - s1,
                 "publish_to_serving_ms": (served_at - result.published_at) * 1000,
                 "gpu_wait_s": result.metrics.get("gpu_wait_s"),

@@ -20,33 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from tandem import Client, LoraConfig, OptimizerConfig
+from tandem import Client, LoraConfig, OptimizerConfig, toy
 from tandem.cli import TINY_MODEL, ensure_tiny_model
 from tandem.stack import Stack, StackConfig
-
-PROMPTS = [
-    "Write some numbers.",
-    "What comes next: 3 5 7",
-    "Tell me about your day.",
-    "Give me a phone number.",
-    "Count for me.",
-    "What is the answer?",
-    "Say something.",
-    "List a few values.",
-]
-
-
-def digit_token_ids(model_dir: str) -> set[int]:
-    """Ids of tokens that decode to digits only (the tokenizer splits digits one per token)."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-    ids = set()
-    for i in range(tok.get_vocab_size()):
-        text = tok.decode([i]).strip()
-        if text and text.isdigit():
-            ids.add(i)
-    return ids
 
 
 def main() -> int:
@@ -67,7 +43,7 @@ def main() -> int:
     if args.model == TINY_MODEL:
         print("building the tiny model (seeded, a few seconds) ...", flush=True)
         ensure_tiny_model(args.model)
-    digits = digit_token_ids(args.model)
+    digits = toy.digit_token_ids(args.model)
     state = out / f"stack-{int(time.time())}"
     print(f"starting the stack (logs in {state}/logs) ...", flush=True)
     rows = []
@@ -85,18 +61,13 @@ def main() -> int:
         t_start = time.monotonic()
         for step in range(1, args.steps + 1):
             t0 = time.monotonic()
-            groups, rewards, versions = [], [], set()
-            for p in range(args.prompts_per_step):
-                prompt = PROMPTS[(step * args.prompts_per_step + p) % len(PROMPTS)]
-                comps = run.chat([{"role": "user", "content": prompt}], n=args.group_size, max_tokens=args.max_tokens)
-                scores = [sum(t in digits for t in c.completion_ids) / len(c.completion_ids) for c in comps]
-                groups.append(run.group(comps, scores))
-                rewards += scores
-                versions |= {c.version for c in comps}
+            step_rollouts = toy.roll_out(run, digits, toy.prompts_for(step, args.prompts_per_step),
+                                         group_size=args.group_size, max_tokens=args.max_tokens)
             t1 = time.monotonic()
-            result = run.train(groups, wait=args.max_staleness == 0)
+            result = run.train(step_rollouts.groups, wait=args.max_staleness == 0)
             t2 = time.monotonic()
-            row = {"step": step, "reward": statistics.fmean(rewards), "served_by": max(versions),
+            versions = step_rollouts.versions
+            row = {"step": step, "reward": step_rollouts.mean_reward, "served_by": max(versions),
                    "oldest_served_by": min(versions), "rollout_s": t1 - t0, "sync_s": t2 - t1,
                    "wall_s": t2 - t_start}
             if hasattr(result, "version"):

@@ -11,19 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tandem import Client, LoraConfig, OptimizerConfig
+from tandem import Client, LoraConfig, OptimizerConfig, toy
 from tandem.stack import Stack, StackConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PROMPTS = ["Write some numbers.", "Count for me.", "Say something.", "What is the answer?"]
-
-
-def digit_ids(model: Path) -> set[int]:
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
-    return {i for i in range(tok.get_vocab_size()) if tok.decode([i]).strip().isdigit()}
 
 
 @pytest.fixture(scope="module")
@@ -32,19 +25,13 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
         yield s
 
 
-def play(run, digits: set[int], steps: int, *, wait: bool) -> list[dict]:
+def play(run, digits: frozenset[int], steps: int, *, wait: bool) -> list[dict]:
     """Roll out, score, train; returns per step the mean reward and the versions that served."""
     rows = []
     for step in range(1, steps + 1):
-        groups, rewards, versions = [], [], []
-        for prompt in PROMPTS:
-            comps = run.chat([{"role": "user", "content": prompt}], n=8, max_tokens=16)
-            scores = [sum(t in digits for t in c.completion_ids) / len(c.completion_ids) for c in comps]
-            groups.append(run.group(comps, scores))
-            rewards += scores
-            versions += [c.version for c in comps]
-        run.train(groups, wait=wait)
-        rows.append({"step": step, "reward": statistics.fmean(rewards), "versions": versions})
+        rolled = toy.roll_out(run, digits, PROMPTS)
+        run.train(rolled.groups, wait=wait)
+        rows.append({"step": step, "reward": rolled.mean_reward, "versions": rolled.versions})
     run.wait_all()
     return rows
 
@@ -53,7 +40,7 @@ def test_sync_loop_learns_and_serves_each_new_version(stack: Stack, tiny_model: 
     client = Client(stack.gateway_url, stack.redis_url)
     run = client.create_run("digits-sync", base_model=str(tiny_model), lora=LoraConfig(r=8, alpha=16),
                             optimizer=OptimizerConfig(lr=5e-3), max_staleness_steps=0)
-    rows = play(run, digit_ids(tiny_model), 22, wait=True)
+    rows = play(run, toy.digit_token_ids(tiny_model), 22, wait=True)
     first = statistics.fmean(r["reward"] for r in rows[:5])
     last = statistics.fmean(r["reward"] for r in rows[-5:])
     assert last >= first + 0.3, [round(r["reward"], 3) for r in rows]
@@ -71,7 +58,7 @@ def test_async_loop_never_serves_rollouts_older_than_max_staleness(stack: Stack,
     client = Client(stack.gateway_url, stack.redis_url)
     run = client.create_run("digits-async", base_model=str(tiny_model), lora=LoraConfig(r=8, alpha=16),
                             optimizer=OptimizerConfig(lr=5e-3), max_staleness_steps=1)
-    rows = play(run, digit_ids(tiny_model), 14, wait=False)
+    rows = play(run, toy.digit_token_ids(tiny_model), 14, wait=False)
     for r in rows:
         parent = r["step"] - 1  # the job of step k trains on version k-1
         assert all(parent - v <= 1 for v in r["versions"]), (r["step"], sorted(set(r["versions"])))
