@@ -8,25 +8,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from loopback import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def redis_server_binary() -> str:
@@ -87,28 +79,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cache = os.environ.get("TANDEM_TEST_MODEL_DIR")
     out = Path(cache) if cache else tmp_path_factory.mktemp("models") / "tiny"
     return build_tiny_model(out)
-
-
-@contextmanager
-def serve_app(app, *, port: int | None = None) -> Iterator[str]:
-    """Run an ASGI app with uvicorn in a thread on loopback; yields its base URL."""
-    import uvicorn
-
-    port = port or free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError(f"server on port {port} did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import redis
 import torch
-from conftest import serve_app
+from loopback import serve_app
 from prometheus_client import generate_latest
 
 from tandem import keys

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import serve_app
+from loopback import serve_app
 
 from tandem.settings import EngineSettings
 from tandem_inference.engine_server import create_engine_app

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 import redis
-from conftest import free_port, serve_app
+from loopback import free_port, serve_app
 from test_controller import announce, publish
 
 from tandem.adapters import AdapterStore

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port
+from loopback import free_port
 
 from tandem.settings import EngineSettings, InferenceSettings
 from tandem_inference.launcher import EngineBootError, Launcher

@@ -188,7 +188,8 @@ class AdapterStore:
         return manifest
 
     def adapter_config(self, run: str, version: int) -> dict[str, Any]:
-        return json.loads((self.adapter_dir(run, version) / "adapter_config.json").read_text())
+        config: dict[str, Any] = json.loads((self.adapter_dir(run, version) / "adapter_config.json").read_text())
+        return config
 
     def remove_stale_staging(self, run: str) -> int:
         """Delete leftovers of writes that crashed; returns how many were removed."""

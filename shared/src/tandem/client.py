@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import redis
 from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
 
 from tandem import jobs
 from tandem.errors import (
@@ -122,7 +123,7 @@ class TrainHandle:
         return False
 
     def _fetch_result(self, served_at: float) -> jobs.TrainResult:
-        job = Job.fetch(self.job_id, connection=self.run.client.conn, serializer=jobs.JSONSerializer)
+        job = Job.fetch(self.job_id, connection=self.run.client.conn, serializer=JSONSerializer)
         raw = job.return_value()
         result = jobs.TrainResult.model_validate(raw) if raw else jobs.TrainResult(
             job_id=self.job_id, run=self.run.name, step=self.step, version=self._version or 0, parent=0
@@ -132,7 +133,7 @@ class TrainHandle:
     def _check_rq(self) -> None:
         """Catch failures that left no event (e.g. a worker killed with no retries left)."""
         try:
-            job = Job.fetch(self.job_id, connection=self.run.client.conn, serializer=jobs.JSONSerializer)
+            job = Job.fetch(self.job_id, connection=self.run.client.conn, serializer=JSONSerializer)
         except Exception:  # noqa: BLE001 - a missing job is not a failure by itself
             return
         if job.get_status() == JobStatus.FAILED and not job.retries_left:
@@ -204,7 +205,7 @@ class Run:
         """Pair completions of one prompt with their rewards."""
         if len(completions) != len(rewards):
             raise ValueError(f"{len(completions)} completions but {len(rewards)} rewards")
-        return TrajectoryGroup(trajectories=[c.to_trajectory(r) for c, r in zip(completions, rewards)])
+        return TrajectoryGroup(trajectories=[c.to_trajectory(r) for c, r in zip(completions, rewards, strict=False)])
 
     # training -------------------------------------------------------------
     def train(
@@ -336,7 +337,8 @@ class Client:
             except ValueError:
                 payload, message = resp.text, resp.text
             raise GatewayError(f"{path} -> {resp.status_code}: {message}", status_code=resp.status_code, body=payload)
-        return resp.json()
+        data: dict[str, Any] = resp.json()
+        return data
 
     def close(self) -> None:
         self.http.close()

@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from enum import StrEnum
 from typing import Any
 
 import redis
 from pydantic import BaseModel, Field
+from redis.typing import EncodableT, FieldT
 
 from tandem import keys
 from tandem.errors import BackendUnavailable
 
 #: Entries kept in the stream (approximate trimming); old entries are history only.
 MAX_LEN = 100_000
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
 
 
 class EventKind(StrEnum):
@@ -58,10 +63,10 @@ class Event(BaseModel):
         }
 
     @classmethod
-    def from_entry(cls, entry_id: bytes | str, raw: dict[bytes, bytes]) -> Event:
-        f = {k.decode(): v.decode() for k, v in raw.items()}
+    def from_entry(cls, entry_id: bytes | str, raw: Mapping[bytes | str, bytes | str]) -> Event:
+        f = {_text(k): _text(v) for k, v in raw.items()}
         return cls(
-            id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
+            id=_text(entry_id),
             kind=EventKind(f["kind"]),
             run=f["run"],
             version=int(f["version"]) if f.get("version") else None,
@@ -80,7 +85,9 @@ class EventStream:
     def append(self, event: Event) -> str:
         """Append an event; returns its entry id."""
         try:
-            entry_id = self.conn.xadd(keys.EVENTS, event.fields(), maxlen=MAX_LEN, approximate=True)
+            # xadd takes dict[FieldT, EncodableT] and dict is invariant, so build one of that type.
+            fields: dict[FieldT, EncodableT] = {k: v for k, v in event.fields().items()}
+            entry_id = self.conn.xadd(keys.EVENTS, fields, maxlen=MAX_LEN, approximate=True)
         except redis.RedisError as exc:
             raise BackendUnavailable(f"cannot append {event.kind} to {keys.EVENTS}: {exc}") from exc
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
@@ -98,12 +105,16 @@ class EventStream:
         resp = self.conn.xread({keys.EVENTS: after}, count=count, block=block_ms)
         if not resp:
             return []
+        if not isinstance(resp, list):
+            raise TypeError(f"expected a RESP2 XREAD reply (a list), got {type(resp).__name__}")
         return [Event.from_entry(eid, raw) for eid, raw in resp[0][1]]
 
     def history(self, *, run: str | None = None, count: int = 1000) -> list[Event]:
         """Newest `count` events, oldest first, optionally for one run."""
         entries = self.conn.xrevrange(keys.EVENTS, count=count)
-        events = [Event.from_entry(eid, raw) for eid, raw in reversed(entries)]
+        events = [
+            Event.from_entry(eid, raw) for eid, raw in reversed(entries or []) if eid is not None and raw is not None
+        ]
         return [e for e in events if run is None or e.run == run]
 
     def follow(
@@ -128,7 +139,7 @@ class Cursor:
 
     def get(self) -> str:
         raw = self.conn.get(self.key)
-        return raw.decode() if raw else "0-0"
+        return _text(raw) if raw else "0-0"
 
     def commit(self, entry_id: str) -> None:
         self.conn.set(self.key, entry_id)

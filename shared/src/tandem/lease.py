@@ -22,6 +22,10 @@ from tandem import keys
 from tandem.errors import TandemError
 
 
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
 class LeaseTimeout(TandemError):
     """The other side did not hand over the GPU in time."""
 
@@ -72,21 +76,21 @@ class GpuLease:
     def renew(self) -> bool:
         """Push the expiry out by one TTL; False if the lease is no longer ours."""
         holder = self.conn.hget(self.key, "holder")
-        if holder is None or holder.decode() != self.holder:
+        if holder is None or _text(holder) != self.holder:
             return False
         return bool(self.conn.pexpire(self.key, self.ttl_ms))
 
     def release(self) -> None:
         """Give the GPU back (only if we hold it)."""
         holder = self.conn.hget(self.key, "holder")
-        if holder is not None and holder.decode() == self.holder:
+        if holder is not None and _text(holder) == self.holder:
             self.conn.delete(self.key)
 
     # inference side ------------------------------------------------------------
     def state(self) -> LeaseState | None:
         """None when nobody holds or wants the GPU (or the lease expired)."""
         raw = self.conn.hget(self.key, "state")
-        return LeaseState(raw.decode()) if raw else None
+        return LeaseState(_text(raw)) if raw else None
 
     def grant(self) -> None:
         """Say the GPU memory is released; the requester may train."""

@@ -7,12 +7,28 @@ lost event cannot leave it serving a stale version.
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 
 from tandem import keys
 from tandem.adapters import Manifest
 from tandem.errors import RunExists, RunNotFound
 from tandem.runs import RunSpec
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def _members(reply: list[bytes | str] | list[tuple[bytes | str, Any]] | list[list[Any]]) -> list[bytes | str]:
+    """Members of a sorted-set range read without scores (redis-py types the reply as every shape)."""
+    members: list[bytes | str] = []
+    for m in reply:
+        if not isinstance(m, bytes | str):
+            raise TypeError(f"expected a sorted-set member without score, got {m!r}")
+        members.append(m)
+    return members
 
 
 class Registry:
@@ -41,7 +57,7 @@ class Registry:
         return RunSpec.model_validate_json(raw)
 
     def list_runs(self) -> list[str]:
-        return sorted(m.decode() for m in self.conn.smembers(keys.RUNS))
+        return sorted(_text(m) for m in self.conn.smembers(keys.RUNS))
 
     def next_step(self, run: str) -> int:
         """Allocate the next client-side train step number (1, 2, ...)."""
@@ -62,12 +78,12 @@ class Registry:
         return int(top[0][1]) if top else 0
 
     def manifest(self, run: str, version: int) -> Manifest | None:
-        found = self.conn.zrangebyscore(keys.run_versions(run), version, version)
+        found = _members(self.conn.zrangebyscore(keys.run_versions(run), version, version))
         return Manifest.model_validate_json(found[0]) if found else None
 
     def manifests(self, run: str) -> list[Manifest]:
         """Every registered version, oldest first."""
-        return [Manifest.model_validate_json(m) for m in self.conn.zrange(keys.run_versions(run), 0, -1)]
+        return [Manifest.model_validate_json(m) for m in _members(self.conn.zrange(keys.run_versions(run), 0, -1))]
 
     def version_of_job(self, run: str, job_id: str) -> int | None:
         raw = self.conn.hget(keys.run_jobs(run), job_id)

@@ -150,6 +150,14 @@ class GatewaySettings(BaseModel):
     """When set, requests need `Authorization: Bearer KEY`."""
 
 
+#: What the engine can free for the trainer in shared mode.
+ReleaseTag = Literal["kv_cache", "weights", "cuda_graph"]
+
+
+def _default_release_tags() -> list[ReleaseTag]:
+    return ["kv_cache"]
+
+
 class GpuSettings(BaseModel):
     """Which GPUs each side uses; read by both services from the same `.env`."""
 
@@ -165,7 +173,7 @@ class GpuSettings(BaseModel):
     """Shared mode: a GPU lease expires this long after its holder's last renewal, in seconds."""
     lease_wait_s: float = Field(600.0, gt=0)
     """Shared mode: how long the trainer waits for inference to hand the GPU over, in seconds."""
-    release_tags: list[Literal["kv_cache", "weights", "cuda_graph"]] = Field(default_factory=lambda: ["kv_cache"])
+    release_tags: list[ReleaseTag] = Field(default_factory=_default_release_tags)
     """Shared mode: what the engine frees for the trainer. The KV cache is nearly all of it; adding
     `weights` makes SGLang keep a CPU copy of the base weights (--enable-weights-cpu-backup)."""
 
@@ -212,7 +220,8 @@ class _ServiceSettings(BaseSettings):
 
     def redacted(self) -> dict[str, Any]:
         """The resolved settings as JSON-able data, secrets shown as '**********'."""
-        return json.loads(self.model_dump_json())
+        data: dict[str, Any] = json.loads(self.model_dump_json())
+        return data
 
 
 class TrainerSettings(_ServiceSettings):
@@ -275,10 +284,14 @@ def _rows(model: type[BaseModel], env: str, path: str) -> list[str]:
         shown = "(unset)" if default is None else f"`{default}`"
         kind = _type_name(ann)
         bounds = ", ".join(
-            f"{k} {getattr(m, k)}" for m in info.metadata for k in ("ge", "gt", "le", "lt") if getattr(m, k, None) is not None
+            f"{k} {getattr(m, k)}"
+            for m in info.metadata
+            for k in ("ge", "gt", "le", "lt")
+            if getattr(m, k, None) is not None
         )
         desc = (info.description or "").replace("\n", " ")
-        rows.append(f"| `{path}{name}` | `{env}{name.upper()}` | {kind}{' (' + bounds + ')' if bounds else ''} | {shown} | {desc} |")
+        kind_bounds = f"{kind} ({bounds})" if bounds else kind
+        rows.append(f"| `{path}{name}` | `{env}{name.upper()}` | {kind_bounds} | {shown} | {desc} |")
     return rows
 
 

