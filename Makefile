@@ -7,9 +7,13 @@ PY := $(VENV)/bin/python
 # CPU build of torch by default; a GPU box uses the images (or TORCH_SPEC="torch==2.11.0").
 TORCH_SPEC ?= torch==2.13.0
 STEPS ?= 40
+COMPOSE ?= docker-compose
+STACK ?= cpu
+COMPOSE_FILES := -f compose.yaml $(if $(filter cpu,$(STACK)),-f compose.cpu.yaml)
+DC := $(COMPOSE) $(COMPOSE_FILES)
 PYTEST_ARGS ?=
 
-.PHONY: help install demo dev test test-unit test-integration bench lint clean
+.PHONY: help install demo dev test test-unit test-integration bench lint clean images up down logs ps e2e
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -41,6 +45,29 @@ test-integration: install ## integration tests only
 
 bench: install ## policy-sync latency over 30+ versions on the local stack; writes bench/results/
 	HF_HUB_OFFLINE=1 $(PY) bench/sync_latency.py --versions 40
+
+.env:
+	@echo "REDIS_PASSWORD=$$(python3 -c 'import secrets; print(secrets.token_hex(16))')" > $@
+	@echo "wrote $@ (random REDIS_PASSWORD)"
+
+images: ## build the container images (STACK=cpu: local Debian base + this host's torch wheel)
+	@if [ "$(STACK)" = cpu ]; then images/build-base.sh; fi
+	$(DC) build
+
+up: images .env ## start the container stack; gateway on 127.0.0.1:8000 (STACK=gpu for SGLang + Unsloth)
+	$(DC) up -d
+
+down: ## stop the container stack (volumes kept)
+	$(DC) --profile monitoring down
+
+logs: ## follow the container stack's logs
+	$(DC) logs -f --tail=100
+
+ps: ## the container stack's services and health
+	$(DC) ps
+
+e2e: install ## the CPU container stack end to end with faults (docker; ~1.5 min warm, ~5 min cold)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/e2e $(PYTEST_ARGS)
 
 lint: install ## ruff and mypy (strict on the light package)
 	$(VENV)/bin/ruff check shared trainer inference tests bench examples

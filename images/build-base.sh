@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Prepare what the CPU images build from, without a container registry:
+#   1. images/local/ (git-ignored): the build host's CA bundle (containers here reach PyPI only
+#      with it) and a torch wheel from this host's pip (the CPU build when pip finds one on
+#      local disk; without a wheel the images take TORCH_SPEC from PyPI);
+#   2. the base image, Debian bookworm made with debootstrap and imported into docker.
+# Idempotent: each part is skipped when present.
+#   images/build-base.sh [TAG]      TAG defaults to tandem-base:bookworm
+# Env: DEBIAN_MIRROR (default http://deb.debian.org/debian), FORCE=1 remakes the base,
+#      TORCH_SPEC (default torch==2.13.0), PIP (default: .venv/bin/pip, else pip3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+tag="${1:-tandem-base:bookworm}"
+mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+torch_spec="${TORCH_SPEC:-torch==2.13.0}"
+local_dir=images/local
+
+# 1. local build inputs ----------------------------------------------------------
+mkdir -p "$local_dir/wheels"
+for ca in /etc/ssl/certs/ca-certificates.crt /etc/pki/tls/certs/ca-bundle.crt; do
+  if [[ -s "$ca" ]]; then
+    cmp -s "$ca" "$local_dir/ca-certificates.crt" || cp "$ca" "$local_dir/ca-certificates.crt"
+    break
+  fi
+done
+if ! compgen -G "$local_dir/wheels/torch-*.whl" >/dev/null; then
+  pip="${PIP:-}"
+  [[ -n "$pip" ]] || { [[ -x .venv/bin/pip ]] && pip=.venv/bin/pip; } || pip=pip3
+  echo "build-base: fetching a $torch_spec wheel with $pip (local disk first)"
+  "$pip" download -q "$torch_spec" --no-deps --only-binary=:all: -d "$local_dir/wheels" \
+    || echo "build-base: no torch wheel; the images install $torch_spec from PyPI" >&2
+fi
+ls "$local_dir"/wheels/torch-*.whl 2>/dev/null | sed 's/^/build-base: torch wheel /' || true
+
+# 2. the base image ----------------------------------------------------------------
+if [[ "${FORCE:-0}" != 1 ]] && docker image inspect "$tag" >/dev/null 2>&1; then
+  echo "build-base: $tag exists"
+  exit 0
+fi
+command -v debootstrap >/dev/null || { echo "build-base: debootstrap missing (images/install-docker.sh installs it)" >&2; exit 1; }
+
+root="$(mktemp -d /tmp/tandem-base.XXXXXX)"
+trap 'rm -rf "$root"' EXIT
+t0=$SECONDS
+echo "build-base: debootstrap bookworm into $root"
+debootstrap --variant=minbase bookworm "$root" "$mirror" >"$root.log" 2>&1 || { tail -20 "$root.log" >&2; exit 1; }
+rm -f "$root.log"
+# Keep the image small: no apt lists or caches.
+rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/archives/*.deb
+tar -C "$root" -c . | docker import \
+  -c 'ENV LANG=C.UTF-8 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+  -c 'CMD ["/bin/bash"]' - "$tag" >/dev/null
+echo "build-base: $tag built in $((SECONDS - t0)) s"

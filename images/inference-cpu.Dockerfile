@@ -1,0 +1,73 @@
+# tandem inference, CPU: the transformers engine (`tandem-engine`) and the controller + gateway
+# (`tandem-inference`) in one image; compose runs them as two services.
+#
+#   images/build-base.sh        # the local Debian base and images/local/ (torch wheel, CA bundle)
+#   docker build -f images/inference-cpu.Dockerfile -t tandem-inference-cpu:dev .
+#
+# The build context is the repository root (.dockerignore keeps it small). Dependencies are
+# installed before the source is copied, so a source change rebuilds only the last layers.
+# Default command: `tandem-inference` (the gateway on TANDEM_GATEWAY__PORT, 8000).
+ARG BASE_IMAGE=tandem-base:bookworm
+
+# Local inputs, normalised so that later stages can COPY them whether or not they exist.
+FROM ${BASE_IMAGE} AS local
+COPY images/local/ /local/
+RUN mkdir -p /local/wheels && touch /local/ca-certificates.crt
+
+# Debian + Python 3.11 + the CA bundle of the build host (containers here reach PyPI only with it).
+FROM ${BASE_IMAGE} AS os
+ENV DEBIAN_FRONTEND=noninteractive LANG=C.UTF-8 \
+    PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt \
+    VIRTUAL_ENV=/opt/tandem PATH=/opt/tandem/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+RUN apt-get update -qq \
+ && apt-get install -y -qq --no-install-recommends python3 python3-venv ca-certificates >/dev/null \
+ && rm -rf /var/lib/apt/lists/*
+COPY --from=local /local/ca-certificates.crt /tmp/host-ca.crt
+RUN if [ -s /tmp/host-ca.crt ]; then cp /tmp/host-ca.crt /etc/ssl/certs/ca-certificates.crt; fi; rm /tmp/host-ca.crt \
+ && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin tandem \
+ && mkdir -p /models /adapters && chown tandem:tandem /models /adapters
+
+# The virtual environment with every third-party dependency (the slow, cached part).
+FROM os AS deps
+ARG TORCH_SPEC=torch==2.13.0
+COPY --from=local /local/wheels/ /wheels/
+COPY images/constraints-cpu.txt /tmp/constraints.txt
+COPY shared/pyproject.toml /tmp/pyproject/shared.toml
+COPY inference/pyproject.toml /tmp/pyproject/inference.toml
+RUN python3 -m venv /opt/tandem \
+ && pip install -q --upgrade pip setuptools wheel \
+ && torch="$(ls /wheels/torch-*.whl 2>/dev/null | head -n1)" \
+ && echo "torch from: ${torch:-PyPI ($TORCH_SPEC)}" \
+ && pip install -q "${torch:-$TORCH_SPEC}" \
+ && python3 -c 'import sys, tomllib; ps = [tomllib.load(open(f, "rb"))["project"] for f in sys.argv[1:]]; [print(d) for p in ps for d in p["dependencies"] + p.get("optional-dependencies", {}).get("engine", []) if not d.startswith("tandem")]' \
+      /tmp/pyproject/shared.toml /tmp/pyproject/inference.toml > /tmp/requirements.txt \
+ && pip install -q -c /tmp/constraints.txt -r /tmp/requirements.txt
+
+FROM os
+COPY --from=deps /opt/tandem /opt/tandem
+COPY shared /src/shared
+COPY inference /src/inference
+RUN pip install -q --no-deps --no-build-isolation "/src/shared" "/src/inference[engine]" && rm -rf /src \
+ && python -c "import tandem_inference.main, tandem_inference.engine_server"
+ENV TANDEM_STORE__ROOT=/adapters TANDEM_GPUS__MODE=cpu TANDEM_ENGINE__KIND=transformers \
+    TANDEM_ENGINE__DEVICE=cpu TANDEM_ENGINE__HOST=0.0.0.0 TANDEM_GATEWAY__HOST=0.0.0.0 \
+    HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_PROGRESS_BARS=1
+# Labels last: a new VERSION/REVISION rebuilds no other layer.
+ARG BASE_IMAGE
+ARG VERSION=dev
+ARG REVISION=unknown
+LABEL org.opencontainers.image.title="tandem-inference-cpu" \
+      org.opencontainers.image.description="tandem inference (transformers engine, controller, OpenAI gateway), CPU build" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.base.name="${BASE_IMAGE}"
+USER tandem
+WORKDIR /home/tandem
+EXPOSE 8000 30000
+# The gateway's readiness: engine reachable and the controller caught up with the registry.
+# The engine service overrides it with the engine's /health (compose.cpu.yaml).
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+  CMD ["python", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/ready' % os.environ.get('TANDEM_GATEWAY__PORT', '8000'), timeout=4)"]
+CMD ["tandem-inference"]

@@ -1,0 +1,113 @@
+"""Drives one compose project of the CPU stack (`compose.yaml` + `compose.cpu.yaml`) for the e2e tier.
+
+`ComposeStack` wraps the compose CLI (`docker-compose` 1.29, or `docker compose`) with the
+project's name, files and env file, and answers what the tests ask: a service's container and
+health, its logs, `exec`. The `stack` fixture (conftest.py) builds and starts it, and always
+takes it down with `down -v`.
+
+Redis is published on a loopback port by tests/e2e/compose.e2e.yaml only: the test process
+is a tandem client, and a client needs Redis for train jobs. compose.yaml itself publishes
+the gateway only.
+
+Environment: TANDEM_COMPOSE (the compose command, default `docker-compose`, else
+`docker compose`), TANDEM_E2E_KEEP=1 (leave the stack up after the tests, for debugging).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = ("redis", "engine", "inference", "trainer")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def compose_command() -> list[str]:
+    if os.environ.get("TANDEM_COMPOSE"):
+        return shlex.split(os.environ["TANDEM_COMPOSE"])
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return ["docker", "compose"]
+
+
+def docker_answers() -> bool:
+    if not shutil.which("docker"):
+        return False
+    return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if predicate():
+                return
+        except Exception:  # noqa: BLE001 - a service that is restarting answers with errors
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+@dataclass
+class ComposeStack:
+    """One compose project of the CPU stack, driven through the compose CLI."""
+
+    project: str
+    env_file: Path
+    gateway_url: str
+    redis_url: str
+    files: tuple[str, ...] = ("compose.yaml", "compose.cpu.yaml", "tests/e2e/compose.e2e.yaml")
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def compose(self, *args: str, timeout_s: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
+        argv = [*compose_command(), "--env-file", str(self.env_file), "-p", self.project]
+        for f in self.files:
+            argv += ["-f", f]
+        proc = subprocess.run([*argv, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"`{' '.join(argv[-2:])} {' '.join(args)}` failed ({proc.returncode}):\n"
+                                 f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        return proc
+
+    def container(self, service: str) -> str:
+        cid = self.compose("ps", "-q", service).stdout.strip()
+        assert cid, f"no container for service {service}"
+        return cid
+
+    def health(self, service: str) -> str:
+        out = subprocess.run(["docker", "inspect", "--format", "{{.State.Status}} {{if .State.Health}}"
+                              "{{.State.Health.Status}}{{end}}", self.container(service)],
+                             capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+
+    def wait_healthy(self, *services: str, timeout_s: float = 240) -> None:
+        for service in services or SERVICES:
+            wait_for(lambda s=service: self.health(s) == "running healthy", timeout_s, f"{service} to be healthy")
+
+    def logs(self, tail: int = 300) -> str:
+        return self.compose("logs", "--no-color", f"--tail={tail}", check=False).stdout
+
+    def logs_of(self, service: str) -> str:
+        return self.compose("logs", "--no-color", service, check=False).stdout
+
+    def docker(self, *args: str, timeout_s: float = 120, stderr: bool = False) -> str:
+        """`docker ARGS`' stdout (and stderr, where services log, with stderr=True)."""
+        proc = subprocess.run(["docker", *args], capture_output=True, text=True, check=True, timeout=timeout_s)
+        return proc.stdout + proc.stderr if stderr else proc.stdout
+
+    def exec(self, service: str, *argv: str) -> str:
+        return self.compose("exec", "-T", service, *argv).stdout

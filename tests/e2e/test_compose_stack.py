@@ -1,0 +1,183 @@
+"""The CPU container stack end to end: learning through the published gateway, then faults.
+
+The tests share one stack (module scope) and run in file order: each fault test starts from
+what the ones before it left (the run `digits` at version STEPS, ...).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import httpx
+import pytest
+from compose_stack import ComposeStack, wait_for
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from tandem import Client, LoraConfig, OptimizerConfig
+from tandem.events import EventKind
+from tandem.jobs import TrainJob, enqueue
+from tandem.runs import LossConfig
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MODEL = "/models/tiny"  # inside the containers: the `models` volume
+# 20 steps gave a rise of +0.30..+0.49 over five runs (sampling is not seeded); 30 steps take
+# ~12 s on 2 cores and leave margin above the +0.3 the test asks for.
+STEPS = 30
+PROMPTS = ["Write some numbers.", "What comes next: 3 5 7", "Tell me about your day.", "Give me a phone number.",
+           "Count for me.", "What is the answer?", "Say something.", "List a few values."]
+
+
+@pytest.fixture(scope="module")
+def client(stack: ComposeStack):
+    c = Client(stack.gateway_url, stack.redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def digits(stack: ComposeStack) -> set[int]:
+    """Ids of digit tokens, from the tokenizer the stack built into its `models` volume."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(stack.exec("trainer", "cat", f"{MODEL}/tokenizer.json"))
+    return {i for i in range(tok.get_vocab_size()) if (t := tok.decode([i]).strip()) and t.isdigit()}
+
+
+def job_status(client: Client, job_id: str) -> JobStatus | None:
+    return Job.fetch(job_id, connection=client.conn, serializer=JSONSerializer).get_status()
+
+
+def serving(stack: ComposeStack, run: str) -> int:
+    """The version the gateway routes `run` to, asked through the published port."""
+    body = {"model": run, "messages": [{"role": "user", "content": "Count for me."}], "max_tokens": 2}
+    resp = httpx.post(f"{stack.gateway_url}/v1/chat/completions", json=body, timeout=30)
+    resp.raise_for_status()
+    return int(resp.json()["tandem"]["version"])
+
+
+def wait_finished(client: Client, job_id: str, timeout_s: float, what: str) -> None:
+    """Wait until the job finished; fail at once, with rq's message, when it failed."""
+
+    def finished() -> bool:
+        job = Job.fetch(job_id, connection=client.conn, serializer=JSONSerializer)
+        status = job.get_status()
+        if status == JobStatus.FAILED and not job.retries_left:
+            pytest.fail(f"{what} failed: {(job.exc_info or '').strip()[-2000:]}")
+        return status == JobStatus.FINISHED
+
+    wait_for(finished, timeout_s, what)
+
+
+def synthetic_job(run: str, step: int, *, version: int, groups: int, size: int, prompt: int,
+                  completion: int) -> TrainJob:
+    """A job of random tokens, as if sampled from `version` (what the trainer checks staleness against)."""
+    rng = random.Random(step)
+    out = []
+    for _ in range(groups):
+        p = [rng.randrange(3, 500) for _ in range(prompt)]
+        out.append({"trajectories": [
+            {"prompt_ids": p, "completion_ids": [rng.randrange(3, 500) for _ in range(completion)],
+             "rollout_logprobs": [-6.2] * completion, "reward": rng.random(), "version": version}
+            for _ in range(size)
+        ]})
+    return TrainJob.model_validate({"run": run, "step": step, "groups": out, "timeout_s": 300})
+
+
+def test_reward_rises_through_the_published_gateway(stack: ComposeStack, client: Client, digits: set[int]) -> None:
+    run = client.create_run("digits", base_model=MODEL, lora=LoraConfig(r=8, alpha=16),
+                            optimizer=OptimizerConfig(lr=5e-3), max_staleness_steps=0)
+    rows = []
+    t0 = time.monotonic()
+    for step in range(1, STEPS + 1):
+        groups, rewards, versions = [], [], set()
+        for p in range(4):
+            prompt = PROMPTS[(step * 4 + p) % len(PROMPTS)]
+            comps = run.chat([{"role": "user", "content": prompt}], n=8, max_tokens=16)
+            scores = [sum(t in digits for t in c.completion_ids) / len(c.completion_ids) for c in comps]
+            groups.append(run.group(comps, scores))
+            rewards += scores
+            versions |= {c.version for c in comps}
+        result = run.train(groups)
+        rows.append({"step": step, "reward": statistics.fmean(rewards), "versions": sorted(versions),
+                     "version": result.version})
+    wall = time.monotonic() - t0
+    first = statistics.fmean(r["reward"] for r in rows[:5])
+    last = statistics.fmean(r["reward"] for r in rows[-5:])
+    print(f"\n{STEPS} steps in {wall:.0f} s; reward {first:.3f} -> {last:.3f}:",
+          " ".join(f"{r['reward']:.2f}" for r in rows))
+    assert last >= first + 0.3, [round(r["reward"], 3) for r in rows]
+    for r in rows:  # synchronous: step k's rollouts were served by version k-1, the newest
+        assert (r["versions"], r["version"]) == ([r["step"] - 1], r["step"])
+    assert run.status()["serving_version"] == STEPS
+    assert serving(stack, "digits") == STEPS
+
+
+def test_killed_trainer_job_completes_once_after_start(stack: ComposeStack, client: Client) -> None:
+    # 16 passes over 48 sequences of 400 tokens: ~8 s on 2 cores, long enough to kill it mid-job
+    # (6 passes over 32 x 300 took 1.5 s and sometimes finished before the kill landed).
+    run = client.create_run("crash", base_model=MODEL, lora=LoraConfig(r=4), loss=LossConfig(epochs=16))
+    job = synthetic_job("crash", 1, version=0, groups=6, size=8, prompt=100, completion=300)
+    enqueue(client.conn, job)
+    wait_for(lambda: job_status(client, job.job_id) == JobStatus.STARTED, 60, "the job to start", 0.1)
+    trainer = stack.container("trainer")
+    wait_for(lambda: "adapter.activate run=crash" in stack.docker("logs", trainer, stderr=True), 30,
+             "training to begin", 0.1)
+    time.sleep(0.5)
+    stack.docker("kill", trainer)
+    assert job_status(client, job.job_id) == JobStatus.STARTED
+    assert client.registry.latest_version("crash") == 0
+    assert stack.health("trainer").startswith("exited")  # `docker kill` is not restarted by policy
+
+    stack.compose("start", "trainer")
+    wait_finished(client, job.job_id, 180, "the killed job")
+    assert [m.version for m in client.registry.manifests("crash")] == [1]
+    assert client.registry.version_of_job("crash", job.job_id) == 1
+    ready = [e for e in run.history() if e.kind is EventKind.ADAPTER_READY]
+    assert [(e.version, e.job_id) for e in ready] == [(1, job.job_id)]
+    on_disk = stack.exec("trainer", "ls", "/adapters/crash").split()
+    assert on_disk == ["v000001"], on_disk  # one version, no staging directory left over
+    assert "job.abandoned job_id=" + job.job_id in stack.logs_of("trainer")
+    wait_for(lambda: serving(stack, "crash") == 1, 60, "inference to serve crash v1")
+    stack.wait_healthy("trainer")
+
+
+def test_restarted_inference_reconciles_and_serves_the_newest_version(stack: ComposeStack, client: Client) -> None:
+    stack.compose("stop", "inference")
+    # Published while the controller is down: it learns of v{STEPS+1} only from the stream and the registry.
+    job = synthetic_job("digits", STEPS + 1, version=STEPS, groups=2, size=4, prompt=6, completion=8)
+    enqueue(client.conn, job)
+    wait_finished(client, job.job_id, 120, f"the job of v{STEPS + 1}")
+    assert client.registry.latest_version("digits") == STEPS + 1
+    stack.compose("start", "inference")
+    stack.wait_healthy("inference", timeout_s=180)
+    wait_for(lambda: serving(stack, "digits") == STEPS + 1, 60, f"the gateway to serve digits v{STEPS + 1}")
+    assert serving(stack, "crash") == 1
+    assert client.registry.serving("digits") == STEPS + 1
+
+
+def test_restarted_redis_keeps_the_registry_and_queued_jobs(stack: ComposeStack, client: Client) -> None:
+    stack.compose("stop", "trainer")  # warm shutdown: nobody takes the job before Redis restarts
+    job = synthetic_job("digits", STEPS + 2, version=STEPS + 1, groups=2, size=4, prompt=6, completion=8)
+    enqueue(client.conn, job)
+    assert job_status(client, job.job_id) == JobStatus.QUEUED
+    runs_before = sorted(client.runs())
+    manifests_before = [m.version for m in client.registry.manifests("digits")]
+
+    stack.compose("restart", "redis")
+    stack.wait_healthy("redis", timeout_s=60)
+    wait_for(lambda: client.conn.ping(), 30, "Redis to answer the client")
+    assert sorted(client.runs()) == runs_before
+    assert [m.version for m in client.registry.manifests("digits")] == manifests_before
+    assert job_status(client, job.job_id) == JobStatus.QUEUED
+    assert client.run("digits").spec.base_model == MODEL
+
+    stack.compose("start", "trainer")
+    wait_finished(client, job.job_id, 180, "the queued job")
+    assert client.registry.latest_version("digits") == STEPS + 2
+    # The inference side survived the Redis restart too: it follows the stream and loads v{STEPS+2}.
+    wait_for(lambda: serving(stack, "digits") == STEPS + 2, 90, f"the gateway to serve digits v{STEPS + 2}")
+    stack.wait_healthy()
