@@ -16,7 +16,7 @@ from compose_stack import ComposeStack, wait_for
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from tandem import Client, LoraConfig, OptimizerConfig
+from tandem import Client, LoraConfig, OptimizerConfig, toy
 from tandem.events import EventKind
 from tandem.jobs import TrainJob, enqueue
 from tandem.runs import LossConfig
@@ -27,10 +27,6 @@ MODEL = "/models/tiny"  # inside the containers: the `models` volume
 # 20 steps gave a rise of +0.30..+0.49 over five runs (sampling is not seeded); 30 steps take
 # ~12 s on 2 cores and leave margin above the +0.3 the test asks for.
 STEPS = 30
-PROMPTS = ["Write some numbers.", "What comes next: 3 5 7", "Tell me about your day.", "Give me a phone number.",
-           "Count for me.", "What is the answer?", "Say something.", "List a few values."]
-
-
 @pytest.fixture(scope="module")
 def client(stack: ComposeStack):
     c = Client(stack.gateway_url, stack.redis_url)
@@ -39,12 +35,11 @@ def client(stack: ComposeStack):
 
 
 @pytest.fixture(scope="module")
-def digits(stack: ComposeStack) -> set[int]:
+def digits(stack: ComposeStack, tmp_path_factory: pytest.TempPathFactory) -> frozenset[int]:
     """Ids of digit tokens, from the tokenizer the stack built into its `models` volume."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_str(stack.exec("trainer", "cat", f"{MODEL}/tokenizer.json"))
-    return {i for i in range(tok.get_vocab_size()) if (t := tok.decode([i]).strip()) and t.isdigit()}
+    local = tmp_path_factory.mktemp("tokenizer")
+    (local / "tokenizer.json").write_text(stack.exec("trainer", "cat", f"{MODEL}/tokenizer.json"))
+    return toy.digit_token_ids(local)
 
 
 def job_status(client: Client, job_id: str) -> JobStatus | None:
@@ -87,22 +82,15 @@ def synthetic_job(run: str, step: int, *, version: int, groups: int, size: int, 
     return TrainJob.model_validate({"run": run, "step": step, "groups": out, "timeout_s": 300})
 
 
-def test_reward_rises_through_the_published_gateway(stack: ComposeStack, client: Client, digits: set[int]) -> None:
+def test_reward_rises_through_the_published_gateway(stack: ComposeStack, client: Client, digits: frozenset[int]) -> None:
     run = client.create_run("digits", base_model=MODEL, lora=LoraConfig(r=8, alpha=16),
                             optimizer=OptimizerConfig(lr=5e-3), max_staleness_steps=0)
     rows = []
     t0 = time.monotonic()
     for step in range(1, STEPS + 1):
-        groups, rewards, versions = [], [], set()
-        for p in range(4):
-            prompt = PROMPTS[(step * 4 + p) % len(PROMPTS)]
-            comps = run.chat([{"role": "user", "content": prompt}], n=8, max_tokens=16)
-            scores = [sum(t in digits for t in c.completion_ids) / len(c.completion_ids) for c in comps]
-            groups.append(run.group(comps, scores))
-            rewards += scores
-            versions |= {c.version for c in comps}
-        result = run.train(groups)
-        rows.append({"step": step, "reward": statistics.fmean(rewards), "versions": sorted(versions),
+        rolled = toy.roll_out(run, digits, toy.prompts_for(step, 4))
+        result = run.train(rolled.groups)
+        rows.append({"step": step, "reward": rolled.mean_reward, "versions": sorted(set(rolled.versions)),
                      "version": result.version})
     wall = time.monotonic() - t0
     first = statistics.fmean(r["reward"] for r in rows[:5])
