@@ -229,7 +229,8 @@ class Run:
         handle = TrainHandle(run=self, job_id=job.job_id, step=job.step, after=after)
         self._pending.append(handle)
         if wait:
-            return self._drain(0, timeout_s) or handle.result(timeout_s)
+            self._drain(0, timeout_s)  # earlier async jobs, then this one (its result is kept)
+            return handle.result(timeout_s)
         self._drain(self.spec.max_staleness_steps, timeout_s)
         return handle
 
