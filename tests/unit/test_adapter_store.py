@@ -78,3 +78,16 @@ def test_paths_outside_the_store_are_refused(tmp_path: Path, path: str) -> None:
 def test_run_names_that_escape_are_refused(tmp_path: Path) -> None:
     with pytest.raises(AdapterRejected, match="run name"):
         AdapterStore(tmp_path).version_dir("../x", 1)
+
+
+def test_verify_only_checks_one_subdirectory(tmp_path: Path) -> None:
+    """The inference side checks adapter/ and leaves the trainer's optimizer state alone."""
+    store = AdapterStore(tmp_path)
+    publish(store)
+    (store.version_dir("r", 1) / "trainer" / "optimizer.pt").write_bytes(b"changed by a resumed trainer")
+    assert store.verify("r", 1, only="adapter").version == 1
+    with pytest.raises(AdapterRejected, match="checksum of trainer/optimizer.pt"):
+        store.verify("r", 1)
+    (store.adapter_dir("r", 1) / "adapter_model.safetensors").write_bytes(b"tampered")
+    with pytest.raises(AdapterRejected, match="checksum of adapter/adapter_model.safetensors"):
+        store.verify("r", 1, only="adapter")

@@ -82,3 +82,20 @@ def test_request_models() -> None:
             ChatRequest.model_validate(bad)
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate({"model": "r", "prompt": ["a", "b"]})
+
+
+def test_cached_prompt_tokens_reach_the_usage() -> None:
+    """SGLang's meta_info.cached_tokens becomes OpenAI's usage.prompt_tokens_details.cached_tokens."""
+    from tandem_inference.gateway import _usage
+
+    first, second = Output(), Output()
+    c1 = chunk("a", [4], 1, finish="length")
+    c1["meta_info"]["cached_tokens"] = 0
+    c2 = chunk("b", [5], 1, finish="length")
+    c2["meta_info"]["cached_tokens"] = 7
+    first.update(c1)
+    second.update(c2)
+    usage = _usage([1] * 8, [first, second])
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 7}
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (8, 2)
+    assert _usage([1, 2], [Output()])["prompt_tokens_details"] == {"cached_tokens": 0}

@@ -31,7 +31,7 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tandem import keys
-from tandem.adapters import AdapterStore, Manifest
+from tandem.adapters import ADAPTER_DIR, AdapterStore, Manifest
 from tandem.errors import AdapterRejected, BackendUnavailable
 from tandem.events import Cursor, Event, EventKind, EventStream
 from tandem.registry import Registry
@@ -322,7 +322,7 @@ class Controller:
                     f"{run} v{version}: event path {path!r} resolves to {resolved}, not the version's "
                     f"adapter directory {expected}"
                 )
-        manifest = self.store.verify(run, version)
+        manifest = self.store.verify(run, version, only=ADAPTER_DIR)
         try:
             config = self.store.adapter_config(run, version)
         except (OSError, ValueError) as exc:

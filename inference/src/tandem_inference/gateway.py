@@ -122,6 +122,8 @@ class Output:
     logprobs: list[float] = field(default_factory=list)
     token_texts: list[str | None] = field(default_factory=list)
     finish_reason: str | None = None
+    cached_tokens: int = 0
+    """Prompt tokens the engine's prefix cache served (SGLang's meta_info.cached_tokens)."""
     _sent: int = field(default=0, repr=False)
     """How much of `text` was handed out as deltas."""
 
@@ -146,6 +148,8 @@ class Output:
             cumulative = text.startswith(self.text.rstrip("\ufffd"))
             self.text = text if cumulative else self.text + text
         self.finish_reason = _finish_reason(meta) or self.finish_reason
+        if isinstance(meta.get("cached_tokens"), int):
+            self.cached_tokens = meta["cached_tokens"]
         # a trailing U+FFFD is half a character still being decoded: send it once it is whole
         visible = self.text if self.finish_reason else self.text.rstrip("\ufffd")
         delta, self._sent = visible[self._sent:], len(visible)
@@ -467,10 +471,13 @@ class Gateway:
         return {"index": i, "text": "", "logprobs": None, "finish_reason": reason}
 
 
-def _usage(input_ids: list[int], outputs: list[Output]) -> dict[str, int]:
+def _usage(input_ids: list[int], outputs: list[Output]) -> dict[str, Any]:
     completion = sum(len(o.token_ids) for o in outputs)
+    # each of the n choices is its own engine request over the same prompt: report the most
+    # any of them found in the prefix cache
+    cached = max((o.cached_tokens for o in outputs), default=0)
     return {"prompt_tokens": len(input_ids), "completion_tokens": completion,
-            "total_tokens": len(input_ids) + completion}
+            "total_tokens": len(input_ids) + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _merge(

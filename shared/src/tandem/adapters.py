@@ -164,8 +164,13 @@ class AdapterStore:
         _fsync_dir(final.parent)
         return manifest
 
-    def verify(self, run: str, version: int) -> Manifest:
-        """Check a version against its manifest; raise AdapterRejected naming what is wrong."""
+    def verify(self, run: str, version: int, *, only: str | None = None) -> Manifest:
+        """Check a version against its manifest; raise AdapterRejected naming what is wrong.
+
+        `only` limits the checksums to the files under one subdirectory (the inference side
+        checks `adapter/` and leaves the trainer's optimizer state, often twice the adapter's
+        size, to the trainer).
+        """
         vdir = self.version_dir(run, version)
         if not vdir.is_dir():
             raise AdapterRejected(f"{run} v{version}: no directory {vdir}")
@@ -175,6 +180,8 @@ class AdapterStore:
                 f"{vdir}: manifest says {manifest.run} v{manifest.version}, expected {run} v{version}"
             )
         for rel, digest in manifest.files.items():
+            if only is not None and not rel.startswith(f"{only}/"):
+                continue
             path = self.resolve(vdir / rel)
             if not path.is_relative_to(vdir):
                 raise AdapterRejected(f"{run} v{version}: manifest path {rel!r} leaves {vdir}")

@@ -259,7 +259,12 @@ class Trainer:
             log.info("orphan.adopted run=%s version=%d job_id=%s", job.run, version, manifest.job_id)
         return self._reused(job)
 
-    def _announce(self, manifest: Manifest, *, published_at: float) -> None:
+    def _announce(self, manifest: Manifest, *, published_at: float, stepped_at: float | None = None) -> None:
+        """Register the version and append `adapter_ready`.
+
+        `stepped_at` (the last optimizer step) and `published_at` (the version renamed into
+        place) let anyone reading the stream time each stage of the sync path.
+        """
         self.registry.register_version(manifest)
         adapter = self.store.adapter_dir(manifest.run, manifest.version)
         self.events.append(Event(
@@ -267,7 +272,7 @@ class Trainer:
             data={
                 "path": str(adapter.relative_to(self.store.root)),
                 "step": manifest.step, "parent": manifest.parent, "metrics": manifest.metrics,
-                "published_at": published_at,
+                "published_at": published_at, "stepped_at": stepped_at,
             },
         ))
 
@@ -317,16 +322,17 @@ class Trainer:
                     stats.add({"entropy": float((fwd.entropy * mb.mask).sum())})
             grad_norms.append(self.backend.step(spec.optimizer.max_grad_norm))
         train_s = time.perf_counter() - started
+        stepped_at = time.time()
         metrics = {
             **stats.metrics(), **reward_stats(rewards), "grad_norm": grad_norms[-1],
             "tokens": float(sum(mb.tokens for mb in batches)), "sequences": float(len(samples)),
             "groups": float(len(job.groups)), "zero_advantage_groups": float(flat_groups),
             "microbatches": float(len(batches)), "epochs": float(spec.loss.epochs), "train_s": train_s,
         }
-        return self._publish(job, spec, parent, metrics, train_s)
+        return self._publish(job, spec, parent, metrics, train_s, stepped_at)
 
     def _publish(self, job: TrainJob, spec: RunSpec, parent: int, metrics: dict[str, float],
-                 train_s: float) -> TrainResult:
+                 train_s: float, stepped_at: float) -> TrainResult:
         version = parent + 1
         removed = self.store.remove_stale_staging(job.run)
         if removed:
@@ -341,6 +347,6 @@ class Trainer:
             })
             manifest = self.store.publish(staged, manifest)
         published_at = time.time()
-        self._announce(manifest, published_at=published_at)
+        self._announce(manifest, published_at=published_at, stepped_at=stepped_at)
         self.backend.mark_active(job.run, version, self.store.version_dir(job.run, version))
         return self._result(manifest, reused=False, train_s=train_s, published_at=published_at)
