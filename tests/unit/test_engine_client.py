@@ -272,6 +272,27 @@ async def test_admin_routes_send_the_key_and_memory_body() -> None:
     assert json.loads(seen[1][2]) == {"tags": None} and json.loads(seen[2][2]) == {"tags": ["weights"]}
 
 
+async def test_update_weights_from_disk_sends_sglang_body_key_and_timeout_and_raises_on_refusal() -> None:
+    seen: list[tuple[str | None, dict, float]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.headers.get("authorization"), body, request.extensions["timeout"]["read"]))
+        if body["model_path"] == "/bad":
+            reply = {"success": False, "message": "config.json has hidden_size=32", "num_paused_requests": 0}
+            return httpx.Response(400, json=reply)
+        return httpx.Response(200, json={"success": True, "message": "Succeeded to update model weights.",
+                                          "num_paused_requests": 0})
+
+    client = make_client(handler, admin_api_key="k", weights_timeout_s=123)
+    out = await client.update_weights_from_disk("/merged", weight_version="v7")
+    assert out["success"] is True
+    assert seen[0] == ("Bearer k", {"model_path": "/merged", "abort_all_requests": False, "weight_version": "v7"}, 123)
+    with pytest.raises(EngineResponseError, match="hidden_size=32") as info:
+        await client.update_weights_from_disk("/bad")
+    assert info.value.status_code == 400 and len(seen) == 2  # a refit is never retried
+
+
 def sse(*events: object) -> bytes:
     return b"".join(f"data: {json.dumps(e) if not isinstance(e, str) else e}\n\n".encode() for e in events)
 

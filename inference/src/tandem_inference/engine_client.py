@@ -3,7 +3,7 @@
 The same client drives SGLang in production and the transformers engine on CPU, so it uses
 only the SGLang API subset that both serve (see docs: sglang-api.md): native `/generate`,
 `/load_lora_adapter`, `/unload_lora_adapter`, `/v1/models`, `/server_info`, `/health`,
-`/flush_cache` and the memory release/resume routes.
+`/flush_cache`, `/update_weights_from_disk` and the memory release/resume routes.
 
 Each call kind has its own timeout (a load may take a minute, a health check must not),
 and only idempotent calls are retried, only after connection errors, a bounded number of
@@ -54,6 +54,7 @@ class CallKind(StrEnum):
     INFO = "info"
     FLUSH = "flush"
     MEMORY = "memory"
+    WEIGHTS = "weights"
 
 
 #: Calls that change nothing when repeated. A load is not (a second load under the same
@@ -127,6 +128,7 @@ class EngineClient:
         unload_timeout_s: float = 30.0,
         generate_timeout_s: float = 300.0,
         info_timeout_s: float = INFO_TIMEOUT_S,
+        weights_timeout_s: float = 600.0,
         max_attempts: int = MAX_ATTEMPTS,
     ) -> None:
         self.http = http
@@ -140,6 +142,8 @@ class EngineClient:
             CallKind.FLUSH: info_timeout_s,
             # Moving weights out of and back into GPU memory takes about as long as a load.
             CallKind.MEMORY: load_timeout_s,
+            # A full checkpoint is read from disk and copied into the model: minutes for large ones.
+            CallKind.WEIGHTS: weights_timeout_s,
         }
         self.max_attempts = max_attempts
 
@@ -272,6 +276,21 @@ class EngineClient:
             for card in cards
             if isinstance(card, dict) and card.get("parent")
         }
+
+    # full weights -----------------------------------------------------------
+    async def update_weights_from_disk(
+        self, model_path: str, *, abort_all_requests: bool = False, weight_version: str | None = None,
+    ) -> dict[str, Any]:
+        """Load a checkpoint of the same architecture into the base model in place.
+
+        Returns the engine's `{success, message, ...}`; a refusal (the old weights keep serving)
+        raises EngineResponseError with the engine's message.
+        """
+        body: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        out = await self._call(CallKind.WEIGHTS, "POST", "/update_weights_from_disk", body=body)
+        return out if isinstance(out, dict) else {}
 
     # server -----------------------------------------------------------------
     async def health(self) -> bool:

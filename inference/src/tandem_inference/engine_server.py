@@ -3,7 +3,8 @@
 Request and response shapes follow SGLang (see sglang-api.md), so tandem's engine client,
 controller and gateway talk to this server and to SGLang the same way: native `/generate`,
 OpenAI chat/completions with `model = "<served>:<adapter>"`, adapter load/unload by name,
-memory release/resume, health, server info and Prometheus metrics. Model work runs in worker
+full-weight reloads (`/update_weights_from_disk`, see weights.py), memory release/resume,
+health, server info and Prometheus metrics. Model work runs in worker
 threads (the runtime serializes it), so the event loop stays responsive while it generates.
 
 Logprobs (`output_token_logprobs`, OpenAI `logprobs`) are `log_softmax` of the raw logits, the
@@ -43,6 +44,7 @@ from tandem_inference.errors import (
     EngineError,
     EngineUnavailable,
     InvalidRequest,
+    WeightsLoadFailed,
 )
 from tandem_inference.hf_engine import HFEngine, SamplingParams, Sequence
 
@@ -52,6 +54,7 @@ _STATUS = {
     InvalidRequest: 400,
     AdapterNotLoaded: 400,
     AdapterLoadFailed: 400,
+    WeightsLoadFailed: 400,
     EngineUnavailable: 503,
     EngineBusy: 503,
 }
@@ -127,6 +130,14 @@ class UnloadBody(_Body):
     lora_name: str
 
 
+class WeightsBody(_Body):
+    model_path: str
+    load_format: str | None = None  # None, "auto" or "safetensors": what this engine reads
+    flush_cache: bool = True  # accepted; no cross-request prefix cache to empty
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
 class MemoryBody(_Body):
     tags: list[str] | None = None
 
@@ -150,6 +161,12 @@ class _Metrics:
             registry=r,
         )
         self.loaded_adapters = Gauge("tandem_engine_loaded_adapters", "Adapters loaded now", registry=r)
+        self.weights_update = Histogram(
+            "tandem_engine_weights_update_seconds",
+            "Full-weight reload time (/update_weights_from_disk) in seconds",
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=r,
+        )
 
     def count(self, seqs: list[Sequence]) -> None:
         self.generated_tokens.inc(sum(len(s.output_ids) for s in seqs))
@@ -175,6 +192,7 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
 
     app = FastAPI(title="tandem transformers engine", lifespan=lifespan)
     app.state.engine = None
+    running: set[threading.Event] = set()  # cancel events of the requests running now
 
     def engine() -> HFEngine:
         if app.state.engine is None:
@@ -221,6 +239,7 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
     ) -> list[list[Sequence]]:
         eng = prepare(jobs, params)
         cancel = threading.Event()
+        running.add(cancel)
         timer = asyncio.get_running_loop().call_later(settings.generate_timeout_s, cancel.set)
         try:
             results = await asyncio.to_thread(
@@ -229,6 +248,7 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
         finally:
             timer.cancel()
             cancel.set()
+            running.discard(cancel)
         for seqs in results:
             metrics.count(seqs)
         return results
@@ -265,6 +285,7 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
                     loop.call_soon_threadsafe(queue.put_nowait, exc)
 
             timer = loop.call_later(settings.generate_timeout_s, cancel.set)
+            running.add(cancel)
             loop.run_in_executor(None, work)
             try:
                 while (item := await queue.get()) is not done:
@@ -274,6 +295,7 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
             finally:  # also when the client goes away: the worker stops at its next token
                 timer.cancel()
                 cancel.set()
+                running.discard(cancel)
 
         return advance()
 
@@ -487,6 +509,30 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
             return adapter_reply(eng, exc)
         return adapter_reply(eng)
 
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: WeightsBody, request: Request) -> JSONResponse:
+        """SGLang's full-weight refit: same architecture, new values, in place; 400 keeps the old."""
+        admin(request)
+        eng = engine()
+        try:
+            if body.load_format not in (None, "auto", "safetensors"):
+                raise WeightsLoadFailed(
+                    f"load_format={body.load_format!r} is not supported; this engine reads safetensors"
+                )
+            if body.abort_all_requests:  # they end with finish_reason "abort" at their next token
+                for cancel in list(running):
+                    cancel.set()
+            seconds = await asyncio.to_thread(
+                eng.update_weights_from_disk, body.model_path, weight_version=body.weight_version
+            )
+        except EngineError as exc:
+            log.warning("weights_update_failed path=%s error=%s", body.model_path, exc)
+            reply = {"success": False, "message": str(exc), "num_paused_requests": 0}
+            return JSONResponse(reply, status_code=_status(exc))
+        metrics.weights_update.observe(seconds)
+        reply = {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+        return JSONResponse(reply)
+
     @app.post("/flush_cache")
     async def flush_cache(request: Request) -> PlainTextResponse:
         admin(request)
@@ -621,7 +667,7 @@ def _native(
         "prompt_tokens": s.prompt_tokens,
         "completion_tokens": len(s.output_ids),
         "cached_tokens": 0,
-        "weight_version": "default",
+        "weight_version": eng.weight_version,
     }
     if logprobs:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.logprobs, s.output_ids, strict=False)]

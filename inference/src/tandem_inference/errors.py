@@ -8,6 +8,7 @@
         │   ├── AdapterLoadFailed  an adapter the engine refuses to load; nothing changed (400)
         │   │   └── AdapterLoadError   (engine client) the engine answered a load with an error;
         │   │                          carries the adapter name and the engine's message
+        │   ├── WeightsLoadFailed  a full-weight checkpoint the engine refuses; the old weights serve (400)
         │   ├── EngineUnavailable  no model to run: memory released or not loaded yet (503);
         │   │   │                  (engine client) the engine cannot be reached
         │   │   └── EngineTimeout  (engine client) the engine did not answer within the call's timeout
@@ -45,6 +46,10 @@ class AdapterNotLoaded(EngineError):
 
 class AdapterLoadFailed(EngineError):
     """An adapter was refused before or during loading; every other adapter is untouched."""
+
+
+class WeightsLoadFailed(EngineError):
+    """A checkpoint given to /update_weights_from_disk was refused; the old weights keep serving."""
 
 
 class EngineUnavailable(EngineError):

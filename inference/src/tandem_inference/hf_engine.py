@@ -151,6 +151,7 @@ class HFEngine:
         self._pending: dict[tuple[Any, ...], list[_Ticket]] = {}  # coalescing requests, by key
         self.batches_run = 0
         self.released = False
+        self.weight_version = "default"  # reported in meta_info; set by update_weights_from_disk
         log.info(
             "model_load_end path=%s device=%s dtype=%s duration_ms=%.0f",
             self.model_path,
@@ -383,6 +384,29 @@ class HFEngine:
             self._peft.set_adapter(name, inference_mode=True)
             self._active = name
         return nullcontext()
+
+    # -- full weights ---------------------------------------------------------------------------
+
+    def update_weights_from_disk(self, path: str | Path, *, weight_version: str | None = None) -> float:
+        """Load a checkpoint of the same architecture into the base model in place; return seconds.
+
+        The checkpoint is read and checked first (see `weights`), without blocking generation;
+        then the values are copied while no batch runs, so every request runs wholly on the old
+        or wholly on the new weights. Loaded adapters stay loaded.
+        """
+        from tandem_inference import weights
+
+        start = time.perf_counter()
+        log.info("weights_update_start path=%s", path)
+        tensors = weights.read_checkpoint(path, self._hf)
+        with self._model_lock:
+            weights.copy_into(self._hf, tensors)
+            self.model_path = str(path)
+            if weight_version is not None:
+                self.weight_version = weight_version
+        seconds = time.perf_counter() - start
+        log.info("weights_update_end path=%s tensors=%d duration_ms=%.1f", path, len(tensors), seconds * 1000)
+        return seconds
 
     # -- leases and memory ----------------------------------------------------------------------
 
