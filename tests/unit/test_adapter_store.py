@@ -13,6 +13,7 @@ def publish(store: AdapterStore, run: str = "r", version: int = 1, payload: byte
     with store.staging(run, version) as tmp:
         (tmp / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 8}))
         (tmp / "adapter" / "adapter_model.safetensors").write_bytes(payload)
+        (tmp / "trainer").mkdir()
         (tmp / "trainer" / "optimizer.pt").write_bytes(b"opt")
         return store.publish(tmp, Manifest(run=run, version=version, parent=version - 1, step=version,
                                            job_id="j", base_model="m", lora_rank=8))
@@ -91,3 +92,23 @@ def test_verify_only_checks_one_subdirectory(tmp_path: Path) -> None:
     (store.adapter_dir("r", 1) / "adapter_model.safetensors").write_bytes(b"tampered")
     with pytest.raises(AdapterRejected, match="checksum of adapter/adapter_model.safetensors"):
         store.verify("r", 1, only="adapter")
+
+
+def test_trainer_state_is_attached_whole_or_not_at_all(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path)
+    with store.staging("r", 1) as tmp:
+        (tmp / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 8}))
+        store.publish(tmp, Manifest(run="r", version=1, parent=0, step=1, job_id="j", base_model="m", lora_rank=8))
+    with pytest.raises(RuntimeError):
+        with store.trainer_state("r", 1) as state:
+            (state / "optimizer.pt").write_bytes(b"half")
+            raise RuntimeError("crash while writing the optimizer state")
+    assert not (store.version_dir("r", 1) / "trainer").exists()
+    assert not any(p.name.startswith(".tmp") for p in (tmp_path / "r").iterdir())
+    with store.trainer_state("r", 1) as state:
+        (state / "optimizer.pt").write_bytes(b"whole")
+    assert (store.version_dir("r", 1) / "trainer" / "optimizer.pt").read_bytes() == b"whole"
+    assert store.verify("r", 1).files.keys() == {"adapter/adapter_config.json"}
+    with pytest.raises(VersionExists):
+        with store.trainer_state("r", 1):
+            pass

@@ -136,9 +136,31 @@ class AdapterStore:
         """A private directory to write a version into; removed if the block raises."""
         tmp = self.run_dir(run) / f".tmp-v{version:06d}-{uuid.uuid4().hex[:8]}"
         (tmp / ADAPTER_DIR).mkdir(parents=True)
-        (tmp / TRAINER_DIR).mkdir()
         try:
             yield tmp
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    @contextmanager
+    def trainer_state(self, run: str, version: int) -> Iterator[Path]:
+        """A private directory for the trainer's state of a published version; on success it
+        is fsynced and renamed into place as `<version>/trainer/`, never seen half-written.
+
+        The state (optimizer moments, often twice the adapter's size) is written after the
+        version is announced, off the path to serving. A version without it is still whole:
+        training resumed from it starts the optimizer fresh.
+        """
+        final = self.version_dir(run, version) / TRAINER_DIR
+        if final.exists():
+            raise VersionExists(f"{run} v{version} already has trainer state at {final}")
+        tmp = self.run_dir(run) / f".tmp-state-v{version:06d}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        try:
+            yield tmp
+            _fsync_tree(tmp)
+            os.rename(tmp, final)
+            _fsync_dir(final.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -95,8 +95,12 @@ class Backend(ABC):
         """
 
     @abstractmethod
-    def save(self, adapter_dir: Path, trainer_dir: Path, *, trainer_state: dict[str, object]) -> None:
-        """Write adapter_config.json + adapter_model.safetensors, and the optimizer state."""
+    def save_adapter(self, adapter_dir: Path) -> None:
+        """Write adapter_config.json + adapter_model.safetensors (what the engine loads)."""
+
+    @abstractmethod
+    def save_state(self, trainer_dir: Path, *, trainer_state: dict[str, object]) -> None:
+        """Write the optimizer state and `trainer_state` (what resuming from the version needs)."""
 
     @abstractmethod
     def mark_active(self, run: str, version: int, version_dir: Path) -> None:

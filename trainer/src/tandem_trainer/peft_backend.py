@@ -242,9 +242,9 @@ class PeftBackend(Backend):
         self._optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def save(self, adapter_dir: Path, trainer_dir: Path, *, trainer_state: dict[str, object]) -> None:
+    def save_adapter(self, adapter_dir: Path) -> None:
         model, spec = self._require_model(), self._spec
-        assert spec is not None and self._optimizer is not None
+        assert spec is not None
         weights = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()}
         save_file(weights, str(adapter_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         config: Any = copy.deepcopy(model.peft_config["default"])
@@ -252,6 +252,9 @@ class PeftBackend(Backend):
         config.base_model_name_or_path = spec.base_model
         config.target_modules = sorted(config.target_modules)  # a set in memory; stable bytes on disk
         config.save_pretrained(str(adapter_dir))
+
+    def save_state(self, trainer_dir: Path, *, trainer_state: dict[str, object]) -> None:
+        assert self._optimizer is not None
         torch.save(self._optimizer.state_dict(), trainer_dir / OPTIMIZER_STATE)
         state = {**trainer_state, "param_names": [n for n, _ in self._params], "backend": self.name,
                  "torch": torch.__version__}

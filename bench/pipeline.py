@@ -1,0 +1,89 @@
+"""Scenario 5, sync vs async RL: the toy task (reward = share of digit tokens) run
+synchronously (roll out, train, wait until the new version serves) and pipelined with
+`max_staleness_steps` 1 and 2 (rollouts of step k+1 go on while step k trains).
+
+Reports wall time per step, the reward after K steps, and how busy each side was: the
+rollout side's share of wall time spent in rollouts, the trainer's share spent training. The
+goal: a pipelined step takes at most 1.15 x max(rollout time, train time).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from benchlib import Ctx, goal, md_table, plt
+
+from tandem import LoraConfig, OptimizerConfig, toy
+from tandem.events import EventKind
+
+MODES = {"sync": 0, "async-1": 1, "async-2": 2}
+
+
+def one_mode(ctx: Ctx, mode: str, staleness: int, steps: int, digits: frozenset[int]) -> dict[str, Any]:
+    assert ctx.client is not None
+    rank = 8 if ctx.engine == "transformers" else 16
+    run = ctx.client.create_run(f"pipe-{mode}", base_model=ctx.model, lora=LoraConfig(r=rank, alpha=2 * rank),
+                                optimizer=OptimizerConfig(lr=5e-3), max_staleness_steps=staleness)
+    rows: list[dict[str, Any]] = []
+    t_start = time.time()
+    for step in range(1, steps + 1):
+        t0 = time.time()
+        rolled = toy.roll_out(run, digits, toy.prompts_for(step, 4), group_size=8, max_tokens=16)
+        t1 = time.time()
+        run.train(rolled.groups, wait=staleness == 0)
+        rows.append({"step": step, "reward": rolled.mean_reward, "served_by": max(rolled.versions),
+                     "rollout_s": t1 - t0, "submit_wait_s": time.time() - t1, "t": time.time() - t_start})
+        ctx.progress(f"{mode}: step {step}/{steps} reward {rolled.mean_reward:.2f} served by v{max(rolled.versions)}")
+    run.wait_all()
+    wall = time.time() - t_start
+    train_s = [float(e.data["metrics"]["train_s"]) for e in run.history() if e.kind is EventKind.ADAPTER_READY]
+    rollout_s = [r["rollout_s"] for r in rows]
+    step_s = wall / steps
+    bound = max(statistics.fmean(rollout_s), statistics.fmean(train_s))
+    tail = rows[-3:]
+    return {
+        "mode": mode, "max_staleness": staleness, "steps": steps, "wall_s": wall, "step_s": step_s,
+        "rollout_s_mean": statistics.fmean(rollout_s), "train_s_mean": statistics.fmean(train_s),
+        "step_over_bound": step_s / bound,
+        "reward_first3": statistics.fmean(r["reward"] for r in rows[:3]),
+        "reward_last3": statistics.fmean(r["reward"] for r in tail),
+        "rollout_busy": sum(rollout_s) / wall, "trainer_busy": sum(train_s) / wall,
+        "max_lag": max(r["step"] - 1 - r["served_by"] for r in rows),
+        "rows": rows,
+    }
+
+
+def run(ctx: Ctx) -> dict[str, Any]:
+    steps = 6 if ctx.quick else 20
+    digits = toy.digit_token_ids(ctx.model)
+    modes = [one_mode(ctx, mode, s, steps, digits) for mode, s in MODES.items()]
+    goals = [goal(f"{m['mode']}: step time / max(rollout, train)", m["step_over_bound"], 1.15,
+                  note=f"step {m['step_s']:.2f} s, rollout {m['rollout_s_mean']:.2f} s, train {m['train_s_mean']:.2f} s")
+             for m in modes if m["max_staleness"] > 0]
+    table = md_table(
+        ["mode", "steps", "wall s", "s / step", "rollout s", "train s", "step / max(rollout, train)",
+         "reward first 3 → last 3", "rollout busy", "trainer busy", "max staleness seen"],
+        [[m["mode"], m["steps"], m["wall_s"], m["step_s"], m["rollout_s_mean"], m["train_s_mean"],
+          m["step_over_bound"], f"{m['reward_first3']:.2f} → {m['reward_last3']:.2f}",
+          f"{m['rollout_busy']:.0%}", f"{m['trainer_busy']:.0%}", m["max_lag"]] for m in modes])
+    if ctx.engine == "transformers":
+        table += ("\n\nOn the CPU profile the engine and the trainer share two cores, so pipelining makes them "
+                  "slow each other down; on GPUs each side has its own device.")
+    plot_name = "sync_vs_async.png"
+    pyplot = plt()
+    fig, ax = pyplot.subplots(figsize=(8, 3.5))
+    for m in modes:
+        ax.plot([r["t"] for r in m["rows"]], [r["reward"] for r in m["rows"]], marker=".", label=m["mode"])
+    ax.set_xlabel("wall time, s")
+    ax.set_ylabel("reward (digit share)")
+    ax.set_title("Reward vs wall time: synchronous and pipelined")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(ctx.out / plot_name, dpi=100)
+    pyplot.close(fig)
+    summary = {m["mode"]: {k: v for k, v in m.items() if k != "rows"} for m in modes}
+    return {"name": "pipeline", "title": "5. Sync vs async RL", "summary": summary,
+            "rows": [{"mode": m["mode"], **r} for m in modes for r in m["rows"]], "goals": goals,
+            "table": table, "plots": [plot_name]}

@@ -1,0 +1,229 @@
+"""`make bench`: what tandem exists for, measured side by side with the alternatives in one run.
+
+Starts the stack (CPU profile by default: tiny model, transformers engine, peft trainer; or
+SGLang + Unsloth on GPUs with --engine sglang), runs the scenarios in order, and writes
+bench/results/<timestamp>/ with results.json, report.md and the PNG plots:
+
+    1 sync          policy-sync latency per stage, against the floor (write + read + copy)
+    3 swaps         serving during swaps: concurrent clients while versions are published
+    4 gateway       gateway overhead: the same load through the gateway and straight to the engine
+    6 prefix_cache  prefix-cache share of a shared system prompt after each swap
+    5 pipeline      sync vs async RL on the toy task (max_staleness 0, 1, 2)
+    2 hotload       hot-load vs engine restart vs merged-weights reload (after the stack stops)
+
+    python bench/suite.py                      # the whole suite, < 10 min on 2 CPU cores
+    python bench/suite.py --quick              # every scenario, small (CI), < 2 min
+    python bench/suite.py --only sync,hotload
+    python bench/suite.py --engine sglang --shape 0.5b --sglang-python /opt/sglang/bin/python \\
+        --trainer-python /opt/trainer/bin/python          # GPUs, split mode (GPU 0 and 1)
+
+Every goal of the suite is checked and the report says which were met and which were missed;
+the exit status is non-zero only when a scenario failed to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import sys
+import time
+import traceback
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from benchlib import BenchStack, Ctx, machine, md_table, package_versions, python_versions
+
+from tandem import Client
+from tandem.stack import StackConfig
+
+#: Model shapes for GPU runs: the tiny model, and transformer bodies of Qwen2.5 models with
+#: random weights (the vocabulary stays the tiny BPE's 512 tokens, so embeddings are small).
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "0.5b": {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2,
+             "intermediate_size": 4864, "max_position_embeddings": 4096, "initializer_range": 0.1},
+    "1.5b": {"hidden_size": 1536, "num_layers": 28, "num_heads": 12, "num_kv_heads": 2,
+             "intermediate_size": 8960, "max_position_embeddings": 4096, "initializer_range": 0.08},
+}
+SGLANG_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+                "--dtype", "bfloat16"]
+ON_STACK = ["sync", "swaps", "gateway_overhead", "prefix_cache", "pipeline"]
+AFTER_STACK = ["hotload"]
+ALIASES = {"gateway": "gateway_overhead", "prefix": "prefix_cache", "async": "pipeline"}
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="every scenario, small: keeps the suite working in CI")
+    p.add_argument("--only", default="", help=f"comma-separated scenarios of {ON_STACK + AFTER_STACK}")
+    p.add_argument("--out", default=None, help="default: bench/results/<timestamp>")
+    p.add_argument("--model", default=None, help="a local model dir (default: build the tiny model / --shape)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    p.add_argument("--engine", choices=["transformers", "sglang"], default="transformers")
+    p.add_argument("--mode", choices=["split", "shared"], default="split", help="GPU mode with --engine sglang")
+    p.add_argument("--sglang-python", default="python3")
+    p.add_argument("--trainer-python", default=sys.executable)
+    p.add_argument("--tandem-python", default=sys.executable)
+    p.add_argument("--inference-gpus", default="[0]")
+    p.add_argument("--trainer-gpus", default="[1]")
+    p.add_argument("--mem-fraction", type=float, default=0.7)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=8)
+    return p.parse_args()
+
+
+def selected(only: str) -> list[str]:
+    if not only:
+        return ON_STACK + AFTER_STACK
+    names = [ALIASES.get(n.strip(), n.strip()) for n in only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ON_STACK + AFTER_STACK]
+    if unknown:
+        raise SystemExit(f"unknown scenario(s) {unknown}; choose from {ON_STACK + AFTER_STACK}")
+    return [n for n in ON_STACK + AFTER_STACK if n in names]
+
+
+def engine_env(args: argparse.Namespace) -> dict[str, str]:
+    if args.engine == "transformers":
+        return {"TANDEM_ENGINE__KIND": "transformers", "TANDEM_GPUS__MODE": "cpu", "TANDEM_LOG_LEVEL": "INFO"}
+    env = {
+        "TANDEM_GPUS__MODE": args.mode, "TANDEM_GPUS__INFERENCE": args.inference_gpus,
+        "TANDEM_GPUS__TRAINER": args.trainer_gpus if args.mode == "split" else "[7]",
+        "TANDEM_ENGINE__KIND": "sglang", "TANDEM_ENGINE__SGLANG_PYTHON": args.sglang_python,
+        "TANDEM_ENGINE__MAX_LORA_RANK": "16", "TANDEM_ENGINE__CUDA_GRAPH_MAX_BS": str(args.cuda_graph_max_bs),
+        "TANDEM_ENGINE__EXTRA_ARGS": json.dumps(SGLANG_FLAGS),
+        "TANDEM_ENGINE__MEM_FRACTION_STATIC": str(args.mem_fraction if args.mode == "split" else 0.6),
+        "TANDEM_BACKEND__KIND": "auto", "TANDEM_LOG_LEVEL": "INFO",
+    }
+    return env
+
+
+def run_scenario(name: str, ctx: Ctx, results: dict[str, Any]) -> None:
+    print(f"\n== {name} ==", flush=True)
+    t0 = time.time()
+    try:
+        module = importlib.import_module(name)
+        res = module.run(ctx)
+    except Exception as exc:  # noqa: BLE001 - one broken scenario must not hide the others
+        traceback.print_exc()
+        res = {"name": name, "title": name, "error": f"{type(exc).__name__}: {exc}", "goals": [], "table": "",
+               "plots": []}
+    res["elapsed_s"] = round(time.time() - t0, 1)
+    results[name] = res
+    if res.get("table"):
+        print(res["table"])
+    for g in res.get("goals", []):
+        print(f"  goal {'met   ' if g['met'] else 'MISSED'} {g['name']}: {g['value']} (target "
+              f"{'<=' if g['at_most'] else '>='} {g['target']})")
+    print(f"  ({res['elapsed_s']} s)", flush=True)
+
+
+def main() -> int:
+    args = parse()
+    names = selected(args.only)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    out = Path(args.out or f"bench/results/{stamp}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    if args.model:
+        model = str(Path(args.model).resolve())
+    else:
+        from tandem_trainer.tiny_model import build_tiny_model
+
+        model_dir = Path(".tandem/models") / ("tiny" if args.shape == "tiny" else f"bench-{args.shape}")
+        print(f"model: {args.shape} at {model_dir} ...", flush=True)
+        model = str(build_tiny_model(model_dir, **SHAPES[args.shape]).resolve())
+    env = engine_env(args)
+    device = "cuda" if args.engine == "sglang" else "cpu"
+    config = StackConfig(state_dir=out / "stack", model=model, gateway_port=0, extra_env=env,
+                         ready_timeout_s=1200 if args.engine == "sglang" else 180,
+                         cpu_threads=1 if args.engine == "transformers" else None)
+    ctx = Ctx(out=out, quick=args.quick, model=model, engine=args.engine, tandem_python=args.tandem_python,
+              sglang_python=args.sglang_python, engine_env=env, store_root=out / "stack" / "adapters",
+              run_name="bench", device=device, served_model="base")
+    results: dict[str, Any] = {}
+    on_stack = [n for n in names if n in ON_STACK]
+    if on_stack:
+        print(f"starting the stack ({args.engine}; logs in {out}/stack/logs) ...", flush=True)
+        stack = BenchStack(config, engine=args.engine, tandem_python=args.tandem_python,
+                           trainer_python=args.trainer_python)
+        with stack:
+            print(f"stack ready in {time.time() - t_start:.0f} s", flush=True)
+            ctx.stack = stack
+            ctx.client = Client(stack.gateway_url, stack.redis_url)
+            for name in on_stack:
+                if name != "sync" and "sync" not in results and name != "pipeline":
+                    # later scenarios run on the run `sync` created; make one version if it was skipped
+                    ctx.client.create_run(ctx.run_name, base_model=model)
+                    results["sync"] = {"skipped": True}
+                run_scenario(name, ctx, results)
+            ctx.client.close()
+            ctx.stack, ctx.client = None, None
+    for name in names:
+        if name in AFTER_STACK:
+            run_scenario(name, ctx, results)
+    meta = {
+        "timestamp": stamp, "quick": args.quick, "engine": args.engine, "shape": args.shape, "model": model,
+        "mode": args.mode if args.engine == "sglang" else "cpu", "machine": machine(), "packages": package_versions(),
+        "settings": env, "elapsed_s": round(time.time() - t_start, 1),
+    }
+    if args.engine == "sglang":
+        meta["sglang_env"] = python_versions(args.sglang_python, ["sglang", "torch", "transformers"])
+        meta["trainer_env"] = python_versions(args.trainer_python, ["unsloth", "torch", "transformers", "peft"])
+    results = {k: v for k, v in results.items() if not v.get("skipped")}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "scenarios": results}, indent=1, default=_jsonable))
+    (out / "report.md").write_text(report(meta, results))
+    print(f"\nreport: {out / 'report.md'} ({meta['elapsed_s']:.0f} s)")
+    missed = [g["name"] for r in results.values() for g in r.get("goals", []) if not g["met"]]
+    failed = [n for n, r in results.items() if r.get("error")]
+    if missed:
+        print(f"goals missed ({len(missed)}): " + "; ".join(missed))
+    if failed:
+        print(f"scenarios that failed to run: {failed}")
+    return 1 if failed else 0
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return str(value)
+
+
+def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
+    m = meta["machine"]
+    hw = f"{m['cpu']}, {m['cpu_count']} cores, {m.get('memory_gib', '?')} GiB" + (
+        f"; GPUs: {', '.join(m['gpus'])}" if m.get("gpus") else "; no GPU")
+    versions = ", ".join(f"{k} {v}" for k, v in meta["packages"].items())
+    lines = [
+        f"# tandem benchmark report ({meta['timestamp']})", "",
+        f"- **command**: `python bench/suite.py{' --quick' if meta['quick'] else ''}"
+        f"{' --engine sglang --shape ' + meta['shape'] if meta['engine'] == 'sglang' else ''}`",
+        f"- **engine**: {meta['engine']} ({meta['mode']}); model `{meta['model']}` ({meta['shape']})",
+        f"- **hardware**: {hw}",
+        f"- **software**: Python {m['python']}, {m['platform']}; {versions}; {m.get('redis_server', '')}",
+    ]
+    if meta.get("sglang_env"):
+        lines.append(f"- **SGLang environment**: {meta['sglang_env']}")
+        lines.append(f"- **trainer environment**: {meta['trainer_env']}")
+    lines += [f"- **settings**: `{json.dumps(meta['settings'])}`", f"- **wall time**: {meta['elapsed_s']:.0f} s", ""]
+    goals = [(r["title"], g) for r in results.values() for g in r.get("goals", [])]
+    if goals:
+        lines += ["## Goals", "", md_table(
+            ["scenario", "goal", "value", "target", "verdict"],
+            [[t, g["name"], g["value"], f"{'≤' if g['at_most'] else '≥'} {g['target']}",
+              "met" if g["met"] else "**missed**" + (f" ({g['note']})" if g.get("note") else "")]
+             for t, g in goals]), ""]
+    for r in results.values():
+        lines += [f"## {r['title']}", ""]
+        if r.get("error"):
+            lines += [f"**failed to run**: `{r['error']}`", ""]
+            continue
+        lines += [r["table"], ""]
+        lines += [f"![{p}]({p})" for p in r.get("plots", [])]
+        lines += [f"_{r.get('elapsed_s', 0)} s_", ""]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

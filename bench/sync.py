@@ -1,0 +1,198 @@
+"""Scenario 1, policy-sync latency: from the trainer's optimizer step to the first response
+served by the new version, stage by stage, over 30+ versions, beside the floor.
+
+Stages per version, from the event stream (`adapter_ready` carries `stepped_at` and
+`published_at`; `adapter_loaded` carries the engine's `load_ms`) and from probers that keep
+sending one-token requests through the gateway:
+
+    step -> written    optimizer step done -> version renamed into the store (save, checksums, fsync)
+    written -> ready   -> registered and `adapter_ready` appended
+    ready -> loaded    -> the controller verified it, the engine loaded it, the alias switched
+    loaded -> served   -> a response by the new version came back
+    step -> served     the whole path
+
+tandem's own overhead is step -> served minus the engine's load and the first forward (the
+duration of the request that first came back from the new version; a prober starts sending
+requests when `adapter_ready` appears and stops when the new version answers). The floor is what the
+same bytes cost without tandem: write the adapter file (fsync), read it back, and copy its
+tensors to the engine's device.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from benchlib import Ctx, goal, plt, stage_table, summary
+
+from tandem import Client, LoraConfig, OptimizerConfig
+from tandem.events import EventKind
+
+
+class Prober:
+    """Follows the event stream; on each `adapter_ready` of the run it sends one-token requests
+    back to back until the new version answers, and remembers that first response (its end
+    and its duration). Idle otherwise, so it does not load the machine while the trainer
+    writes the next version."""
+
+    def __init__(self, gateway_url: str, client: Client, run: str) -> None:
+        self.url, self.client, self.run_name = gateway_url, client, run
+        self.first: dict[int, tuple[float, float]] = {}  # version -> (end, duration)
+        self.requests = self.errors = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.after = client.events.last_id()
+
+    def __enter__(self) -> Prober:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+    def _loop(self) -> None:
+        body = {"model": self.run_name, "prompt": "1", "max_tokens": 1}
+        with httpx.Client(base_url=self.url, timeout=60) as http:
+            while not self.stop.is_set():
+                for event in self.client.events.read(self.after, block_ms=200):
+                    self.after = event.id
+                    if event.kind is EventKind.ADAPTER_READY and event.run == self.run_name and event.version:
+                        self._until_served(http, body, event.version)
+
+    def _until_served(self, http: httpx.Client, body: dict[str, Any], version: int) -> None:
+        deadline = time.time() + 60
+        while time.time() < deadline and not self.stop.is_set():
+            start = time.time()
+            try:
+                resp = http.post("/v1/completions", json=body)
+            except httpx.HTTPError:
+                self.errors += 1
+                continue
+            end = time.time()
+            self.requests += 1
+            if resp.status_code != 200:
+                self.errors += 1
+                continue
+            if int(resp.headers["x-tandem-version"]) >= version:
+                self.first[version] = (end, end - start)
+                return
+
+
+def floor_ms(adapter_dir: Path, device: str) -> float:
+    """Write the adapter's bytes (fsync), read them back, copy the tensors to `device`."""
+    import torch
+    from safetensors.torch import load
+
+    data = (adapter_dir / "adapter_model.safetensors").read_bytes()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "adapter_model.safetensors"
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        tensors = load(path.read_bytes())
+        on_device = [t.to(device) for t in tensors.values()]
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        elapsed = (time.perf_counter() - t0) * 1000
+    del on_device
+    return elapsed
+
+
+def run(ctx: Ctx) -> dict[str, Any]:
+    assert ctx.stack is not None and ctx.client is not None
+    versions = 8 if ctx.quick else 40
+    rank = 8 if ctx.engine == "transformers" else 16
+    run = ctx.client.create_run(ctx.run_name, base_model=ctx.model, lora=LoraConfig(r=rank, alpha=2 * rank),
+                                optimizer=OptimizerConfig(lr=1e-3))
+    with Prober(ctx.stack.gateway_url, ctx.client, run.name) as probers:
+        for i in range(1, versions + 1):
+            comps = run.chat([{"role": "user", "content": "Count."}], n=4, max_tokens=8)
+            run.train([run.group(comps, [float(j) for j in range(4)])])
+            ctx.progress(f"version {i}/{versions}")
+        time.sleep(0.5)
+    events = ctx.client.events.history(run=run.name, count=100_000)
+    ready = {e.version: e for e in events if e.kind is EventKind.ADAPTER_READY}
+    loaded = {e.version: e for e in events if e.kind is EventKind.ADAPTER_LOADED}
+    store = ctx.store_root
+    rows = []
+    for v in sorted(ready):
+        if v not in loaded:
+            continue
+        r, ld = ready[v], loaded[v]
+        stepped = r.data.get("stepped_at")
+        published = r.data.get("published_at", r.ts)
+        first = probers.first.get(v)
+        row: dict[str, Any] = {
+            "version": v,
+            "step_to_written_ms": (published - stepped) * 1000 if stepped else None,
+            "written_to_ready_ms": (r.ts - published) * 1000,
+            "ready_to_loaded_ms": (ld.ts - r.ts) * 1000,
+            "engine_load_ms": ld.data.get("load_ms"),
+            "loaded_to_served_ms": (first[0] - ld.ts) * 1000 if first else None,
+            "first_forward_ms": first[1] * 1000 if first else None,
+            "publish_to_served_ms": (first[0] - published) * 1000 if first else None,
+            "step_to_served_ms": (first[0] - stepped) * 1000 if first and stepped else None,
+        }
+        if row["step_to_served_ms"] is not None:
+            row["overhead_ms"] = row["step_to_served_ms"] - (row["engine_load_ms"] or 0) - row["first_forward_ms"]
+        else:
+            row["overhead_ms"] = None
+        adapter = store / run.name / f"v{v:06d}" / "adapter"
+        row["floor_ms"] = floor_ms(adapter, ctx.device) if adapter.is_dir() else None
+        row["adapter_bytes"] = sum(p.stat().st_size for p in adapter.glob("*")) if adapter.is_dir() else None
+        rows.append(row)
+    # the first version pays one-off costs (the engine wraps the base model on its first load)
+    steady = rows[1:] if len(rows) > 2 else rows
+    keys = ["step_to_written_ms", "written_to_ready_ms", "ready_to_loaded_ms", "engine_load_ms",
+            "loaded_to_served_ms", "first_forward_ms", "step_to_served_ms", "publish_to_served_ms",
+            "overhead_ms", "floor_ms"]
+    stages = {k: summary([r[k] for r in steady if r[k] is not None]) for k in keys}
+    overhead = stages["overhead_ms"]["p50"]
+    served = stages["publish_to_served_ms"]["p50"]
+    floor = stages["floor_ms"]["p50"]
+    goals = [
+        goal("tandem's own overhead in the sync path, p50 ms", overhead, 20.0,
+             note="step -> served minus the engine's load and the first forward"),
+        goal("publish -> served p50 within 3x the floor (ratio)", served / floor if floor else float("inf"), 3.0,
+             note=f"publish -> served {served:.1f} ms, floor {floor:.2f} ms"),
+        goal("failed probe requests", float(probers.errors), 0.0),
+    ]
+    plot_name = "sync_latency.png"
+    plot(rows, ctx.out / plot_name)
+    table = stage_table(stages)
+    table += (f"\n\n{len(rows)} versions (statistics leave out the first, which pays the engine's one-off "
+              f"wrap of the base model); {probers.requests} probe requests, "
+              f"{probers.errors} failed; adapter {rows[-1]['adapter_bytes'] if rows else 0} bytes.")
+    return {
+        "name": "sync", "title": "1. Policy sync latency", "summary": {k: v for k, v in stages.items()},
+        "rows": rows, "goals": goals, "table": table, "plots": [plot_name],
+        "probe_requests": probers.requests, "probe_errors": probers.errors,
+    }
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    pyplot = plt()
+    keys = [("step_to_written_ms", "step -> written"), ("written_to_ready_ms", "written -> adapter_ready"),
+            ("ready_to_loaded_ms", "adapter_ready -> loaded"), ("engine_load_ms", "engine load (inside)"),
+            ("loaded_to_served_ms", "loaded -> first response"), ("step_to_served_ms", "step -> served (total)"),
+            ("overhead_ms", "tandem overhead"), ("floor_ms", "floor: write+read+copy")]
+    fig, axes = pyplot.subplots(2, 4, figsize=(15, 6))
+    for ax, (key, title) in zip(axes.flat, keys, strict=True):
+        vals = [r[key] for r in rows[1:] if r[key] is not None]
+        ax.hist(vals, bins=20, color="#4c72b0")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("ms")
+    axes[0][0].set_ylabel("versions")
+    axes[1][0].set_ylabel("versions")
+    fig.suptitle("Policy sync latency per stage")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    pyplot.close(fig)
