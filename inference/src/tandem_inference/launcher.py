@@ -91,6 +91,7 @@ class Launcher:
         env: dict[str, str] | None = None,
         log_path: Path | None = None,
         on_restart: Callable[[], Awaitable[None]] | None = None,
+        health_poll_s: float = 0.5,
     ) -> None:
         self.settings = settings
         self.http = http
@@ -98,6 +99,7 @@ class Launcher:
         self.env = env or sglang_env(settings)
         self.log_path = log_path
         self.on_restart = on_restart
+        self.health_poll_s = health_poll_s  # pause between /health probes while booting
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts: deque[float] = deque()
         self.boot_s: float | None = None
@@ -137,7 +139,7 @@ class Launcher:
                     return
             except httpx.HTTPError:
                 pass
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(self.health_poll_s)
         raise EngineBootError(f"engine at {self.url} not healthy after {timeout_s:.0f} s; see {self.log_path}")
 
     def alive(self) -> bool:
