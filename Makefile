@@ -12,8 +12,9 @@ STACK ?= cpu
 COMPOSE_FILES := -f compose.yaml $(if $(filter cpu,$(STACK)),-f compose.cpu.yaml)
 DC := $(COMPOSE) $(COMPOSE_FILES)
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
-.PHONY: help install demo dev test test-unit test-integration bench lint clean images up down logs ps e2e
+.PHONY: help install demo dev test test-unit test-integration bench bench-quick lint clean images up down logs ps e2e
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -43,8 +44,11 @@ test-unit: install ## unit tests only
 test-integration: install ## integration tests only
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
-bench: install ## policy-sync latency over 30+ versions on the local stack; writes bench/results/
-	HF_HUB_OFFLINE=1 $(PY) bench/sync_latency.py --versions 40
+bench: install ## the benchmark suite on the local CPU stack (< 10 min); report in bench/results/<timestamp>/
+	HF_HUB_OFFLINE=1 $(PY) bench/suite.py $(BENCH_ARGS)
+
+bench-quick: install ## every benchmark scenario, small (< 2 min; CI keeps the suite working with it)
+	HF_HUB_OFFLINE=1 $(PY) bench/suite.py --quick $(BENCH_ARGS)
 
 .env:
 	@echo "REDIS_PASSWORD=$$(python3 -c 'import secrets; print(secrets.token_hex(16))')" > $@

@@ -26,6 +26,17 @@ import httpx
 from tandem import Client
 from tandem.stack import Service, Stack, StackConfig
 
+#: Model shapes for GPU runs: the tiny model, and transformer bodies of Qwen2.5 models with
+#: random weights (the vocabulary stays the tiny BPE's 512 tokens, so embeddings are small).
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "0.5b": {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2,
+             "intermediate_size": 4864, "max_position_embeddings": 4096, "initializer_range": 0.1},
+    "1.5b": {"hidden_size": 1536, "num_layers": 28, "num_heads": 12, "num_kv_heads": 2,
+             "intermediate_size": 8960, "max_position_embeddings": 4096, "initializer_range": 0.08},
+}
+SGLANG_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+                "--dtype", "bfloat16"]
 
 class BenchStack(Stack):
     """The local stack with each side in an interpreter of its own choosing.

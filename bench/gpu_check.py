@@ -29,41 +29,13 @@ import threading
 import time
 from pathlib import Path
 
+from benchlib import SGLANG_FLAGS, SHAPES, BenchStack
+
 from tandem import Client, LoraConfig, OptimizerConfig, toy
 from tandem.events import EventKind
-from tandem.stack import Service, Stack, StackConfig
+from tandem.stack import StackConfig
 
-#: Model shapes: the tiny model, and the transformer body of Qwen2.5-0.5B (random weights;
-#: the vocabulary stays the tiny BPE's 512 tokens, so the embeddings are small).
-SHAPES = {
-    "tiny": {},
-    "0.5b": {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2,
-             "intermediate_size": 4864, "max_position_embeddings": 4096, "initializer_range": 0.1},
-    "1.5b": {"hidden_size": 1536, "num_layers": 28, "num_heads": 12, "num_kv_heads": 2,
-             "intermediate_size": 8960, "max_position_embeddings": 4096, "initializer_range": 0.08},
-}
 PROMPTS = ["Write some numbers.", "Count for me.", "Say something.", "What is the answer?"]
-SGLANG_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-                "--dtype", "bfloat16"]
-
-
-class GpuStack(Stack):
-    """The local stack with the inference side launching SGLang and each side in its own env."""
-
-    def __init__(self, config: StackConfig, args: argparse.Namespace) -> None:
-        super().__init__(config)
-        self.args = args
-
-    def plan(self) -> list[Service]:
-        services = [s for s in super().plan() if s.name == "redis"]
-        if self.args.engine == "transformers":
-            services.append(Service("engine", [self.args.tandem_python, "-m", "tandem_inference.engine_server"],
-                                    ready=lambda: self._http_ok(f"{self.engine_url}/health")))
-        services.append(Service("inference", [self.args.tandem_python, "-m", "tandem_inference.main"],
-                                ready=lambda: self._http_ok(f"{self.gateway_url}/ready")))
-        services.append(Service("trainer", [self.args.trainer_python, "-m", "tandem_trainer.main"],
-                                ready=self._trainer_ready))
-        return services
 
 
 class GpuMemory(threading.Thread):
@@ -158,7 +130,9 @@ def main() -> int:
     memory.start()
     rows: list[dict] = []
     boot: dict[str, float] = {}
-    with GpuStack(config, args) as stack:
+    stack = BenchStack(config, engine=args.engine, tandem_python=args.tandem_python,
+                       trainer_python=args.trainer_python)
+    with stack:
         boot["stack_ready_s"] = time.monotonic() - t0
         trainer_pids = descendants(stack.service("trainer").proc.pid)
         inference_pids = descendants(stack.service("inference").proc.pid)

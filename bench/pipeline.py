@@ -69,8 +69,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
           m["step_over_bound"], f"{m['reward_first3']:.2f} → {m['reward_last3']:.2f}",
           f"{m['rollout_busy']:.0%}", f"{m['trainer_busy']:.0%}", m["max_lag"]] for m in modes])
     if ctx.engine == "transformers":
-        table += ("\n\nOn the CPU profile the engine and the trainer share two cores, so pipelining makes them "
-                  "slow each other down; on GPUs each side has its own device.")
+        table += ("\n\nOn the CPU profile the engine and the trainer share the same cores, so the two sides "
+                  "of a pipelined step also compete for CPU; on GPUs each side has its own device.")
     plot_name = "sync_vs_async.png"
     pyplot = plt()
     fig, ax = pyplot.subplots(figsize=(8, 3.5))

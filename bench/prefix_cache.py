@@ -26,12 +26,11 @@ def run(ctx: Ctx) -> dict[str, Any]:
     swaps = 2 if ctx.quick else 4
     per_swap = len(USERS)
     run = ctx.client.run(ctx.run_name)
-    comps = run.chat([{"role": "user", "content": "Count."}], n=4, max_tokens=8)
-    group = run.group(comps, [float(j) for j in range(4)])
     rows = []
     with httpx.Client(base_url=ctx.stack.gateway_url, timeout=60) as http:
         for swap in range(1, swaps + 1):
-            version = run.train([group]).version
+            comps = run.chat([{"role": "user", "content": "Count."}], n=4, max_tokens=8)
+            version = run.train([run.group(comps, [float(j) for j in range(4)])]).version
             for i, user in enumerate(USERS[:per_swap]):
                 body = {"model": f"{run.name}@v{version}", "max_tokens": 4,
                         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]}

@@ -34,22 +34,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchlib import BenchStack, Ctx, machine, md_table, package_versions, python_versions
+from benchlib import SGLANG_FLAGS, SHAPES, BenchStack, Ctx, machine, md_table, package_versions, python_versions
 
 from tandem import Client
 from tandem.stack import StackConfig
 
-#: Model shapes for GPU runs: the tiny model, and transformer bodies of Qwen2.5 models with
-#: random weights (the vocabulary stays the tiny BPE's 512 tokens, so embeddings are small).
-SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": {},
-    "0.5b": {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2,
-             "intermediate_size": 4864, "max_position_embeddings": 4096, "initializer_range": 0.1},
-    "1.5b": {"hidden_size": 1536, "num_layers": 28, "num_heads": 12, "num_kv_heads": 2,
-             "intermediate_size": 8960, "max_position_embeddings": 4096, "initializer_range": 0.08},
-}
-SGLANG_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-                "--dtype", "bfloat16"]
 ON_STACK = ["sync", "swaps", "gateway_overhead", "prefix_cache", "pipeline"]
 AFTER_STACK = ["hotload"]
 ALIASES = {"gateway": "gateway_overhead", "prefix": "prefix_cache", "async": "pipeline"}
@@ -60,6 +49,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="every scenario, small: keeps the suite working in CI")
     p.add_argument("--only", default="", help=f"comma-separated scenarios of {ON_STACK + AFTER_STACK}")
     p.add_argument("--out", default=None, help="default: bench/results/<timestamp>")
+    p.add_argument("--state", default=None, help="the stack's state: adapters, Redis, logs (default: OUT/stack)")
     p.add_argument("--model", default=None, help="a local model dir (default: build the tiny model / --shape)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     p.add_argument("--engine", choices=["transformers", "sglang"], default="transformers")
@@ -86,7 +76,9 @@ def selected(only: str) -> list[str]:
 
 def engine_env(args: argparse.Namespace) -> dict[str, str]:
     if args.engine == "transformers":
-        return {"TANDEM_ENGINE__KIND": "transformers", "TANDEM_GPUS__MODE": "cpu", "TANDEM_LOG_LEVEL": "INFO"}
+        # four runs (bench + the three of the pipeline scenario) keep two versions each
+        return {"TANDEM_ENGINE__KIND": "transformers", "TANDEM_GPUS__MODE": "cpu", "TANDEM_LOG_LEVEL": "INFO",
+                "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": "16"}
     env = {
         "TANDEM_GPUS__MODE": args.mode, "TANDEM_GPUS__INFERENCE": args.inference_gpus,
         "TANDEM_GPUS__TRAINER": args.trainer_gpus if args.mode == "split" else "[7]",
@@ -136,16 +128,33 @@ def main() -> int:
         model = str(build_tiny_model(model_dir, **SHAPES[args.shape]).resolve())
     env = engine_env(args)
     device = "cuda" if args.engine == "sglang" else "cpu"
-    config = StackConfig(state_dir=out / "stack", model=model, gateway_port=0, extra_env=env,
+    state = Path(args.state).resolve() if args.state else out / "stack"
+    config = StackConfig(state_dir=state, model=model, gateway_port=0, extra_env=env,
                          ready_timeout_s=1200 if args.engine == "sglang" else 180,
                          cpu_threads=1 if args.engine == "transformers" else None)
     ctx = Ctx(out=out, quick=args.quick, model=model, engine=args.engine, tandem_python=args.tandem_python,
-              sglang_python=args.sglang_python, engine_env=env, store_root=out / "stack" / "adapters",
+              sglang_python=args.sglang_python, engine_env=env, store_root=state / "adapters",
               run_name="bench", device=device, served_model="base")
+    meta = {
+        "timestamp": stamp, "quick": args.quick, "engine": args.engine, "shape": args.shape, "model": model,
+        "mode": args.mode if args.engine == "sglang" else "cpu", "machine": machine(), "packages": package_versions(),
+        "settings": env,
+    }
+    if args.engine == "sglang":
+        meta["sglang_env"] = python_versions(args.sglang_python, ["sglang", "torch", "transformers"])
+        meta["trainer_env"] = python_versions(args.trainer_python, ["unsloth", "torch", "transformers", "peft"])
     results: dict[str, Any] = {}
+
+    def write() -> None:  # after every scenario, so a run cut short still leaves its report
+        meta["elapsed_s"] = round(time.time() - t_start, 1)
+        done = {k: v for k, v in results.items() if not v.get("skipped")}
+        (out / "results.json").write_text(json.dumps({"meta": meta, "scenarios": done}, indent=1,
+                                                     default=_jsonable))
+        (out / "report.md").write_text(report(meta, done))
+
     on_stack = [n for n in names if n in ON_STACK]
     if on_stack:
-        print(f"starting the stack ({args.engine}; logs in {out}/stack/logs) ...", flush=True)
+        print(f"starting the stack ({args.engine}; logs in {state}/logs) ...", flush=True)
         stack = BenchStack(config, engine=args.engine, tandem_python=args.tandem_python,
                            trainer_python=args.trainer_python)
         with stack:
@@ -158,22 +167,15 @@ def main() -> int:
                     ctx.client.create_run(ctx.run_name, base_model=model)
                     results["sync"] = {"skipped": True}
                 run_scenario(name, ctx, results)
+                write()
             ctx.client.close()
             ctx.stack, ctx.client = None, None
     for name in names:
         if name in AFTER_STACK:
             run_scenario(name, ctx, results)
-    meta = {
-        "timestamp": stamp, "quick": args.quick, "engine": args.engine, "shape": args.shape, "model": model,
-        "mode": args.mode if args.engine == "sglang" else "cpu", "machine": machine(), "packages": package_versions(),
-        "settings": env, "elapsed_s": round(time.time() - t_start, 1),
-    }
-    if args.engine == "sglang":
-        meta["sglang_env"] = python_versions(args.sglang_python, ["sglang", "torch", "transformers"])
-        meta["trainer_env"] = python_versions(args.trainer_python, ["unsloth", "torch", "transformers", "peft"])
+            write()
     results = {k: v for k, v in results.items() if not v.get("skipped")}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "scenarios": results}, indent=1, default=_jsonable))
-    (out / "report.md").write_text(report(meta, results))
+    write()
     print(f"\nreport: {out / 'report.md'} ({meta['elapsed_s']:.0f} s)")
     missed = [g["name"] for r in results.values() for g in r.get("goals", []) if not g["met"]]
     failed = [n for n, r in results.items() if r.get("error")]

@@ -25,16 +25,19 @@ def run(ctx: Ctx) -> dict[str, Any]:
     duration_s = 10.0 if ctx.quick else 40.0
     interval_s = 2.0 if ctx.quick else 3.0
     run = ctx.client.run(ctx.run_name)
-    comps = run.chat([{"role": "user", "content": "Count."}], n=4, max_tokens=8)
-    group = run.group(comps, [float(j) for j in range(4)])
     published: list[int] = []
+    failures: list[BaseException] = []
     stop = threading.Event()
 
     def publisher() -> None:
-        while not stop.wait(interval_s):
-            result = run.train([group])
-            published.append(result.version)
-            ctx.progress(f"published v{result.version} ({len(published)} swaps so far)")
+        try:
+            while not stop.wait(interval_s):
+                comps = run.chat([{"role": "user", "content": "Count."}], n=4, max_tokens=8)
+                result = run.train([run.group(comps, [float(j) for j in range(4)])])
+                published.append(result.version)
+                ctx.progress(f"published v{result.version} ({len(published)} swaps so far)")
+        except BaseException as exc:  # noqa: BLE001 - reported by the scenario below
+            failures.append(exc)
 
     newest_before = ctx.client.registry.serving(run.name)
     started = time.time()
@@ -50,6 +53,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     samples = closed_loop(send, clients=clients, duration_s=duration_s, base_url=ctx.stack.gateway_url)
     stop.set()
     pub.join(120)
+    if failures:
+        raise RuntimeError(f"publishing a new version failed during the run: {failures[0]}") from failures[0]
     wall = time.time() - started
     events = ctx.client.events.read(after, count=100_000)
     loads = sorted((e.ts, e.version) for e in events
