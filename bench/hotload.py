@@ -21,11 +21,13 @@ adapter; reported, not in the p50), K hot-loads, the merges, then the restarts (
 brings the original base weights back). Hot-loaded adapters are unloaded once two newer ones
 are loaded, as the controller does.
 
-The merge runs in a subprocess of an interpreter with torch, transformers and peft
-(`ctx.trainer_python` when the context has one, else `ctx.tandem_python`); its time is what
-loading the base, merging and saving take in that process (interpreter start and imports are
-reported apart). With no published versions in the store, random LoRA adapters (r=16 on the
-seven projections) are made first.
+The merge runs in a subprocess of the first interpreter that imports torch, transformers and
+peft (`ctx.trainer_python` when the context has one, then `ctx.tandem_python`, this one,
+`ctx.sglang_python`); its time is what loading the base, merging and saving take in that process
+(interpreter start and imports are reported apart). Without such an interpreter (c) is reported
+as not measured. A step that fails is a row with its error, and the report names it; the other
+steps go on. With no published versions in the store, random LoRA adapters (r=16 on the seven
+projections) are made first.
 
     python bench/hotload.py run --quick --out /tmp/hotload        # tiny model, CPU
 """
@@ -68,13 +70,19 @@ def run(ctx: Any) -> dict[str, Any]:
     k, restarts, merges = counts(ctx.quick)
     out = Path(ctx.out)
     out.mkdir(parents=True, exist_ok=True)
-    merge_python = getattr(ctx, "trainer_python", None) or ctx.tandem_python
-    _check_merge_python(merge_python)
+    merge_python, why = _merge_python(ctx)
+    if merge_python is None:
+        ctx.progress(f"hotload: (c) cannot be measured: {why}")
+        merges = 0
     adapters = _adapters(ctx, merge_python, max(k, merges))
     ctx.progress(f"hotload: {ctx.engine} engine, model {ctx.model}; {k} hot-loads, {merges} merges, "
                  f"{restarts} restarts over {len(adapters)} adapter(s)")
-    rows = asyncio.run(_measure(ctx, adapters, k, restarts, merges, merge_python))
-    return report(ctx, rows, out)
+    rows = asyncio.run(_measure(ctx, adapters, k, restarts, merges, merge_python or ""))
+    if merge_python is None:
+        rows.append({"approach": "merge-reload", "i": 0, "error": why})
+    result = report(ctx, rows, out)
+    result["summary"]["merge_python"] = merge_python
+    return result
 
 
 # the measurements -----------------------------------------------------------------------------
@@ -155,6 +163,7 @@ async def _measure(ctx: Any, adapters: list[Path], k: int, restarts: int, merges
     import httpx
 
     from tandem_inference.errors import EngineError
+    from tandem_inference.launcher import EngineBootError
 
     rows: list[dict[str, Any]] = []
     refs: dict[Path, dict[str, Any]] = {}  # adapter -> its first response in (a)
@@ -173,21 +182,20 @@ async def _measure(ctx: Any, adapters: list[Path], k: int, restarts: int, merges
             # (a) hot-load: one warm-up, then k measured
             for i in range(k + 1):
                 path = adapters[(i - 1) % len(adapters)] if i else adapters[0]
-                name = next(names)
-                t0 = time.perf_counter()
-                await engine.client.load_adapter(name, str(path))
-                t1 = time.perf_counter()
-                answer = await _first(engine, name)
-                t2 = time.perf_counter()
+                what = "warm-up hot-load" if i == 0 else f"hot-load {i}/{k}"
+                try:
+                    row, answer = await _hotload(engine, next(names), path)
+                except EngineError as exc:
+                    rows.append({"approach": "hot-load", "i": i, "warmup": i == 0, "adapter": str(path),
+                                 "error": str(exc)})
+                    ctx.progress(f"hotload: {what} failed: {exc}")
+                    continue
+                rows.append({"i": i, "warmup": i == 0, **row})
                 if i:
                     refs.setdefault(path, answer)
-                rows.append({"approach": "hot-load", "i": i, "warmup": i == 0, "adapter": str(path),
-                             "load_ms": (t1 - t0) * 1000, "first_response_ms": (t2 - t1) * 1000,
-                             "total_ms": (t2 - t0) * 1000})
-                loaded.append(name)
-                what = "warm-up hot-load" if i == 0 else f"hot-load {i}/{k}"
-                ctx.progress(f"hotload: {what}: load {rows[-1]['load_ms']:.1f} ms + first response "
-                             f"{rows[-1]['first_response_ms']:.1f} ms = {rows[-1]['total_ms']:.1f} ms")
+                loaded.append(row["name"])
+                ctx.progress(f"hotload: {what}: load {row['load_ms']:.1f} ms + first response "
+                             f"{row['first_response_ms']:.1f} ms = {row['total_ms']:.1f} ms")
                 while len(loaded) > KEEP_LOADED:
                     old = loaded.pop(0)
                     try:
@@ -198,34 +206,61 @@ async def _measure(ctx: Any, adapters: list[Path], k: int, restarts: int, merges
             # (c) merge + reload
             for j in range(1, merges + 1):
                 path = adapters[(j - 1) % len(adapters)]
-                rows.append(await _merge_reload(ctx, engine, path, j, merges, merge_python, refs.get(path),
-                                                base_ref))
+                try:
+                    rows.append(await _merge_reload(ctx, engine, path, j, merges, merge_python, refs.get(path),
+                                                    base_ref))
+                except (EngineError, subprocess.SubprocessError, ValueError, KeyError) as exc:
+                    rows.append({"approach": "merge-reload", "i": j, "adapter": str(path),
+                                 "error": f"{type(exc).__name__}: {exc}"})
+                    ctx.progress(f"hotload: merge {j}/{merges} failed: {exc}")
 
             # (b) restart
             for r in range(1, restarts + 1):
                 path = adapters[(r - 1) % len(adapters)]
-                name = next(names)
-                ctx.progress(f"hotload: restart {r}/{restarts}: stopping the engine ...")
-                t0 = time.perf_counter()
-                stop_s = engine.stop()
-                ctx.progress(f"hotload: restart {r}/{restarts}: stopped in {stop_s:.1f} s; starting ...")
-                boot_s = await engine.start()
-                t1 = time.perf_counter()
-                await engine.client.load_adapter(name, str(path))
-                t2 = time.perf_counter()
-                answer = await _first(engine, name)
-                t3 = time.perf_counter()
-                ref = refs.get(path)
-                rows.append({"approach": "restart", "i": r, "adapter": str(path), "stop_ms": stop_s * 1000,
-                             "boot_ms": boot_s * 1000, "load_ms": (t2 - t1) * 1000,
-                             "first_response_ms": (t3 - t2) * 1000, "total_ms": (t3 - t0) * 1000,
-                             "same_tokens_as_hotload": None if ref is None else answer["ids"] == ref["ids"]})
-                ctx.progress(f"hotload: restart {r}/{restarts}: stop {stop_s:.1f} s + boot {boot_s:.1f} s + "
-                             f"load {rows[-1]['load_ms']:.1f} ms + first response "
-                             f"{rows[-1]['first_response_ms']:.1f} ms = {rows[-1]['total_ms'] / 1000:.2f} s")
+                try:
+                    row = await _restart(ctx, engine, next(names), path, f"restart {r}/{restarts}")
+                except (EngineError, EngineBootError) as exc:
+                    rows.append({"approach": "restart", "i": r, "adapter": str(path), "error": str(exc)})
+                    ctx.progress(f"hotload: restart {r}/{restarts} failed: {exc}")
+                    break  # the engine is down or broken: later restarts would measure the failure again
+                answer, ref = row.pop("answer"), refs.get(path)
+                row["same_tokens_as_hotload"] = None if ref is None else answer["ids"] == ref["ids"]
+                rows.append({"i": r, **row})
         finally:
             engine.stop()
     return rows
+
+
+async def _hotload(engine: _Engine, name: str, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(a): load the adapter under a new name, then its first response."""
+    t0 = time.perf_counter()
+    await engine.client.load_adapter(name, str(path))
+    t1 = time.perf_counter()
+    answer = await _first(engine, name)
+    t2 = time.perf_counter()
+    row = {"approach": "hot-load", "adapter": str(path), "name": name, "load_ms": (t1 - t0) * 1000,
+           "first_response_ms": (t2 - t1) * 1000, "total_ms": (t2 - t0) * 1000}
+    return row, answer
+
+
+async def _restart(ctx: Any, engine: _Engine, name: str, path: Path, what: str) -> dict[str, Any]:
+    """(b): stop the engine, start it, wait for /health, load the adapter, first response."""
+    ctx.progress(f"hotload: {what}: stopping the engine ...")
+    t0 = time.perf_counter()
+    stop_s = engine.stop()
+    ctx.progress(f"hotload: {what}: stopped in {stop_s:.1f} s; starting ...")
+    boot_s = await engine.start()
+    t1 = time.perf_counter()
+    await engine.client.load_adapter(name, str(path))
+    t2 = time.perf_counter()
+    answer = await _first(engine, name)
+    t3 = time.perf_counter()
+    row = {"approach": "restart", "adapter": str(path), "stop_ms": stop_s * 1000, "boot_ms": boot_s * 1000,
+           "load_ms": (t2 - t1) * 1000, "first_response_ms": (t3 - t2) * 1000, "total_ms": (t3 - t0) * 1000,
+           "answer": answer}
+    ctx.progress(f"hotload: {what}: stop {stop_s:.1f} s + boot {boot_s:.1f} s + load {row['load_ms']:.1f} ms "
+                 f"+ first response {row['first_response_ms']:.1f} ms = {row['total_ms'] / 1000:.2f} s")
+    return row
 
 
 async def _merge_reload(ctx: Any, engine: _Engine, adapter: Path, j: int, n: int, merge_python: str,
@@ -341,12 +376,12 @@ def report(ctx: Any, rows: list[dict[str, Any]], out: Path) -> dict[str, Any]:
               "note": note}]
     plots = ["hotload.png"] if plot(out / "hotload.png", parts, p50, ratio, ctx.engine) else []
     return {"name": "hotload", "title": "Hot-load against the alternatives", "summary": summary, "rows": rows,
-            "goals": goals, "table": table(measured, p50, parts, ratio, warmup), "plots": plots}
+            "goals": goals, "table": table(measured, p50, parts, ratio, warmup, errors), "plots": plots}
 
 
 def table(measured: dict[str, list[dict[str, Any]]], p50: dict[str, float | None],
           parts: dict[str, dict[str, float | None]], ratio: dict[str, float | None],
-          warmup: dict[str, Any] | None) -> str:
+          warmup: dict[str, Any] | None, errors: list[str]) -> str:
     lines = ["| approach | n | p50 total ms | parts, p50 ms each | × hot-load |", "|---|---|---|---|---|"]
     for a in PARTS:
         x = "1" if a == "hot-load" else _num(ratio[a])
@@ -355,6 +390,7 @@ def table(measured: dict[str, list[dict[str, Any]]], p50: dict[str, float | None
     if warmup:
         lines.append(f"| first hot-load (warm-up, not in the p50) | 1 | {_num(warmup['total_ms'])} | load "
                      f"{_num(warmup['load_ms'])} · first response {_num(warmup['first_response_ms'])} | – |")
+    lines += [""] + [f"Not measured: {e}" for e in errors] if errors else []
     return "\n".join(lines)
 
 
@@ -406,7 +442,7 @@ def plot(path: Path, parts: dict[str, dict[str, float | None]], p50: dict[str, f
 # adapters and the merge -----------------------------------------------------------------------
 
 
-def _adapters(ctx: Any, merge_python: str, wanted: int) -> list[Path]:
+def _adapters(ctx: Any, merge_python: str | None, wanted: int) -> list[Path]:
     """The newest `wanted` published versions of the run; random adapters when there are none."""
     from tandem.adapters import AdapterStore
 
@@ -415,6 +451,9 @@ def _adapters(ctx: Any, merge_python: str, wanted: int) -> list[Path]:
     if versions:
         return [store.adapter_dir(ctx.run_name, v) for v in versions]
     target = Path(ctx.out) / "hotload-adapters"
+    if merge_python is None:
+        raise RuntimeError(f"no published versions of run {ctx.run_name!r} under {ctx.store_root}, and no "
+                           "interpreter with torch, transformers and peft to make adapters with")
     ctx.progress(f"hotload: no published versions of run {ctx.run_name!r} under {ctx.store_root}; "
                  f"making {min(wanted, 2)} random LoRA adapters (r={RANDOM_ADAPTER_RANK}) in {target}")
     proc = subprocess.run(
@@ -427,15 +466,27 @@ def _adapters(ctx: Any, merge_python: str, wanted: int) -> list[Path]:
     return sorted(p for p in target.iterdir() if (p / "adapter_config.json").is_file())
 
 
-def _check_merge_python(python: str) -> None:
-    proc = subprocess.run([python, "-c", "import torch, transformers, peft"], capture_output=True, text=True,
-                          timeout=300)
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"the merge needs torch, transformers and peft, and {python} cannot import them "
-            f"({proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}); "
-            "give the trainer's interpreter as ctx.trainer_python"
-        )
+def _merge_python(ctx: Any) -> tuple[str | None, str]:
+    """The first interpreter that imports torch, transformers and peft, or None and why not.
+
+    Tried in order: ctx.trainer_python (when the context has one), ctx.tandem_python, this
+    interpreter, ctx.sglang_python. On a GPU machine tandem's own environment may hold no torch.
+    """
+    tried = []
+    for python in dict.fromkeys(filter(None, [getattr(ctx, "trainer_python", None), ctx.tandem_python,
+                                              sys.executable, ctx.sglang_python])):
+        try:
+            proc = subprocess.run([python, "-c", "import torch, transformers, peft"], capture_output=True,
+                                  text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as exc:
+            tried.append(f"{python}: {exc}")
+            continue
+        if proc.returncode == 0:
+            return python, ""
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        tried.append(f"{python}: {last}")
+    return None, ("the merge needs an interpreter with torch, transformers and peft (give the trainer's as "
+                  f"ctx.trainer_python); tried {'; '.join(tried)}")
 
 
 def merge(base: str, adapter: str, out: str) -> dict[str, float]:
