@@ -74,6 +74,7 @@ class Ctx:
     engine: str
     tandem_python: str
     sglang_python: str
+    trainer_python: str
     engine_env: dict[str, str]
     store_root: Path
     run_name: str
@@ -81,6 +82,8 @@ class Ctx:
     stack: BenchStack | None = None
     client: Client | None = None
     served_model: str = ""
+    lr: float = 5e-3
+    """Learning rate of the toy task (pipeline scenario); larger shapes want less."""
     notes: list[str] = field(default_factory=list)
 
     def progress(self, msg: str) -> None:

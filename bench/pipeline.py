@@ -25,7 +25,7 @@ def one_mode(ctx: Ctx, mode: str, staleness: int, steps: int, digits: frozenset[
     assert ctx.client is not None
     rank = 8 if ctx.engine == "transformers" else 16
     run = ctx.client.create_run(f"pipe-{mode}", base_model=ctx.model, lora=LoraConfig(r=rank, alpha=2 * rank),
-                                optimizer=OptimizerConfig(lr=5e-3), max_staleness_steps=staleness)
+                                optimizer=OptimizerConfig(lr=ctx.lr), max_staleness_steps=staleness)
     rows: list[dict[str, Any]] = []
     t_start = time.time()
     for step in range(1, steps + 1):

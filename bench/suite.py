@@ -86,7 +86,7 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
         "TANDEM_ENGINE__MAX_LORA_RANK": "16", "TANDEM_ENGINE__CUDA_GRAPH_MAX_BS": str(args.cuda_graph_max_bs),
         "TANDEM_ENGINE__EXTRA_ARGS": json.dumps(SGLANG_FLAGS),
         "TANDEM_ENGINE__MEM_FRACTION_STATIC": str(args.mem_fraction if args.mode == "split" else 0.6),
-        "TANDEM_BACKEND__KIND": "auto", "TANDEM_LOG_LEVEL": "INFO",
+        "TANDEM_BACKEND__KIND": "auto", "TANDEM_LOG_LEVEL": "INFO", "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": "16",
     }
     return env
 
@@ -133,8 +133,9 @@ def main() -> int:
                          ready_timeout_s=1200 if args.engine == "sglang" else 180,
                          cpu_threads=1 if args.engine == "transformers" else None)
     ctx = Ctx(out=out, quick=args.quick, model=model, engine=args.engine, tandem_python=args.tandem_python,
-              sglang_python=args.sglang_python, engine_env=env, store_root=state / "adapters",
-              run_name="bench", device=device, served_model="base")
+              sglang_python=args.sglang_python, trainer_python=args.trainer_python, engine_env=env, store_root=state / "adapters",
+              run_name="bench", device=device, served_model="base",
+              lr=5e-3 if args.shape == "tiny" else 2e-3)
     meta = {
         "timestamp": stamp, "quick": args.quick, "engine": args.engine, "shape": args.shape, "model": model,
         "mode": args.mode if args.engine == "sglang" else "cpu", "machine": machine(), "packages": package_versions(),
