@@ -1,9 +1,10 @@
 """Drives one compose project of the CPU stack (`compose.yaml` + `compose.cpu.yaml`) for the e2e tier.
 
 `ComposeStack` wraps the compose CLI (`docker-compose` 1.29, or `docker compose`) with the
-project's name, files and env file, and answers what the tests ask: a service's container and
-health, its logs, `exec`. The `stack` fixture (conftest.py) builds and starts it, and always
-takes it down with `down -v`.
+project's name, files and env file, and answers what the tests ask: a service's container,
+health and restart count, its logs, `exec`, and `probe`: a script of this directory run with
+the container's own Python while the test goes on (`Probe` reads its output line by line).
+The `stack` fixture (conftest.py) builds and starts it, and always takes it down with `down -v`.
 
 Redis is published on a loopback port by tests/e2e/compose.e2e.yaml only: the test process
 is a tandem client, and a client needs Redis for train jobs. compose.yaml itself publishes
@@ -15,15 +16,19 @@ Environment: TANDEM_COMPOSE (the compose command, default `docker-compose`, else
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import shlex
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("redis", "engine", "inference", "trainer")
@@ -111,3 +116,72 @@ class ComposeStack:
 
     def exec(self, service: str, *argv: str) -> str:
         return self.compose("exec", "-T", service, *argv).stdout
+
+    def restart_count(self, service: str) -> int:
+        """How often the restart policy has restarted the service's container."""
+        return int(self.docker("inspect", "--format", "{{.RestartCount}}", self.container(service)).strip())
+
+    def probe(self, service: str, script: str, *args: str) -> Probe:
+        """Run tests/e2e/`script` inside the service's container (`python -c`), in the background."""
+        source = (Path(__file__).parent / script).read_text()
+        argv = ["docker", "exec", "-i", self.container(service), "python", "-c", source, *args]
+        return Probe(script, subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True))
+
+
+class Probe:
+    """A script running in a container: its stdout as lines, its stdin as the signal to stop."""
+
+    def __init__(self, name: str, proc: subprocess.Popen[str]) -> None:
+        self.name, self.proc = name, proc
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.stderr: list[str] = []
+        self.readers = [threading.Thread(target=self._read, daemon=True),
+                        threading.Thread(target=lambda: self.stderr.extend(proc.stderr or []), daemon=True)]
+        for reader in self.readers:
+            reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def line(self, timeout_s: float) -> str:
+        """The next line it prints; fails when it ends first or prints nothing in time."""
+        try:
+            line = self.lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"{self.name} printed nothing for {timeout_s:.0f} s") from None
+        if line is None:
+            self.proc.wait(10)
+            raise AssertionError(f"{self.name} ended ({self.proc.returncode}): {''.join(self.stderr)[-3000:]}")
+        return line
+
+    def json_line(self, timeout_s: float) -> dict[str, Any]:
+        result: dict[str, Any] = json.loads(self.line(timeout_s))
+        return result
+
+    def close(self, timeout_s: float = 60) -> dict[str, Any]:
+        """Close its input (the watcher's signal to finish) and return the JSON it prints last."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        summary = self.json_line(timeout_s)
+        self.proc.wait(timeout_s)
+        return summary
+
+    def stop(self) -> None:
+        """End it (closing its input ends the script in the container too) and release its pipes."""
+        assert self.proc.stdin is not None
+        if not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        for reader in self.readers:
+            reader.join(10)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()

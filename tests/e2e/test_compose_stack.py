@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -27,6 +28,12 @@ MODEL = "/models/tiny"  # inside the containers: the `models` volume
 # 20 steps gave a rise of +0.30..+0.49 over five runs (sampling is not seeded); 30 steps take
 # ~12 s on 2 cores and leave margin above the +0.3 the test asks for.
 STEPS = 30
+# Where the trainer is SIGKILLed while writing a version (see write_killer.py), in order; more
+# `staging` kills follow (up to MAX_KILLS in all) until one has landed before the rename.
+KILL_POINTS = ("staging", "weights", "manifest")
+MAX_KILLS = 5
+
+
 @pytest.fixture(scope="module")
 def client(stack: ComposeStack):
     c = Client(stack.gateway_url, stack.redis_url)
@@ -130,6 +137,115 @@ def test_killed_trainer_job_completes_once_after_start(stack: ComposeStack, clie
     assert on_disk == ["v000001"], on_disk  # one version, no staging directory left over
     assert "job.abandoned job_id=" + job.job_id in stack.logs_of("trainer")
     wait_for(lambda: serving(stack, "crash") == 1, 60, "inference to serve crash v1")
+    stack.wait_healthy("trainer")
+
+
+@dataclass
+class Kill:
+    """One SIGKILL of the trainer while it wrote `version`, and what it left behind."""
+
+    version: int
+    point: str
+    seen: str
+    ms_after_staging: float | None
+    staging_left: list[str]
+    """Files of the staging directory (`.tmp-v<version>-*/...`) still there after the kill."""
+    published: bool
+    registered: bool
+    recovered_s: float = 0.0
+
+    @property
+    def landed(self) -> str:
+        if self.staging_left and not self.published:
+            return "mid-write"
+        if self.published and not self.registered:
+            return "after rename"
+        return "after register"
+
+
+def store_listing(stack: ComposeStack, run: str) -> list[str]:
+    """Every path under the run's directory of the adapter volume, read by the inference side."""
+    out = stack.exec("inference", "find", f"/adapters/{run}", "-mindepth", "1", "-printf", "%P\\n")
+    return sorted(out.split())
+
+
+def kill_while_writing(stack: ComposeStack, client: Client, run: str, version: int, point: str) -> Kill:
+    """Train `version`, SIGKILL the trainer at `point` of its write, then let it recover."""
+    restarts = stack.restart_count("trainer")
+    killer = stack.probe("trainer", "write_killer.py", "/adapters", run, str(version), point)
+    try:
+        assert killer.line(60) == "ready"
+        job = synthetic_job(run, version, version=version - 1, groups=2, size=4, prompt=6, completion=8)
+        enqueue(client.conn, job)
+        report = killer.json_line(120)
+        killer.proc.wait(60)  # the container exits with the trainer, ending the killer too
+    finally:
+        killer.stop()
+    t0 = time.monotonic()
+    # Seen before the trainer is back: it waits for its dead predecessor's liveness key (8 s)
+    # before it recovers anything, so what the kill left is still there.
+    listing = store_listing(stack, run)
+    staged = f".tmp-v{version:06d}-"
+    kill = Kill(version=version, point=point, seen=report["seen"], ms_after_staging=report["ms_after_staging"],
+                staging_left=[p for p in listing if p.startswith(staged)],
+                published=f"v{version:06d}" in listing,
+                registered=client.registry.latest_version(run) == version)
+    assert not (kill.staging_left and kill.published), listing
+    if kill.landed == "mid-write":
+        assert job_status(client, job.job_id) == JobStatus.STARTED
+        assert client.registry.latest_version(run) == version - 1
+
+    wait_for(lambda: stack.restart_count("trainer") > restarts, 60, "the restart policy to start the trainer again")
+    wait_finished(client, job.job_id, 180, f"the job of {run} v{version} after the kill")
+    kill.recovered_s = time.monotonic() - t0
+    # Exactly one new version, made by this job, announced once; nothing left in staging.
+    assert [m.version for m in client.registry.manifests(run)] == list(range(1, version + 1))
+    assert client.registry.version_of_job(run, job.job_id) == version
+    ready = [e for e in client.events.history(run=run, count=10_000)
+             if e.kind is EventKind.ADAPTER_READY and e.version == version]
+    assert [e.job_id for e in ready] == [job.job_id]
+    top = sorted({p.split("/")[0] for p in store_listing(stack, run)})
+    assert top == [f"v{v:06d}" for v in range(1, version + 1)], top
+    return kill
+
+
+def test_crash_while_writing_an_adapter_never_shows_a_partial_version(stack: ComposeStack, client: Client) -> None:
+    """SIGKILL the trainer during the write of a version, at several points, while a watcher in
+    the inference container verifies every version the store, the registry or the gateway shows."""
+    client.create_run("torn", base_model=MODEL, lora=LoraConfig(r=16))
+    watcher = stack.probe("inference", "store_watcher.py", "/adapters", "http://127.0.0.1:8000")
+    kills: list[Kill] = []
+    try:
+        assert watcher.line(60) == "ready"
+        # A canary that the watcher must flag: a version directory whose manifest names a file
+        # that is not there (what a partial version would look like).
+        canary = '{"run": "canary", "version": 1, "parent": 0, "step": 1, "job_id": "x", "base_model": "m", ' \
+                 '"lora_rank": 1, "files": {"adapter/adapter_config.json": "00"}}'
+        stack.exec("trainer", "sh", "-c", f"mkdir -p /adapters/canary/v000001 && echo '{canary}' > "
+                   "/adapters/canary/v000001/manifest.json")
+        points = list(KILL_POINTS)
+        while points or (len(kills) < MAX_KILLS and not any(k.landed == "mid-write" for k in kills)):
+            kills.append(kill_while_writing(stack, client, "torn", len(kills) + 1, points.pop(0) if points else "staging"))
+        wait_for(lambda: serving(stack, "torn") == len(kills), 60, f"the gateway to serve torn v{len(kills)}")
+        summary = watcher.close()
+    finally:
+        watcher.stop()
+        stack.exec("trainer", "rm", "-rf", "/adapters/canary")
+    print("\nkill point  seen       ms after staging  landed          left in staging            recovered s")
+    for k in kills:
+        ms = f"{k.ms_after_staging:.2f}" if k.ms_after_staging is not None else "-"
+        print(f"{k.point:<11} {k.seen:<10} {ms:>16}  {k.landed:<15} {','.join(k.staging_left) or '-':<26} "
+              f"{k.recovered_s:.1f}")
+    print(f"watcher: {summary['passes']} passes, checks {summary['checks']}, {summary['verified']} versions verified, "
+          f"staging seen {sorted(summary['staging_seen'])}")
+    flagged = [(v["where"], v["run"], v["version"]) for v in summary["violations"]]
+    assert flagged == [("disk", "canary", 1)], summary["violations"]  # the canary, and nothing else
+    assert any(k.landed == "mid-write" for k in kills), "no kill landed while the version was being written"
+    for k in kills:
+        if k.landed == "mid-write":  # the watcher saw the leftover too, and never a partial v<N>
+            assert any(name.startswith(f"torn/.tmp-v{k.version:06d}-") for name in summary["staging_seen"])
+    assert all(summary["checks"][where] > 0 for where in ("disk", "registry", "gateway")), summary["checks"]
+    assert "store.staging.cleaned run=torn" in stack.logs_of("trainer")
     stack.wait_healthy("trainer")
 
 
