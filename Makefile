@@ -7,9 +7,12 @@ PY := $(VENV)/bin/python
 # CPU build of torch by default; a GPU box uses the images (or TORCH_SPEC="torch==2.11.0").
 TORCH_SPEC ?= torch==2.13.0
 STEPS ?= 40
-COMPOSE ?= docker-compose
+# docker-compose 1.29 where it is installed, else the compose plugin (`docker compose`, v2).
+COMPOSE ?= $(shell command -v docker-compose >/dev/null 2>&1 && echo docker-compose || echo docker compose)
 STACK ?= cpu
-COMPOSE_FILES := -f compose.yaml $(if $(filter cpu,$(STACK)),-f compose.cpu.yaml)
+# CLIENT=1 adds compose.client.yaml: Redis on 127.0.0.1:$$REDIS_PORT for a tandem.Client's train().
+CLIENT ?=
+COMPOSE_FILES := -f compose.yaml $(if $(filter cpu,$(STACK)),-f compose.cpu.yaml) $(if $(filter 1,$(CLIENT)),-f compose.client.yaml)
 DC := $(COMPOSE) $(COMPOSE_FILES)
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
@@ -17,7 +20,7 @@ BENCH_ARGS ?=
 .PHONY: help install demo dev test test-unit test-integration bench bench-quick lint clean images up down logs ps e2e
 
 help: ## list the targets
-	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  make %-18s %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z0-9_.-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
 $(VENV)/.installed: shared/pyproject.toml trainer/pyproject.toml inference/pyproject.toml pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -50,15 +53,16 @@ bench: install ## the benchmark suite on the local CPU stack (< 10 min); report 
 bench-quick: install ## every benchmark scenario, small (< 2 min; CI keeps the suite working with it)
 	HF_HUB_OFFLINE=1 $(PY) bench/suite.py --quick $(BENCH_ARGS)
 
-.env:
-	@echo "REDIS_PASSWORD=$$(python3 -c 'import secrets; print(secrets.token_hex(16))')" > $@
-	@echo "wrote $@ (random REDIS_PASSWORD)"
+.env: | .env.example ## write .env from .env.example with a random REDIS_PASSWORD (an existing .env is kept)
+	@sed "s/^REDIS_PASSWORD=.*/REDIS_PASSWORD=$$(python3 -c 'import secrets; print(secrets.token_hex(16))')/" .env.example > $@
+	@chmod 600 $@
+	@echo "wrote $@ from .env.example (random REDIS_PASSWORD); edit it for your GPUs and model"
 
 images: ## build the container images (STACK=cpu: local Debian base + this host's torch wheel)
 	@if [ "$(STACK)" = cpu ]; then images/build-base.sh; fi
 	$(DC) build
 
-up: images .env ## start the container stack; gateway on 127.0.0.1:8000 (STACK=gpu for SGLang + Unsloth)
+up: images .env ## start the container stack; gateway on 127.0.0.1:8000 (STACK=gpu: SGLang + Unsloth; CLIENT=1: + Redis on loopback)
 	$(DC) up -d
 
 down: ## stop the container stack (volumes kept)
@@ -70,7 +74,7 @@ logs: ## follow the container stack's logs
 ps: ## the container stack's services and health
 	$(DC) ps
 
-e2e: install ## the CPU container stack end to end with faults (docker; ~1.5 min warm, ~5 min cold)
+e2e: install ## the CPU container stack end to end with faults (docker; ~2 min warm, ~6 min cold)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/e2e $(PYTEST_ARGS)
 
 lint: install ## ruff and mypy (strict on the light package)

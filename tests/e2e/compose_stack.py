@@ -6,9 +6,9 @@ health and restart count, its logs, `exec`, and `probe`: a script of this direct
 the container's own Python while the test goes on (`Probe` reads its output line by line).
 The `stack` fixture (conftest.py) builds and starts it, and always takes it down with `down -v`.
 
-Redis is published on a loopback port by tests/e2e/compose.e2e.yaml only: the test process
-is a tandem client, and a client needs Redis for train jobs. compose.yaml itself publishes
-the gateway only.
+The stack runs with compose.client.yaml on top, which publishes Redis on a loopback port
+(REDIS_PORT): the test process is a tandem client, and a client needs Redis for train jobs.
+compose.yaml itself publishes the gateway only.
 
 Environment: TANDEM_COMPOSE (the compose command, default `docker-compose`, else
 `docker compose`), TANDEM_E2E_KEEP=1 (leave the stack up after the tests, for debugging).
@@ -75,7 +75,7 @@ class ComposeStack:
     env_file: Path
     gateway_url: str
     redis_url: str
-    files: tuple[str, ...] = ("compose.yaml", "compose.cpu.yaml", "tests/e2e/compose.e2e.yaml")
+    files: tuple[str, ...] = ("compose.yaml", "compose.cpu.yaml", "compose.client.yaml")
     timings: dict[str, float] = field(default_factory=dict)
 
     def compose(self, *args: str, timeout_s: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -31,7 +31,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     env_file = workdir / ".env"
     password = secrets.token_hex(16)
     env_file.write_text(
-        f"REDIS_PASSWORD={password}\nGATEWAY_PORT={gateway_port}\nE2E_REDIS_PORT={redis_port}\n"
+        f"REDIS_PASSWORD={password}\nGATEWAY_PORT={gateway_port}\nREDIS_PORT={redis_port}\n"
     )
     s = ComposeStack(
         project=f"tandem-e2e-{os.getpid()}",
