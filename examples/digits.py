@@ -8,6 +8,17 @@ summary table, writes a reward curve PNG and the rows as JSON, and exits non-zer
 reward did not rise.
 
     python examples/digits.py --steps 40            # what `make demo` runs
+
+With --gateway and --redis it starts nothing and trains against a stack that is already
+running, e.g. the containers (`docker compose -f compose.yaml -f compose.client.yaml up -d`
+publishes the gateway and Redis on loopback). --model is then the base model as the stack's
+services name it (TANDEM_MODEL); digit tokens come from its tokenizer.json (--tokenizer, or
+the hub when --model is a hub id):
+
+    python examples/digits.py --gateway http://127.0.0.1:8000 \
+        --redis "redis://:$REDIS_PASSWORD@127.0.0.1:6379/0" --model Qwen/Qwen2.5-1.5B-Instruct
+    # the CPU containers: their tiny model is byte-identical to the one built here
+    python examples/digits.py --gateway ... --redis ... --model /models/tiny --tokenizer .tandem/models/tiny
 """
 
 from __future__ import annotations
@@ -18,11 +29,26 @@ import logging
 import statistics
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 from tandem import Client, LoraConfig, OptimizerConfig, toy
 from tandem.cli import TINY_MODEL, ensure_tiny_model
 from tandem.stack import Stack, StackConfig
+
+
+def tokenizer_dir(model: str, tokenizer: str | None) -> Path:
+    """A directory with the model's tokenizer.json: --tokenizer, the model's own, or the hub's."""
+    if tokenizer:
+        return Path(tokenizer)
+    if (Path(model) / "tokenizer.json").exists():
+        return Path(model)
+    if model.startswith(("/", ".")):
+        raise SystemExit(f"no tokenizer.json in {model} on this machine (a path inside the containers?); "
+                         "pass --tokenizer DIR with the same model's tokenizer.json")
+    from huggingface_hub import hf_hub_download  # comes with transformers (`make install`)
+
+    return Path(hf_hub_download(model, "tokenizer.json")).parent
 
 
 def main() -> int:
@@ -33,54 +59,73 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--max-staleness", type=int, default=0, help="0 = synchronous; 1-2 = pipelined")
-    parser.add_argument("--model", default=TINY_MODEL)
+    parser.add_argument("--model", default=TINY_MODEL, help="base model (default: the tiny model, built if missing)")
     parser.add_argument("--out", default=".tandem/demo", help="state, logs and results")
     parser.add_argument("--min-rise", type=float, default=0.3, help="required rise of the reward (last 5 vs first 5 steps)")
+    parser.add_argument("--gateway", help="URL of a running stack's gateway: start no stack, use that one")
+    parser.add_argument("--redis", help="that stack's Redis URL (with its password), for train(); needs --gateway")
+    parser.add_argument("--tokenizer", help="directory with the model's tokenizer.json (default: the model's own)")
+    parser.add_argument("--run", default="digits", help="run name (a new name starts from the base model)")
     args = parser.parse_args()
+    if bool(args.gateway) != bool(args.redis):
+        parser.error("--gateway and --redis go together: a running stack's gateway and its Redis")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s")
 
     out = Path(args.out)
-    if args.model == TINY_MODEL:
+    if TINY_MODEL in (args.model, args.tokenizer):
         print("building the tiny model (seeded, a few seconds) ...", flush=True)
-        ensure_tiny_model(args.model)
-    digits = toy.digit_token_ids(args.model)
-    state = out / f"stack-{int(time.time())}"
-    print(f"starting the stack (logs in {state}/logs) ...", flush=True)
-    rows = []
-    with Stack(StackConfig(state_dir=state, model=args.model, gateway_port=0)) as stack:
-        client = Client(stack.gateway_url, stack.redis_url)
-        run = client.create_run(
-            "digits",
-            base_model=str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
-            lora=LoraConfig(r=8, alpha=16),
-            optimizer=OptimizerConfig(lr=args.lr),
-            max_staleness_steps=max(args.max_staleness, 0),
-        )
-        print(f"{'step':>4} {'reward':>7} {'served by':>9} {'new ver':>7} {'rollout s':>9} {'train s':>7} "
-              f"{'sync s':>7} {'publish→loaded ms':>17}")
-        t_start = time.monotonic()
-        for step in range(1, args.steps + 1):
-            t0 = time.monotonic()
-            step_rollouts = toy.roll_out(run, digits, toy.prompts_for(step, args.prompts_per_step),
-                                         group_size=args.group_size, max_tokens=args.max_tokens)
-            t1 = time.monotonic()
-            result = run.train(step_rollouts.groups, wait=args.max_staleness == 0)
-            t2 = time.monotonic()
-            versions = step_rollouts.versions
-            row = {"step": step, "reward": step_rollouts.mean_reward, "served_by": max(versions),
-                   "oldest_served_by": min(versions), "rollout_s": t1 - t0, "sync_s": t2 - t1,
-                   "wall_s": t2 - t_start}
-            if hasattr(result, "version"):
-                served_at = result.metrics.get("served_at", 0.0)
-                row |= {"version": result.version, "train_s": result.train_s,
-                        "publish_to_loaded_ms": (served_at - result.published_at) * 1000 if served_at else None}
-            rows.append(row)
-            print(f"{step:>4} {row['reward']:>7.3f} {'v' + str(row['served_by']):>9} "
-                  f"{'v' + str(row.get('version', '?')):>7} {row['rollout_s']:>9.2f} {row.get('train_s', 0):>7.2f} "
-                  f"{row['sync_s']:>7.2f} {row.get('publish_to_loaded_ms') or 0:>17.1f}", flush=True)
-        run.wait_all()
-        client.close()
+        ensure_tiny_model(TINY_MODEL)
+    digits = toy.digit_token_ids(tokenizer_dir(args.model, args.tokenizer))
+    with ExitStack() as stack:
+        if args.gateway:
+            print(f"using the stack at {args.gateway}", flush=True)
+            gateway_url, redis_url = args.gateway, args.redis
+        else:
+            state = out / f"stack-{int(time.time())}"
+            print(f"starting the stack (logs in {state}/logs) ...", flush=True)
+            local = stack.enter_context(Stack(StackConfig(state_dir=state, model=args.model, gateway_port=0)))
+            gateway_url, redis_url = local.gateway_url, local.redis_url
+        client = Client(gateway_url, redis_url)
+        stack.callback(client.close)
+        rows = train(client, digits, args)
     return report(rows, out, args.min_rise)
+
+
+def train(client: Client, digits: frozenset[int], args: argparse.Namespace) -> list[dict]:
+    """Create (or open) the run and train it for --steps steps; one row per step."""
+    local_model = Path(args.model).exists() and not args.gateway
+    run = client.create_run(
+        args.run,
+        base_model=str(Path(args.model).resolve()) if local_model else args.model,
+        lora=LoraConfig(r=8, alpha=16),
+        optimizer=OptimizerConfig(lr=args.lr),
+        max_staleness_steps=max(args.max_staleness, 0),
+    )
+    print(f"{'step':>4} {'reward':>7} {'served by':>9} {'new ver':>7} {'rollout s':>9} {'train s':>7} "
+          f"{'sync s':>7} {'publish→loaded ms':>17}")
+    rows = []
+    t_start = time.monotonic()
+    for step in range(1, args.steps + 1):
+        t0 = time.monotonic()
+        step_rollouts = toy.roll_out(run, digits, toy.prompts_for(step, args.prompts_per_step),
+                                     group_size=args.group_size, max_tokens=args.max_tokens)
+        t1 = time.monotonic()
+        result = run.train(step_rollouts.groups, wait=args.max_staleness == 0)
+        t2 = time.monotonic()
+        versions = step_rollouts.versions
+        row = {"step": step, "reward": step_rollouts.mean_reward, "served_by": max(versions),
+               "oldest_served_by": min(versions), "rollout_s": t1 - t0, "sync_s": t2 - t1,
+               "wall_s": t2 - t_start}
+        if hasattr(result, "version"):
+            served_at = result.metrics.get("served_at", 0.0)
+            row |= {"version": result.version, "train_s": result.train_s,
+                    "publish_to_loaded_ms": (served_at - result.published_at) * 1000 if served_at else None}
+        rows.append(row)
+        print(f"{step:>4} {row['reward']:>7.3f} {'v' + str(row['served_by']):>9} "
+              f"{'v' + str(row.get('version', '?')):>7} {row['rollout_s']:>9.2f} {row.get('train_s', 0):>7.2f} "
+              f"{row['sync_s']:>7.2f} {row.get('publish_to_loaded_ms') or 0:>17.1f}", flush=True)
+    run.wait_all()
+    return rows
 
 
 def report(rows: list[dict], out: Path, min_rise: float) -> int:
