@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 from benchlib import Ctx, goal, md_table, plt
@@ -72,18 +73,28 @@ def run(ctx: Ctx) -> dict[str, Any]:
         table += ("\n\nOn the CPU profile the engine and the trainer share the same cores, so the two sides "
                   "of a pipelined step also compete for CPU; on GPUs each side has its own device.")
     plot_name = "sync_vs_async.png"
+    rows = [{"mode": m["mode"], **r} for m in modes for r in m["rows"]]
+    plot(rows, ctx.out / plot_name)
+    summary = {m["mode"]: {k: v for k, v in m.items() if k != "rows"} for m in modes}
+    return {"name": "pipeline", "title": "5. Sync vs async RL", "summary": summary,
+            "rows": rows, "goals": goals,
+            "table": table, "plots": [plot_name]}
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
     pyplot = plt()
     fig, ax = pyplot.subplots(figsize=(8, 3.5))
-    for m in modes:
-        ax.plot([r["t"] for r in m["rows"]], [r["reward"] for r in m["rows"]], marker=".", label=m["mode"])
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode]
+        ax.plot([r["t"] for r in mine], [r["reward"] for r in mine], marker=".", label=mode)
     ax.set_xlabel("wall time, s")
     ax.set_ylabel("reward (digit share)")
     ax.set_title("Reward vs wall time: synchronous and pipelined")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(ctx.out / plot_name, dpi=100)
+    fig.savefig(path, dpi=100)
     pyplot.close(fig)
-    summary = {m["mode"]: {k: v for k, v in m.items() if k != "rows"} for m in modes}
-    return {"name": "pipeline", "title": "5. Sync vs async RL", "summary": summary,
-            "rows": [{"mode": m["mode"], **r} for m in modes for r in m["rows"]], "goals": goals,
-            "table": table, "plots": [plot_name]}
+
+
+def replot(result: dict[str, Any], out: Path) -> None:
+    plot(result["rows"], out / "sync_vs_async.png")

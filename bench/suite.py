@@ -46,6 +46,7 @@ ALIASES = {"gateway": "gateway_overhead", "prefix": "prefix_cache", "async": "pi
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replot", metavar="DIR", help="only redraw the plots of an earlier run from DIR/results.json")
     p.add_argument("--quick", action="store_true", help="every scenario, small: keeps the suite working in CI")
     p.add_argument("--only", default="", help=f"comma-separated scenarios of {ON_STACK + AFTER_STACK}")
     p.add_argument("--out", default=None, help="default: bench/results/<timestamp>")
@@ -111,8 +112,21 @@ def run_scenario(name: str, ctx: Ctx, results: dict[str, Any]) -> None:
     print(f"  ({res['elapsed_s']} s)", flush=True)
 
 
+def replot(out: Path) -> int:
+    """Redraw the plots a scenario can rebuild from its rows (e.g. when a remote run's came back without them)."""
+    data = json.loads((out / "results.json").read_text())
+    for name, result in data["scenarios"].items():
+        module = importlib.import_module(name)
+        if hasattr(module, "replot") and not result.get("error"):
+            module.replot(result, out)
+            print(f"{name}: plots redrawn in {out}")
+    return 0
+
+
 def main() -> int:
     args = parse()
+    if args.replot:
+        return replot(Path(args.replot))
     names = selected(args.only)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out = Path(args.out or f"bench/results/{stamp}").resolve()

@@ -196,3 +196,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     pyplot.close(fig)
+
+
+def replot(result: dict[str, Any], out: Path) -> None:
+    plot(result["rows"], out / "sync_latency.png")
