@@ -152,6 +152,27 @@ def test_second_job_trains_on_top_of_v1(trainer: Trainer, backend: PeftBackend, 
     assert (result.version, result.parent) == (3, 2) and _adam_steps(store, 3) == {3}
 
 
+def test_narrow_adapter_keeps_float32_master_weights(settings, redis_conn, store: AdapterStore, run: RunSpec) -> None:
+    """A bf16 adapter halves the bytes on the path to serving; resuming uses the fp32 master copy."""
+    from safetensors.torch import load_file
+
+    narrow = PeftBackend(DEVICE, adapter_dtype="bfloat16")
+    trainer = Trainer(settings, redis_conn, narrow, store)
+    trainer.train(make_job("job-1", seed=1))
+    published = load_file(str(store.adapter_dir(RUN, 1) / "adapter_model.safetensors"))
+    master = load_file(str(store.version_dir(RUN, 1) / "trainer" / "lora_master.safetensors"))
+    assert published.keys() == master.keys()
+    assert {t.dtype for t in published.values()} == {torch.bfloat16}
+    assert {t.dtype for t in master.values()} == {torch.float32}
+    assert all(torch.equal(published[k], master[k].to(torch.bfloat16)) for k in master)
+    narrow.invalidate()  # resume from disk: the master weights, not the rounded ones
+    narrow.activate(run, 1, store.version_dir(RUN, 1))
+    from peft import get_peft_model_state_dict
+
+    resumed = get_peft_model_state_dict(narrow._require_model())
+    assert all(torch.equal(resumed[k].cpu(), master[k]) for k in master)
+
+
 def test_same_job_twice_publishes_one_version(trainer: Trainer, run: RunSpec, store: AdapterStore,
                                               redis_conn) -> None:
     first = trainer.train(make_job())

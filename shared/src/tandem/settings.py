@@ -204,6 +204,10 @@ class TrainerBackendSettings(BaseModel):
     """Token budget of one micro-batch (padded tokens); larger batches accumulate gradients."""
     gradient_checkpointing: bool = True
     """Recompute activations in backward on CUDA (less memory, ~30% more compute); ignored on CPU."""
+    adapter_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype of the published adapter weights, the bytes on the path to serving. `auto`: the
+    trainer's compute dtype (bfloat16 on GPUs, float32 on CPU). The float32 master weights go
+    into the version's trainer state, so resuming from a version loses no precision."""
 
 
 _CONFIG = SettingsConfigDict(

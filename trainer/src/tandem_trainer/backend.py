@@ -35,6 +35,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 OPTIMIZER_STATE = "optimizer.pt"
 TRAINER_STATE = "trainer_state.json"
+MASTER_WEIGHTS = "lora_master.safetensors"  # the weights in the dtype they train in (the adapter may be narrower)
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ def select_backend(settings: TrainerSettings) -> Backend:
             from tandem_trainer.unsloth_backend import UnslothBackend
 
             log.info("backend %s: using unsloth", kind)
-            return UnslothBackend(device=device)
+            return UnslothBackend(device=device, adapter_dtype=settings.backend.adapter_dtype)
         if kind == "unsloth":
             raise BackendNotAvailable(
                 f"backend.kind='unsloth' cannot be used: {problem}; "
@@ -161,4 +162,5 @@ def select_backend(settings: TrainerSettings) -> Backend:
         log.info("backend auto: using peft (%s)", problem)
     from tandem_trainer.peft_backend import PeftBackend
 
-    return PeftBackend(device=device, gradient_checkpointing=settings.backend.gradient_checkpointing)
+    return PeftBackend(device=device, gradient_checkpointing=settings.backend.gradient_checkpointing,
+                       adapter_dtype=settings.backend.adapter_dtype)

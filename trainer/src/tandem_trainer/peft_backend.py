@@ -31,6 +31,7 @@ from tandem.runs import RunSpec
 from tandem_trainer.backend import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    MASTER_WEIGHTS,
     OPTIMIZER_STATE,
     TRAINER_STATE,
     Backend,
@@ -47,12 +48,14 @@ log = logging.getLogger(__name__)
 class PeftBackend(Backend):
     name = "peft"
 
-    def __init__(self, device: str = "cpu", *, gradient_checkpointing: bool = False) -> None:
+    def __init__(self, device: str = "cpu", *, gradient_checkpointing: bool = False, adapter_dtype: str = "auto") -> None:
         self.device = torch.device(device)
         self.gradient_checkpointing = gradient_checkpointing and self.device.type == "cuda"
         self.dtype = torch.float32
         if self.device.type == "cuda" and torch.cuda.is_bf16_supported():
             self.dtype = torch.bfloat16
+        self.adapter_dtype: torch.dtype = self.dtype if adapter_dtype == "auto" else getattr(torch, adapter_dtype)
+        """Dtype of the published adapter; the float32 master weights go into the trainer state."""
         self._infos: dict[str, ModelInfo] = {}
         self._base_name: str | None = None
         self._base: Any = None
@@ -175,9 +178,12 @@ class PeftBackend(Backend):
 
     def _load(self, spec: RunSpec, version: int, version_dir: Path) -> None:
         adapter = version_dir / "adapter"
+        # the trainer state's float32 master weights when there are any (the adapter may be bf16)
+        master = version_dir / "trainer" / MASTER_WEIGHTS
         try:
             saved = json.loads((adapter / ADAPTER_CONFIG).read_text())
-            weights = load_file(str(adapter / ADAPTER_WEIGHTS), device=str(self.device))
+            source = master if master.is_file() else adapter / ADAPTER_WEIGHTS
+            weights = load_file(str(source), device=str(self.device))
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{spec.name} v{version}: cannot read adapter in {adapter}: {exc}") from exc
         if saved.get("r") != spec.lora.r or sorted(saved.get("target_modules") or []) != sorted(
@@ -245,7 +251,8 @@ class PeftBackend(Backend):
     def save_adapter(self, adapter_dir: Path) -> None:
         model, spec = self._require_model(), self._spec
         assert spec is not None
-        weights = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model).items()}
+        weights = {k: v.detach().to("cpu", dtype=self.adapter_dtype if v.is_floating_point() else v.dtype)
+                   .contiguous() for k, v in get_peft_model_state_dict(model).items()}
         save_file(weights, str(adapter_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         config: Any = copy.deepcopy(model.peft_config["default"])
         config.inference_mode = True
@@ -255,6 +262,8 @@ class PeftBackend(Backend):
 
     def save_state(self, trainer_dir: Path, *, trainer_state: dict[str, object]) -> None:
         assert self._optimizer is not None
+        master = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(self._require_model()).items()}
+        save_file(master, str(trainer_dir / MASTER_WEIGHTS), metadata={"format": "pt"})
         torch.save(self._optimizer.state_dict(), trainer_dir / OPTIMIZER_STATE)
         state = {**trainer_state, "param_names": [n for n, _ in self._params], "backend": self.name,
                  "torch": torch.__version__}

@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 class UnslothBackend(PeftBackend):
     name = "unsloth"
 
-    def __init__(self, device: str = "cuda", *, max_seq_length: int = 4096) -> None:
-        super().__init__(device=device, gradient_checkpointing=False)
+    def __init__(self, device: str = "cuda", *, max_seq_length: int = 4096, adapter_dtype: str = "auto") -> None:
+        super().__init__(device=device, gradient_checkpointing=False, adapter_dtype=adapter_dtype)
         self.max_seq_length = max_seq_length
         self._wrapped: Any = None
         self._wrapped_shape: tuple[object, ...] | None = None
