@@ -289,13 +289,26 @@ class Controller:
         log.info("adapter_load start run=%s version=%d adapter=%s", run, version, name)
         try:
             max_rank = await self._max_lora_rank()
-            adapter_dir, manifest = await asyncio.to_thread(self._check, run, version, path, max_rank)
+            adapter_dir = await asyncio.to_thread(self._check, run, version, path, max_rank)
+            # the checksums run while the engine loads; the alias switches only when both succeeded
+            checksums = asyncio.create_task(asyncio.to_thread(self.store.verify, run, version, only=ADAPTER_DIR))
             try:
                 load_ms = await self.engine.load_adapter(name, str(adapter_dir))
             except AdapterLoadError:
                 if not await self._engine_holds(name, adapter_dir):
+                    (checked,) = await asyncio.gather(checksums, return_exceptions=True)
+                    if isinstance(checked, AdapterRejected):
+                        raise checked from None  # the precise reason: what is wrong with the files
                     raise
                 load_ms = 0.0
+            except BaseException:
+                await asyncio.gather(checksums, return_exceptions=True)
+                raise
+            try:
+                manifest = await checksums
+            except AdapterRejected:
+                await self._unload_quietly(name)
+                raise
         except (AdapterRejected, AdapterLoadError) as exc:
             await self._reject(run, version, str(exc), job_id)
             return False
@@ -312,8 +325,16 @@ class Controller:
                  (time.monotonic() - t0) * 1000)
         return True
 
-    def _check(self, run: str, version: int, path: str | None, max_rank: int) -> tuple[Path, Manifest]:
-        """Path inside the store and equal to the version's adapter dir, checksums, rank."""
+    async def _unload_quietly(self, name: str) -> None:
+        """Take back an adapter that loaded but failed its checksums (it never served)."""
+        try:
+            await self.engine.unload_adapter(name)
+        except EngineError as exc:
+            log.warning("unloading %s after failed checksums failed too: %s", name, exc)
+
+    def _check(self, run: str, version: int, path: str | None, max_rank: int) -> Path:
+        """Path inside the store and equal to the version's adapter dir, manifest, rank (the
+        checksums are checked apart, while the engine loads)."""
         expected = self.store.adapter_dir(run, version)
         if path is not None:
             resolved = self.store.resolve(path)
@@ -322,7 +343,12 @@ class Controller:
                     f"{run} v{version}: event path {path!r} resolves to {resolved}, not the version's "
                     f"adapter directory {expected}"
                 )
-        manifest = self.store.verify(run, version, only=ADAPTER_DIR)
+        manifest = self.store.read_manifest(run, version)
+        if manifest.run != run or manifest.version != version:
+            raise AdapterRejected(f"{run} v{version}: its manifest says {manifest.run} v{manifest.version}")
+        for rel in manifest.files:
+            if rel.startswith(f"{ADAPTER_DIR}/") and not (expected.parent / rel).is_file():
+                raise AdapterRejected(f"{run} v{version}: file {rel} is missing")
         try:
             config = self.store.adapter_config(run, version)
         except (OSError, ValueError) as exc:
@@ -336,7 +362,7 @@ class Controller:
                 f"{run} v{version}: LoRA rank {max(ranks)} is above the engine's max_lora_rank {max_rank}; "
                 "train with a smaller rank or raise the engine's --max-lora-rank"
             )
-        return expected, manifest
+        return expected
 
     async def _max_lora_rank(self) -> int:
         """The engine's limit from /server_info, else settings.engine.max_lora_rank."""
