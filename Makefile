@@ -12,7 +12,9 @@ COMPOSE ?= $(shell command -v docker-compose >/dev/null 2>&1 && echo docker-comp
 STACK ?= cpu
 # CLIENT=1 adds compose.client.yaml: Redis on 127.0.0.1:$$REDIS_PORT for a tandem.Client's train().
 CLIENT ?=
-COMPOSE_FILES := -f compose.yaml $(if $(filter cpu,$(STACK)),-f compose.cpu.yaml) $(if $(filter 1,$(CLIENT)),-f compose.client.yaml)
+# compose.override.yaml (local, git-ignored) comes last when it exists, as plain `docker compose` reads it.
+COMPOSE_FILES := -f compose.yaml $(if $(filter cpu,$(STACK)),-f compose.cpu.yaml) $(if $(filter 1,$(CLIENT)),-f compose.client.yaml) \
+	$(if $(wildcard compose.override.yaml),-f compose.override.yaml)
 DC := $(COMPOSE) $(COMPOSE_FILES)
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
