@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 class PeftBackend(Backend):
     name = "peft"
 
-    def __init__(self, device: str = "cpu", *, gradient_checkpointing: bool = False, adapter_dtype: str = "auto") -> None:
+    def __init__(self, device: str = "cpu", *, gradient_checkpointing: bool = False,
+                 adapter_dtype: str = "float32") -> None:
         self.device = torch.device(device)
         self.gradient_checkpointing = gradient_checkpointing and self.device.type == "cuda"
         self.dtype = torch.float32
@@ -262,8 +263,10 @@ class PeftBackend(Backend):
 
     def save_state(self, trainer_dir: Path, *, trainer_state: dict[str, object]) -> None:
         assert self._optimizer is not None
-        master = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(self._require_model()).items()}
-        save_file(master, str(trainer_dir / MASTER_WEIGHTS), metadata={"format": "pt"})
+        if any(p.dtype != self.adapter_dtype for _, p in self._params):  # the adapter is rounded: keep the originals
+            master = {k: v.detach().to("cpu").contiguous()
+                      for k, v in get_peft_model_state_dict(self._require_model()).items()}
+            save_file(master, str(trainer_dir / MASTER_WEIGHTS), metadata={"format": "pt"})
         torch.save(self._optimizer.state_dict(), trainer_dir / OPTIMIZER_STATE)
         state = {**trainer_state, "param_names": [n for n, _ in self._params], "backend": self.name,
                  "torch": torch.__version__}

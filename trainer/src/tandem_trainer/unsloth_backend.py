@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 class UnslothBackend(PeftBackend):
     name = "unsloth"
 
-    def __init__(self, device: str = "cuda", *, max_seq_length: int = 4096, adapter_dtype: str = "auto") -> None:
+    def __init__(self, device: str = "cuda", *, max_seq_length: int = 4096, adapter_dtype: str = "float32") -> None:
         super().__init__(device=device, gradient_checkpointing=False, adapter_dtype=adapter_dtype)
         self.max_seq_length = max_seq_length
         self._wrapped: Any = None
