@@ -3,7 +3,8 @@ synchronously (roll out, train, wait until the new version serves) and pipelined
 `max_staleness_steps` 1 and 2 (rollouts of step k+1 go on while step k trains).
 
 Reports wall time per step, the reward after K steps, and how busy each side was: the
-rollout side's share of wall time spent in rollouts, the trainer's share spent training. The
+rollout side's share of wall time spent in rollouts, the trainer's share spent in its jobs
+(training, writing and announcing the version, saving its state: rq's start and end times). The
 goal: a pipelined step takes at most 1.15 x max(rollout time, train time).
 """
 
@@ -15,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from benchlib import Ctx, goal, md_table, plt
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
 from tandem import LoraConfig, OptimizerConfig, toy
-from tandem.events import EventKind
 
 MODES = {"sync": 0, "async-1": 1, "async-2": 2}
 
@@ -28,18 +30,22 @@ def one_mode(ctx: Ctx, mode: str, staleness: int, steps: int, digits: frozenset[
     run = ctx.client.create_run(f"pipe-{mode}", base_model=ctx.model, lora=LoraConfig(r=rank, alpha=2 * rank),
                                 optimizer=OptimizerConfig(lr=ctx.lr), max_staleness_steps=staleness)
     rows: list[dict[str, Any]] = []
+    job_ids: list[str] = []
     t_start = time.time()
     for step in range(1, steps + 1):
         t0 = time.time()
         rolled = toy.roll_out(run, digits, toy.prompts_for(step, 4), group_size=8, max_tokens=16)
         t1 = time.time()
-        run.train(rolled.groups, wait=staleness == 0)
+        out = run.train(rolled.groups, wait=staleness == 0)
+        job_ids.append(out.job_id)
         rows.append({"step": step, "reward": rolled.mean_reward, "served_by": max(rolled.versions),
                      "rollout_s": t1 - t0, "submit_wait_s": time.time() - t1, "t": time.time() - t_start})
         ctx.progress(f"{mode}: step {step}/{steps} reward {rolled.mean_reward:.2f} served by v{max(rolled.versions)}")
     run.wait_all()
     wall = time.time() - t_start
-    train_s = [float(e.data["metrics"]["train_s"]) for e in run.history() if e.kind is EventKind.ADAPTER_READY]
+    # the trainer is busy for the whole job: training, writing and announcing the version, its state
+    jobs = Job.fetch_many(job_ids, connection=ctx.client.conn, serializer=JSONSerializer)
+    train_s = [(j.ended_at - j.started_at).total_seconds() for j in jobs if j and j.started_at and j.ended_at]
     rollout_s = [r["rollout_s"] for r in rows]
     step_s = wall / steps
     bound = max(statistics.fmean(rollout_s), statistics.fmean(train_s))
@@ -60,11 +66,11 @@ def run(ctx: Ctx) -> dict[str, Any]:
     steps = 6 if ctx.quick else 20
     digits = toy.digit_token_ids(ctx.model)
     modes = [one_mode(ctx, mode, s, steps, digits) for mode, s in MODES.items()]
-    goals = [goal(f"{m['mode']}: step time / max(rollout, train)", m["step_over_bound"], 1.15,
-                  note=f"step {m['step_s']:.2f} s, rollout {m['rollout_s_mean']:.2f} s, train {m['train_s_mean']:.2f} s")
+    goals = [goal(f"{m['mode']}: step time / max(rollout, trainer job)", m["step_over_bound"], 1.15,
+                  note=f"step {m['step_s']:.2f} s, rollout {m['rollout_s_mean']:.2f} s, trainer job {m['train_s_mean']:.2f} s")
              for m in modes if m["max_staleness"] > 0]
     table = md_table(
-        ["mode", "steps", "wall s", "s / step", "rollout s", "train s", "step / max(rollout, train)",
+        ["mode", "steps", "wall s", "s / step", "rollout s", "trainer job s", "step / max(rollout, job)",
          "reward first 3 → last 3", "rollout busy", "trainer busy", "max staleness seen"],
         [[m["mode"], m["steps"], m["wall_s"], m["step_s"], m["rollout_s_mean"], m["train_s_mean"],
           m["step_over_bound"], f"{m['reward_first3']:.2f} → {m['reward_last3']:.2f}",
