@@ -400,3 +400,52 @@ async def test_adapters_the_engine_lost_are_loaded_again(
 
 async def _holds(engine: EngineClient, name: str) -> bool:
     return name in await engine.loaded_adapters()
+
+
+async def test_a_failed_unload_after_bad_checksums_is_retried(
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: EngineClient, tiny_model: Path
+) -> None:
+    registry, events = Registry(redis_conn), EventStream(redis_conn)
+    controller = await start()
+    announce(events, store, publish(store, registry, tiny_model, run, 1))
+    await wait_until(lambda: controller.table.serving(run) == 1, what="v1 serving")
+
+    real_unload = engine.unload_adapter
+    calls: list[str] = []
+
+    async def unload_failing_once(name: str) -> None:
+        calls.append(name)
+        if len(calls) == 1:
+            raise EngineTimeout(f"unload of {name} hung")
+        await real_unload(name)
+
+    engine.unload_adapter = unload_failing_once  # type: ignore[method-assign]
+    manifest = publish(store, registry, tiny_model, run, 2)
+    flip_a_byte(store, run, 2)  # the engine loads it; the checksums, checked meanwhile, refuse it
+    announce(events, store, manifest)
+    await wait_until(lambda: events_of(events, EventKind.ADAPTER_REJECTED, run), what="adapter_rejected")
+    message = events_of(events, EventKind.ADAPTER_REJECTED, run)[0].data["message"]
+    assert "checksum of adapter/adapter_model.safetensors" in message
+    await wait_until(lambda: _lacks(engine, f"{run}-v2"), timeout_s=10, what="v2 unloaded on retry")
+    assert calls[:2] == [f"{run}-v2", f"{run}-v2"]
+    assert controller.table.serving(run) == 1 and controller.table.loaded(run) == [1]
+    await wait_until(lambda: controller.status()["retiring"] == [], what="nothing left to retire")
+
+
+async def test_an_adapter_the_engine_holds_is_adopted_only_if_its_files_check_out(
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: EngineClient, tiny_model: Path
+) -> None:
+    registry, events = Registry(redis_conn), EventStream(redis_conn)
+    first = await start()
+    for version in (1, 2):
+        announce(events, store, publish(store, registry, tiny_model, run, version))
+    await wait_until(lambda: first.table.serving(run) == 2, what="v2 serving")
+    await first.stop()
+
+    flip_a_byte(store, run, 2)  # damaged on the volume while the controller was down
+    second = await start()  # the engine still holds v1 and v2
+    assert second.table.serving(run) == 1 and second.table.loaded(run) == [1]
+    rejected = events_of(events, EventKind.ADAPTER_REJECTED, run)
+    assert [e.version for e in rejected] == [2] and "checksum" in rejected[0].data["message"]
+    await wait_until(lambda: _lacks(engine, f"{run}-v2"), what="the damaged v2 unloaded")
+    assert second.table.resolve(run).version == 1

@@ -30,8 +30,8 @@ def play(run, digits: frozenset[int], steps: int, *, wait: bool) -> list[dict]:
     rows = []
     for step in range(1, steps + 1):
         rolled = toy.roll_out(run, digits, PROMPTS)
-        run.train(rolled.groups, wait=wait)
-        rows.append({"step": step, "reward": rolled.mean_reward, "versions": rolled.versions})
+        result = run.train(rolled.groups, wait=wait)
+        rows.append({"step": step, "reward": rolled.mean_reward, "versions": rolled.versions, "result": result})
     run.wait_all()
     return rows
 
@@ -47,6 +47,10 @@ def test_sync_loop_learns_and_serves_each_new_version(stack: Stack, tiny_model: 
     # synchronous: step k's rollouts were all served by version k-1, the newest one
     for r in rows:
         assert set(r["versions"]) == {r["step"] - 1}
+        # the result is whole even when train() returns before the job wrote its optimizer state
+        result = r["result"]
+        assert (result.version, result.step, result.parent) == (r["step"], r["step"], r["step"] - 1)
+        assert 0 < result.published_at <= result.metrics["served_at"] and result.train_s > 0
     assert run.status()["serving_version"] == 22
     loaded = [e for e in run.history() if e.kind == "adapter_loaded"]
     assert [e.version for e in loaded] == list(range(1, 23))

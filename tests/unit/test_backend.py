@@ -44,3 +44,19 @@ def test_unsloth_needs_cuda_and_the_package() -> None:
         assert "not installed" in (unsloth_problem("cuda") or "")
     else:
         assert unsloth_problem("cuda") is None
+
+
+@pytest.mark.parametrize(
+    ("trained", "saved", "rounds"),
+    [
+        (torch.float32, torch.float32, False),
+        (torch.float32, torch.bfloat16, True),
+        (torch.bfloat16, torch.float16, True),
+        (torch.float16, torch.bfloat16, True),
+        (torch.bfloat16, torch.float32, False),
+    ],
+)
+def test_master_weights_are_kept_only_when_the_adapter_loses_bits(trained, saved, rounds) -> None:
+    from tandem_trainer.peft_backend import _rounds
+
+    assert _rounds(trained, saved) is rounds

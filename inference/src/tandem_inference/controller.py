@@ -186,7 +186,7 @@ class Controller:
                     if not await self._load(run, version, announce=False):
                         self.table.retire(run, version)
             for name, path in held.items():
-                self._adopt(name, path, runs)
+                await self._adopt(name, path, runs)
             for run in runs:
                 manifests = await asyncio.to_thread(self.registry.manifests, run)
                 for manifest in reversed(manifests):
@@ -201,8 +201,9 @@ class Controller:
         log.info("reconcile end runs=%d duration_ms=%.1f serving=%s", len(runs),
                  (time.monotonic() - t0) * 1000, {r: self.table.serving(r) for r in runs})
 
-    def _adopt(self, name: str, path: str, runs: list[str]) -> None:
-        """Route to an adapter the engine already holds if it is a version of a known run."""
+    async def _adopt(self, name: str, path: str, runs: list[str]) -> None:
+        """Route to an adapter the engine already holds if it is a version of a known run and
+        its files still pass their checksums; otherwise it is unloaded."""
         m = _ADAPTER_NAME.match(name)
         if not m or m.group("run") not in runs:
             return
@@ -212,6 +213,12 @@ class Controller:
             log.warning("engine holds %s from %s, not %s; not routing to it", name, path, expected)
             return
         if version not in self.table.loaded(run):
+            try:
+                await asyncio.to_thread(self._verify, run, version)
+            except AdapterRejected as exc:
+                log.warning("engine holds %s, but %s; unloading it", name, exc)
+                self._retiring.setdefault((run, version), _Retiring())
+                return
             log.info("adopting %s, already loaded in the engine", name)
             self.table.add_version(run, version)
             self._retiring.pop((run, version), None)
@@ -291,24 +298,22 @@ class Controller:
             max_rank = await self._max_lora_rank()
             adapter_dir = await asyncio.to_thread(self._check, run, version, path, max_rank)
             # the checksums run while the engine loads; the alias switches only when both succeeded
-            checksums = asyncio.create_task(asyncio.to_thread(self.store.verify, run, version, only=ADAPTER_DIR))
+            checksums = asyncio.create_task(asyncio.to_thread(self._verify, run, version))
+            refused: AdapterLoadError | None = None
             try:
                 load_ms = await self.engine.load_adapter(name, str(adapter_dir))
-            except AdapterLoadError:
-                if not await self._engine_holds(name, adapter_dir):
-                    (checked,) = await asyncio.gather(checksums, return_exceptions=True)
-                    if isinstance(checked, AdapterRejected):
-                        raise checked from None  # the precise reason: what is wrong with the files
-                    raise
-                load_ms = 0.0
-            except BaseException:
-                await asyncio.gather(checksums, return_exceptions=True)
-                raise
-            try:
-                manifest = await checksums
-            except AdapterRejected:
-                await self._unload_quietly(name)
-                raise
+            except AdapterLoadError as exc:
+                load_ms, refused = 0.0, exc
+            finally:
+                (checked,) = await asyncio.gather(checksums, return_exceptions=True)  # never left running
+            held = refused is None or await self._engine_holds(name, adapter_dir)
+            if isinstance(checked, BaseException):
+                if held:
+                    await self._unload_quietly(run, version)
+                raise checked  # before the engine's refusal: it says what is wrong with the files
+            if refused is not None and not held:
+                raise refused
+            manifest = checked
         except (AdapterRejected, AdapterLoadError) as exc:
             await self._reject(run, version, str(exc), job_id)
             return False
@@ -325,12 +330,24 @@ class Controller:
                  (time.monotonic() - t0) * 1000)
         return True
 
-    async def _unload_quietly(self, name: str) -> None:
-        """Take back an adapter that loaded but failed its checksums (it never served)."""
+    def _verify(self, run: str, version: int) -> Manifest:
+        """The checksums of what the engine loads; any failure to check them is a rejection."""
+        try:
+            return self.store.verify(run, version, only=ADAPTER_DIR)
+        except AdapterRejected:
+            raise
+        except Exception as exc:  # noqa: BLE001 - unverified files must never serve
+            raise AdapterRejected(f"{run} v{version}: its checksums could not be checked: {exc!r}") from exc
+
+    async def _unload_quietly(self, run: str, version: int) -> None:
+        """Take back an adapter that is loaded but failed its checksums (it never served);
+        if the engine refuses, the unload is retried with the retired versions."""
+        name = adapter_name(run, version)
         try:
             await self.engine.unload_adapter(name)
         except EngineError as exc:
-            log.warning("unloading %s after failed checksums failed too: %s", name, exc)
+            log.warning("unloading %s after failed checksums failed too (%s); retrying later", name, exc)
+            self._retiring.setdefault((run, version), _Retiring())
 
     def _check(self, run: str, version: int, path: str | None, max_rank: int) -> Path:
         """Path inside the store and equal to the version's adapter dir, manifest, rank (the

@@ -2,13 +2,16 @@
 
 Layout under the store root::
 
-    <run>/v000007/manifest.json     run, version, parent, step, job id, sha256 of every file
+    <run>/v000007/manifest.json     run, version, parent, step, job id, sha256 of every adapter file
     <run>/v000007/adapter/          what the engine loads (adapter_config.json + weights)
-    <run>/v000007/trainer/          what the trainer resumes from (optimizer state)
+    <run>/v000007/trainer/          what the trainer resumes from (optimizer state, master weights)
     <run>/.tmp-v000007-<uuid>/      a version being written; never read
+    <run>/.tmp-state-v000007-<uuid>/  trainer state being written; never read
 
 A version becomes visible only by `rename` of a complete, fsynced directory, so a crash while
-writing never leaves a partial version behind. Every path that comes from Redis or a request
+writing never leaves a partial version behind. `adapter/` and the manifest never change once
+published; `trainer/` is attached once, later, by its own rename (it carries no checksums: a
+crash leaves either all of it or none). Every path that comes from Redis or a request
 is resolved inside the root; anything outside it is refused.
 """
 
@@ -190,8 +193,8 @@ class AdapterStore:
         """Check a version against its manifest; raise AdapterRejected naming what is wrong.
 
         `only` limits the checksums to the files under one subdirectory (the inference side
-        checks `adapter/` and leaves the trainer's optimizer state, often twice the adapter's
-        size, to the trainer).
+        checks `adapter/`, which is what it loads). A file that cannot be read is a rejection
+        too, never another kind of error.
         """
         vdir = self.version_dir(run, version)
         if not vdir.is_dir():
@@ -209,7 +212,11 @@ class AdapterStore:
                 raise AdapterRejected(f"{run} v{version}: manifest path {rel!r} leaves {vdir}")
             if not path.is_file():
                 raise AdapterRejected(f"{run} v{version}: file {rel} is missing")
-            if sha256_file(path) != digest:
+            try:
+                actual = sha256_file(path)
+            except OSError as exc:
+                raise AdapterRejected(f"{run} v{version}: cannot read {rel}: {exc}") from exc
+            if actual != digest:
                 raise AdapterRejected(f"{run} v{version}: checksum of {rel} does not match the manifest")
         config = vdir / ADAPTER_DIR / "adapter_config.json"
         if f"{ADAPTER_DIR}/adapter_config.json" not in manifest.files or not config.is_file():

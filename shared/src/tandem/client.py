@@ -13,6 +13,7 @@ on the rq queue in Redis, and completion is observed on the durable event stream
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -36,6 +37,8 @@ from tandem.registry import Registry
 from tandem.runs import LoraConfig, LossConfig, OptimizerConfig, RunSpec
 from tandem.settings import ClientSettings
 from tandem.trajectories import Trajectory, TrajectoryGroup
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ class TrainHandle:
     submitted_at: float = field(default_factory=time.time)
     _result: jobs.TrainResult | None = None
     _version: int | None = None
-    _ready_at: float | None = None
+    _ready: Event | None = None
 
     def done(self) -> bool:
         return self._result is not None
@@ -109,7 +112,7 @@ class TrainHandle:
             raise TrainFailed(f"step {self.step} failed: {event.data.get('message', 'no message')}")
         if event.kind is EventKind.ADAPTER_READY and event.job_id == self.job_id:
             self._version = event.version
-            self._ready_at = event.ts
+            self._ready = event
         if event.kind is EventKind.ADAPTER_REJECTED and self._version is not None and event.version == self._version:
             raise TrainFailed(f"version {self._version} was rejected by inference: {event.data.get('message')}")
         if (
@@ -123,11 +126,24 @@ class TrainHandle:
         return False
 
     def _fetch_result(self, served_at: float) -> jobs.TrainResult:
-        job = Job.fetch(self.job_id, connection=self.run.client.conn, serializer=JSONSerializer)
-        raw = job.return_value()
-        result = jobs.TrainResult.model_validate(raw) if raw else jobs.TrainResult(
-            job_id=self.job_id, run=self.run.name, step=self.step, version=self._version or 0, parent=0
-        )
+        """The job's own result if rq has it; otherwise what its `adapter_ready` said (the job
+        writes its optimizer state after announcing, so it may still be running)."""
+        raw = None
+        try:
+            raw = Job.fetch(self.job_id, connection=self.run.client.conn, serializer=JSONSerializer).return_value()
+        except Exception:  # noqa: BLE001 - an expired or missing job still has its event
+            log.debug("job %s has no result in rq; using its adapter_ready event", self.job_id)
+        if raw:
+            result = jobs.TrainResult.model_validate(raw)
+        else:
+            data = self._ready.data if self._ready is not None else {}
+            metrics = data.get("metrics") or {}
+            result = jobs.TrainResult.model_validate({
+                "job_id": self.job_id, "run": self.run.name, "step": data.get("step", self.step),
+                "version": self._version or 0, "parent": data.get("parent", 0),
+                "metrics": metrics, "train_s": metrics.get("train_s", 0.0),
+                "published_at": data.get("published_at") or (self._ready.ts if self._ready else 0.0),
+            })
         return result.model_copy(update={"metrics": {**result.metrics, "served_at": served_at}})
 
     def _check_rq(self) -> None:

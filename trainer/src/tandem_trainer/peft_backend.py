@@ -263,7 +263,7 @@ class PeftBackend(Backend):
 
     def save_state(self, trainer_dir: Path, *, trainer_state: dict[str, object]) -> None:
         assert self._optimizer is not None
-        if any(p.dtype != self.adapter_dtype for _, p in self._params):  # the adapter is rounded: keep the originals
+        if any(_rounds(p.dtype, self.adapter_dtype) for _, p in self._params):  # keep the originals
             master = {k: v.detach().to("cpu").contiguous()
                       for k, v in get_peft_model_state_dict(self._require_model()).items()}
             save_file(master, str(trainer_dir / MASTER_WEIGHTS), metadata={"format": "pt"})
@@ -289,3 +289,9 @@ class PeftBackend(Backend):
         if self._model is None:
             raise RuntimeError("no adapter is active; call activate() first")
         return self._model
+
+
+def _rounds(trained: torch.dtype, saved: torch.dtype) -> bool:
+    """Whether saving weights trained in `trained` as `saved` loses bits (float32 -> bfloat16
+    does, bfloat16 <-> float16 does both ways, bfloat16 -> float32 does not)."""
+    return trained != saved and torch.finfo(saved).bits <= torch.finfo(trained).bits

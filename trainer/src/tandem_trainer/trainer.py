@@ -135,6 +135,9 @@ class Trainer:
                             with self.gpu.held() as waited:
                                 result = self._train(job, spec, info, parent)
                             result.metrics["gpu_wait_s"] = waited
+                        # off the path to serving: after the announcement, and after the GPU went
+                        # back to inference in shared mode
+                        self._save_state(job, version, parent)
                 finally:
                     lock.release()
         except Exception as exc:
@@ -237,12 +240,14 @@ class Trainer:
     def _save_state(self, job: TrainJob, version: int, parent: int) -> None:
         """Attach the optimizer state to the published version; a failure costs only the state."""
         state = {"run": job.run, "version": version, "parent": parent, "step": job.step, "job_id": job.job_id}
+        t0 = time.perf_counter()
         try:
             with self.store.trainer_state(job.run, version) as state_dir:
                 self.backend.save_state(state_dir, trainer_state=state)
-        except (OSError, VersionExists) as exc:
+            log.info("state.saved run=%s version=%d state_ms=%.1f", job.run, version, (time.perf_counter() - t0) * 1000)
+        except Exception as exc:  # noqa: BLE001 - the version is already out; only its state is lost
             log.warning("trainer state of %s v%d not saved (%s); resuming from it starts the optimizer fresh",
-                        job.run, version, exc)
+                        job.run, version, exc, exc_info=not isinstance(exc, (OSError, VersionExists)))
 
     def _adopt_orphans(self, job: TrainJob) -> TrainResult | None:
         """Register versions that reached the store but not the registry; ours is returned.
@@ -359,10 +364,7 @@ class Trainer:
         published_at = time.time()
         t2 = time.perf_counter()
         self._announce(manifest, published_at=published_at, stepped_at=stepped_at)
-        t3 = time.perf_counter()
-        self._save_state(job, version, parent)  # off the path to serving: inference is loading already
-        log.info("publish run=%s version=%d save_ms=%.1f checksum_fsync_rename_ms=%.1f announce_ms=%.1f "
-                 "state_ms=%.1f", job.run, version, (t1 - t0) * 1000, (t2 - t1) * 1000, (t3 - t2) * 1000,
-                 (time.perf_counter() - t3) * 1000)
+        log.info("publish run=%s version=%d save_ms=%.1f checksum_fsync_rename_ms=%.1f announce_ms=%.1f",
+                 job.run, version, (t1 - t0) * 1000, (t2 - t1) * 1000, (time.perf_counter() - t2) * 1000)
         self.backend.mark_active(job.run, version, self.store.version_dir(job.run, version))
         return self._result(manifest, reused=False, train_s=train_s, published_at=published_at)
