@@ -8,6 +8,7 @@ the `plots` it wrote under `ctx.out`. `bench/suite.py` runs them in order and wr
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -147,12 +148,14 @@ class Sample:
 
 def stream_completion(http: httpx.Client, url: str, body: dict[str, Any], client_id: int,
                       version_header: str | None = "x-tandem-version") -> Sample:
-    """One streamed /v1/completions request: time to first token and to the end."""
+    """One streamed /v1/completions request: time to the first text and to the end; tokens from
+    the final usage chunk (chunks with text are counted where there is none)."""
     start = time.time()
     ttft = None
-    tokens = 0
+    chunks, usage_tokens = 0, None
     try:
-        with http.stream("POST", url, json={**body, "stream": True}) as resp:
+        payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with http.stream("POST", url, json=payload) as resp:
             if resp.status_code != 200:
                 resp.read()
                 return Sample(client_id, start, time.time(), None, False, status=resp.status_code,
@@ -161,9 +164,14 @@ def stream_completion(http: httpx.Client, url: str, body: dict[str, Any], client
             for line in resp.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                if ttft is None:
-                    ttft = time.time() - start
-                tokens += 1
+                chunk = json.loads(line[len("data: "):])
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"].get("completion_tokens")
+                if any(c.get("text") for c in chunk.get("choices") or []):
+                    chunks += 1
+                    if ttft is None:
+                        ttft = time.time() - start
+        tokens = usage_tokens if usage_tokens is not None else chunks
         return Sample(client_id, start, time.time(), ttft, True, int(version) if version else None,
                       status=200, tokens=tokens)
     except httpx.HTTPError as exc:

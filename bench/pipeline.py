@@ -42,10 +42,11 @@ def one_mode(ctx: Ctx, mode: str, staleness: int, steps: int, digits: frozenset[
                      "rollout_s": t1 - t0, "submit_wait_s": time.time() - t1, "t": time.time() - t_start})
         ctx.progress(f"{mode}: step {step}/{steps} reward {rolled.mean_reward:.2f} served by v{max(rolled.versions)}")
     run.wait_all()
-    wall = time.time() - t_start
+    wall = time.time() - t_start  # until the last version serves
     # the trainer is busy for the whole job: training, writing and announcing the version, its state
-    jobs = Job.fetch_many(job_ids, connection=ctx.client.conn, serializer=JSONSerializer)
-    train_s = [(j.ended_at - j.started_at).total_seconds() for j in jobs if j and j.started_at and j.ended_at]
+    # (written after the announcement, so the last job may still be running: wait for it)
+    jobs = _ended_jobs(ctx, job_ids)
+    train_s = [(j.ended_at - j.started_at).total_seconds() for j in jobs]
     rollout_s = [r["rollout_s"] for r in rows]
     step_s = wall / steps
     bound = max(statistics.fmean(rollout_s), statistics.fmean(train_s))
@@ -60,6 +61,17 @@ def one_mode(ctx: Ctx, mode: str, staleness: int, steps: int, digits: frozenset[
         "max_lag": max(r["step"] - 1 - r["served_by"] for r in rows),
         "rows": rows,
     }
+
+
+def _ended_jobs(ctx: Ctx, job_ids: list[str], timeout_s: float = 120.0) -> list[Job]:
+    assert ctx.client is not None
+    deadline = time.time() + timeout_s
+    while True:
+        jobs = Job.fetch_many(job_ids, connection=ctx.client.conn, serializer=JSONSerializer)
+        ended = [j for j in jobs if j and j.started_at and j.ended_at]
+        if len(ended) == len(job_ids) or time.time() > deadline:
+            return ended
+        time.sleep(0.05)
 
 
 def run(ctx: Ctx) -> dict[str, Any]:
