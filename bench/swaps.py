@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from benchlib import Ctx, Sample, closed_loop, goal, md_table, plt, stream_completion, summary
@@ -85,11 +86,12 @@ def run(ctx: Ctx) -> dict[str, Any]:
         "swaps": len(loads), "throughput_rps": len(ok) / duration_s, "tokens_per_s": tokens / duration_s,
         "ttft_ms": ttft, "latency_ms": lat, "served_by_older_than_newest": len(older),
         "max_lag_versions": max((r["lag"] for r in ok if r["lag"] is not None), default=0),
+        "swap_times_s": [round(ts - started, 3) for ts, _ in loads],
     }
     goals = [goal("failed requests during swaps", float(errors), 0.0),
              goal("responses from a version older than the newest at request time", float(len(older)), 0.0)]
     plot_name = "swaps_throughput.png"
-    plot(rows, [ts - started for ts, _ in loads], duration_s, ctx.out / plot_name)
+    plot(rows, s["swap_times_s"], duration_s, ctx.out / plot_name)
     table = md_table(
         ["clients", "requests", "errors", "swaps", "req/s", "tokens/s", "TTFT p50 / p95 ms",
          "latency p50 / p95 / max ms", "older than newest"],
@@ -130,3 +132,15 @@ def plot(rows: list[dict[str, Any]], swaps: list[float], duration_s: float, path
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     pyplot.close(fig)
+
+
+def replot(result: dict[str, Any], out: Path) -> None:
+    rows, s = result["rows"], result["summary"]
+    swaps = s.get("swap_times_s")
+    if swaps is None:  # older results: the first request that started after each new version served
+        swaps, seen = [], None
+        for r in sorted(rows, key=lambda r: r["start"]):
+            if seen is not None and r["newest_at_start"] != seen:
+                swaps.append(r["start"])
+            seen = r["newest_at_start"]
+    plot(rows, swaps, s["duration_s"], out / "swaps_throughput.png")

@@ -209,7 +209,7 @@ class TrainerBackendSettings(BaseModel):
     trainer's compute dtype (bfloat16 on GPUs). A narrower adapter halves the bytes to write,
     check and load; the float32 master weights then go into the version's trainer state, so
     resuming loses no precision. float32 by default: with Unsloth on a 0.5B shape, saving a
-    bfloat16 adapter measured 620 ms a version against ~150 ms (docs/benchmarks.md)."""
+    bfloat16 adapter measured 620 ms a version against ~75 ms (docs/benchmarks.md)."""
 
 
 _CONFIG = SettingsConfigDict(
