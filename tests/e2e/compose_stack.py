@@ -89,7 +89,8 @@ class ComposeStack:
         return proc
 
     def container(self, service: str) -> str:
-        cid = self.compose("ps", "-q", service).stdout.strip()
+        # -a: compose v2 lists running containers only, and a killed one must still be found
+        cid = self.compose("ps", "-a", "-q", service).stdout.strip()
         assert cid, f"no container for service {service}"
         return cid
 
