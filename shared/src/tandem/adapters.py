@@ -24,6 +24,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -72,20 +73,18 @@ def sha256_file(path: Path) -> str:
 def _fsync_tree(root: Path) -> None:
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
+            _fsync(Path(dirpath, name))
+        _fsync(Path(dirpath))
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """fsync a file, or a directory (its entries)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
 
 
 class AdapterStore:
@@ -163,7 +162,7 @@ class AdapterStore:
             yield tmp
             _fsync_tree(tmp)
             os.rename(tmp, final)
-            _fsync_dir(final.parent)
+            _fsync(final.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -174,19 +173,23 @@ class AdapterStore:
         Raises VersionExists when that version is already published (versions are immutable).
         """
         final = self.version_dir(manifest.run, manifest.version)
-        files = {
-            str(p.relative_to(staged)): sha256_file(p)
-            for p in sorted(staged.rglob("*"))
-            if p.is_file() and p.name != MANIFEST
-        }
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            synced = pool.submit(_fsync_tree, staged)  # the bytes go to disk while they are hashed
+            files = {
+                str(p.relative_to(staged)): sha256_file(p)
+                for p in sorted(staged.rglob("*"))
+                if p.is_file() and p.name != MANIFEST
+            }
+            synced.result()
         manifest = manifest.model_copy(update={"files": files, "created_at": time.time()})
         (staged / MANIFEST).write_text(manifest.model_dump_json(indent=2))
-        _fsync_tree(staged)
+        _fsync(staged / MANIFEST)
+        _fsync(staged)
         if final.exists():
             shutil.rmtree(staged, ignore_errors=True)
             raise VersionExists(f"{manifest.run} v{manifest.version} is already published at {final}")
         os.rename(staged, final)
-        _fsync_dir(final.parent)
+        _fsync(final.parent)
         return manifest
 
     def verify(self, run: str, version: int, *, only: str | None = None) -> Manifest:
