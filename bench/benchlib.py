@@ -165,6 +165,9 @@ def stream_completion(http: httpx.Client, url: str, body: dict[str, Any], client
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[len("data: "):])
+                if chunk.get("error"):  # the stream broke after it started: a failed request
+                    return Sample(client_id, start, time.time(), ttft, False, status=200,
+                                  error=str(chunk["error"])[:200])
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens")
                 if any(c.get("text") for c in chunk.get("choices") or []):
@@ -174,7 +177,7 @@ def stream_completion(http: httpx.Client, url: str, body: dict[str, Any], client
         tokens = usage_tokens if usage_tokens is not None else chunks
         return Sample(client_id, start, time.time(), ttft, True, int(version) if version else None,
                       status=200, tokens=tokens)
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, ValueError) as exc:  # ValueError: a chunk that is not JSON
         return Sample(client_id, start, time.time(), ttft, False, error=f"{type(exc).__name__}: {exc}")
 
 

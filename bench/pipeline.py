@@ -46,6 +46,8 @@ def one_mode(ctx: Ctx, mode: str, staleness: int, steps: int, digits: frozenset[
     # the trainer is busy for the whole job: training, writing and announcing the version, its state
     # (written after the announcement, so the last job may still be running: wait for it)
     jobs = _ended_jobs(ctx, job_ids)
+    if not jobs:
+        raise RuntimeError(f"{mode}: none of the {len(job_ids)} trainer jobs has ended in rq; see the trainer's log")
     train_s = [(j.ended_at - j.started_at).total_seconds() for j in jobs]
     rollout_s = [r["rollout_s"] for r in rows]
     step_s = wall / steps

@@ -39,3 +39,16 @@ def test_a_version_that_serves_before_its_job_ends_returns_a_whole_result(redis_
     assert (result.job_id, result.run, result.version, result.step, result.parent) == (handle.job_id, "early", 1, 1, 0)
     assert result.published_at == 1700000000.5 and result.train_s == 0.4
     assert result.metrics["loss"] == 0.25 and result.metrics["served_at"] > 0
+
+
+def test_an_adapter_ready_with_unexpected_data_still_gives_the_version(redis_conn: redis.Redis) -> None:
+    client = Client("http://127.0.0.1:9", conn=redis_conn)
+    run = client.create_run("odd", base_model="tiny")
+    handle = run.train([group()], wait=False)
+    events = EventStream(redis_conn)
+    events.append(Event(kind=EventKind.ADAPTER_READY, run="odd", version=1, job_id=handle.job_id,
+                        data={"step": 1, "parent": 0, "metrics": "not a mapping"}))
+    events.append(Event(kind=EventKind.ADAPTER_LOADED, run="odd", version=1, job_id=handle.job_id, data={}))
+
+    result = handle.result(timeout_s=10)
+    assert (result.version, result.step, result.parent) == (1, 1, 0) and result.published_at > 0

@@ -449,3 +449,18 @@ async def test_an_adapter_the_engine_holds_is_adopted_only_if_its_files_check_ou
     assert [e.version for e in rejected] == [2] and "checksum" in rejected[0].data["message"]
     await wait_until(lambda: _lacks(engine, f"{run}-v2"), what="the damaged v2 unloaded")
     assert second.table.resolve(run).version == 1
+
+
+async def test_a_routed_version_is_never_unloaded_even_if_an_earlier_check_queued_it(
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: EngineClient, tiny_model: Path
+) -> None:
+    from tandem_inference.controller import _Retiring
+
+    registry, events = Registry(redis_conn), EventStream(redis_conn)
+    controller = await start()
+    announce(events, store, publish(store, registry, tiny_model, run, 1))
+    await wait_until(lambda: controller.table.serving(run) == 1, what="v1 serving")
+    controller._retiring[(run, 1)] = _Retiring()  # what a failed check of v1 (e.g. a read error) leaves
+    await controller.unload_retired()
+    assert f"{run}-v1" in await engine.loaded_adapters()
+    assert controller.status()["retiring"] == [] and controller.table.serving(run) == 1

@@ -318,6 +318,7 @@ class Controller:
             await self._reject(run, version, str(exc), job_id)
             return False
         self.table.add_version(run, version)
+        self._retiring.pop((run, version), None)  # an earlier failed check may have queued its unload
         self.metrics.loads.labels(run).inc()
         self.metrics.load_seconds.observe(load_ms / 1000.0)
         ready_to_loaded_ms = (time.time() - ready_ts) * 1000.0 if ready_ts is not None else None
@@ -443,6 +444,9 @@ class Controller:
         now = time.monotonic()
         touched: set[str] = set()
         for (run, version), state in list(self._retiring.items()):
+            if version in self.table.loaded(run):  # routed again since: never unload what serves
+                del self._retiring[(run, version)]
+                continue
             if state.next_try > now or self.table.in_flight(run, version) > 0:
                 continue
             name = adapter_name(run, version)

@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import redis
+from pydantic import ValidationError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
@@ -136,15 +137,22 @@ class TrainHandle:
         if raw:
             result = jobs.TrainResult.model_validate(raw)
         else:
-            data = self._ready.data if self._ready is not None else {}
-            metrics = data.get("metrics") or {}
-            result = jobs.TrainResult.model_validate({
-                "job_id": self.job_id, "run": self.run.name, "step": data.get("step", self.step),
-                "version": self._version or 0, "parent": data.get("parent", 0),
-                "metrics": metrics, "train_s": metrics.get("train_s", 0.0),
-                "published_at": data.get("published_at") or (self._ready.ts if self._ready else 0.0),
-            })
+            result = self._result_from_ready()
         return result.model_copy(update={"metrics": {**result.metrics, "served_at": served_at}})
+
+    def _result_from_ready(self) -> jobs.TrainResult:
+        data = self._ready.data if self._ready is not None else {}
+        metrics = data.get("metrics") or {}
+        base = {"job_id": self.job_id, "run": self.run.name, "step": self.step, "version": self._version or 0,
+                "parent": 0, "published_at": self._ready.ts if self._ready is not None else 0.0}
+        try:
+            return jobs.TrainResult.model_validate({
+                **base, "step": data.get("step", self.step), "parent": data.get("parent", 0), "metrics": metrics,
+                "train_s": metrics.get("train_s", 0.0), "published_at": data.get("published_at") or base["published_at"],
+            })
+        except (ValidationError, AttributeError) as exc:  # an event from another writer: keep what is certain
+            log.warning("adapter_ready of job %s has unexpected data (%s); result without metrics", self.job_id, exc)
+            return jobs.TrainResult.model_validate(base)
 
     def _check_rq(self) -> None:
         """Catch failures that left no event (e.g. a worker killed with no retries left)."""

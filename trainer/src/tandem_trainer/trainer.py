@@ -246,8 +246,11 @@ class Trainer:
                 self.backend.save_state(state_dir, trainer_state=state)
             log.info("state.saved run=%s version=%d state_ms=%.1f", job.run, version, (time.perf_counter() - t0) * 1000)
         except Exception as exc:  # noqa: BLE001 - the version is already out; only its state is lost
+            unexpected = not isinstance(exc, (OSError, VersionExists))
             log.warning("trainer state of %s v%d not saved (%s); resuming from it starts the optimizer fresh",
-                        job.run, version, exc, exc_info=not isinstance(exc, (OSError, VersionExists)))
+                        job.run, version, exc, exc_info=unexpected)
+            if unexpected:
+                self.backend.invalidate()  # e.g. a device error: reload from the store next time
 
     def _adopt_orphans(self, job: TrainJob) -> TrainResult | None:
         """Register versions that reached the store but not the registry; ours is returned.
