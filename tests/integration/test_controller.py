@@ -402,13 +402,21 @@ async def _holds(engine: EngineClient, name: str) -> bool:
     return name in await engine.loaded_adapters()
 
 
-async def test_a_failed_unload_after_bad_checksums_is_retried(
-    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: EngineClient, tiny_model: Path
-) -> None:
+async def serving_v1(
+    start, redis_conn: redis.Redis, store: AdapterStore, tiny_model: Path, run: str
+) -> tuple[Controller, Registry, EventStream]:
+    """A started controller serving v1 of `run`, and the registry and stream it follows."""
     registry, events = Registry(redis_conn), EventStream(redis_conn)
     controller = await start()
     announce(events, store, publish(store, registry, tiny_model, run, 1))
     await wait_until(lambda: controller.table.serving(run) == 1, what="v1 serving")
+    return controller, registry, events
+
+
+async def test_a_failed_unload_after_bad_checksums_is_retried(
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: EngineClient, tiny_model: Path
+) -> None:
+    controller, registry, events = await serving_v1(start, redis_conn, store, tiny_model, run)
 
     real_unload = engine.unload_adapter
     calls: list[str] = []
@@ -456,10 +464,7 @@ async def test_a_routed_version_is_never_unloaded_even_if_an_earlier_check_queue
 ) -> None:
     from tandem_inference.controller import _Retiring
 
-    registry, events = Registry(redis_conn), EventStream(redis_conn)
-    controller = await start()
-    announce(events, store, publish(store, registry, tiny_model, run, 1))
-    await wait_until(lambda: controller.table.serving(run) == 1, what="v1 serving")
+    controller, _, _ = await serving_v1(start, redis_conn, store, tiny_model, run)
     controller._retiring[(run, 1)] = _Retiring()  # what a failed check of v1 (e.g. a read error) leaves
     await controller.unload_retired()
     assert f"{run}-v1" in await engine.loaded_adapters()
