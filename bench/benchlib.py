@@ -146,6 +146,14 @@ class Sample:
     tokens: int = 0
 
 
+def new_version(run: Any) -> int:
+    """Publish one version of `run` (a `tandem.client.Run`) from a small group with spread
+    rewards, wait until it serves, and return its number."""
+    comps = run.chat([{"role": "user", "content": "Count."}], n=4, max_tokens=8)
+    version: int = run.train([run.group(comps, [float(j) for j in range(4)])]).version
+    return version
+
+
 def stream_completion(http: httpx.Client, url: str, body: dict[str, Any], client_id: int,
                       version_header: str | None = "x-tandem-version") -> Sample:
     """One streamed /v1/completions request: time to the first text and to the end; tokens from

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import httpx
-from benchlib import Ctx, Sample, closed_loop, goal, md_table, summary
+from benchlib import Ctx, Sample, closed_loop, goal, md_table, new_version, summary
 
 from tandem.runs import adapter_name
 
@@ -43,9 +43,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
     rounds = 1 if ctx.quick else 2
     version = ctx.client.registry.serving(ctx.run_name)
     if version == 0:  # run alone (--only gateway): make one version to aim both paths at
-        run = ctx.client.run(ctx.run_name)
-        comps = run.chat([{"role": "user", "content": "Count."}], n=4, max_tokens=8)
-        version = run.train([run.group(comps, [float(j) for j in range(4)])]).version
+        version = new_version(ctx.client.run(ctx.run_name))
         ctx.progress(f"trained v{version} for both paths to use")
     engine_key = os.environ.get("TANDEM_ENGINE__API_KEY") or ctx.engine_env.get("TANDEM_ENGINE__API_KEY")
     engine_headers = {"Authorization": f"Bearer {engine_key}"} if engine_key else {}

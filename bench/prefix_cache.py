@@ -14,7 +14,7 @@ import statistics
 from typing import Any
 
 import httpx
-from benchlib import Ctx, md_table, plt
+from benchlib import Ctx, md_table, new_version, plt
 
 SYSTEM = ("You are a careful assistant for a numbers game. Answer with digits only, keep answers "
           "short, never explain, and when unsure write the numbers one to nine in order. ") * 3
@@ -29,8 +29,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
     rows = []
     with httpx.Client(base_url=ctx.stack.gateway_url, timeout=60) as http:
         for swap in range(1, swaps + 1):
-            comps = run.chat([{"role": "user", "content": "Count."}], n=4, max_tokens=8)
-            version = run.train([run.group(comps, [float(j) for j in range(4)])]).version
+            version = new_version(run)
             for i, user in enumerate(USERS[:per_swap]):
                 body = {"model": f"{run.name}@v{version}", "max_tokens": 4,
                         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]}

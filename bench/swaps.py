@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import Ctx, Sample, closed_loop, goal, md_table, plt, stream_completion, summary
+from benchlib import Ctx, Sample, closed_loop, goal, md_table, new_version, plt, stream_completion, summary
 
 from tandem.events import EventKind
 from tandem.toy import PROMPTS
@@ -33,10 +33,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     def publisher() -> None:
         try:
             while not stop.wait(interval_s):
-                comps = run.chat([{"role": "user", "content": "Count."}], n=4, max_tokens=8)
-                result = run.train([run.group(comps, [float(j) for j in range(4)])])
-                published.append(result.version)
-                ctx.progress(f"published v{result.version} ({len(published)} swaps so far)")
+                published.append(new_version(run))
+                ctx.progress(f"published v{published[-1]} ({len(published)} swaps so far)")
         except BaseException as exc:  # noqa: BLE001 - reported by the scenario below
             failures.append(exc)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import Ctx, goal, plt, stage_table, summary
+from benchlib import Ctx, goal, new_version, plt, stage_table, summary
 
 from tandem import Client, LoraConfig, OptimizerConfig
 from tandem.events import EventKind
@@ -114,8 +114,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
                                 optimizer=OptimizerConfig(lr=1e-3))
     with Prober(ctx.stack.gateway_url, ctx.client, run.name) as probers:
         for i in range(1, versions + 1):
-            comps = run.chat([{"role": "user", "content": "Count."}], n=4, max_tokens=8)
-            run.train([run.group(comps, [float(j) for j in range(4)])])
+            new_version(run)
             ctx.progress(f"version {i}/{versions}")
         time.sleep(0.5)
     events = ctx.client.events.history(run=run.name, count=100_000)
