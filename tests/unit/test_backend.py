@@ -60,4 +60,3 @@ def test_master_weights_are_kept_only_when_the_adapter_loses_bits(trained, saved
     from tandem_trainer.peft_backend import _rounds
 
     assert _rounds(trained, saved) is rounds
-

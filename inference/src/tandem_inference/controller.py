@@ -202,8 +202,8 @@ class Controller:
                  (time.monotonic() - t0) * 1000, {r: self.table.serving(r) for r in runs})
 
     async def _adopt(self, name: str, path: str, runs: list[str]) -> None:
-        """Route to an adapter the engine already holds if it is a version of a known run and
-        its files still pass their checksums; otherwise it is unloaded."""
+        """Route to an adapter the engine already holds if it is a version of a known run,
+        loaded from that version's directory; one whose files fail their checksums is unloaded."""
         m = _ADAPTER_NAME.match(name)
         if not m or m.group("run") not in runs:
             return
@@ -318,7 +318,6 @@ class Controller:
             await self._reject(run, version, str(exc), job_id)
             return False
         self.table.add_version(run, version)
-        self._retiring.pop((run, version), None)  # an earlier failed check may have queued its unload
         self.metrics.loads.labels(run).inc()
         self.metrics.load_seconds.observe(load_ms / 1000.0)
         ready_to_loaded_ms = (time.time() - ready_ts) * 1000.0 if ready_ts is not None else None

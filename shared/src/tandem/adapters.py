@@ -86,7 +86,6 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-
 class AdapterStore:
     """Publish, find and verify adapter versions under one root directory."""
 
