@@ -60,8 +60,9 @@ class Prober:
         body = {"model": self.run_name, "prompt": "1", "max_tokens": 1}
         with httpx.Client(base_url=self.url, timeout=60) as http:
             while not self.stop.is_set():
-                for event in self.client.events.read(self.after, block_ms=200):
-                    self.after = event.id
+                page = self.client.events.read(self.after, block_ms=200)
+                self.after = page.last_id
+                for event in page:
                     if event.kind is EventKind.ADAPTER_READY and event.run == self.run_name and event.version:
                         self._until_served(http, body, event.version)
 

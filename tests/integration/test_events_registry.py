@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tandem.adapters import Manifest
@@ -68,3 +70,38 @@ def test_versions_and_jobs_are_registered_idempotently(redis_conn) -> None:
     reg.set_serving("r", 2)
     assert reg.serving("r") == 2
     assert reg.next_step("r") == 1 and reg.next_step("r") == 2
+
+
+#: Entries anyone with Redis write access can append; each must be skipped, never fatal.
+MALFORMED = {
+    "version not a number": {"kind": "adapter_ready", "run": "R", "version": "abc", "ts": "1", "data": "{}"},
+    "negative version": {"kind": "adapter_ready", "run": "R", "version": "-3", "ts": "1"},
+    "unknown kind": {"kind": "adapter_exploded", "run": "R", "ts": "1"},
+    "missing kind": {"run": "R", "ts": "1"},
+    "missing run": {"kind": "adapter_ready", "version": "1", "ts": "1"},
+    "missing ts": {"kind": "adapter_ready", "run": "R", "version": "1"},
+    "ts not a number": {"kind": "adapter_ready", "run": "R", "version": "1", "ts": "yesterday"},
+    "ts not finite": {"kind": "adapter_ready", "run": "R", "version": "1", "ts": "nan"},
+    "data not JSON": {"kind": "adapter_ready", "run": "R", "version": "1", "ts": "1", "data": "{not json"},
+    "data a list": {"kind": "adapter_ready", "run": "R", "version": "1", "ts": "1", "data": "[1, 2]"},
+    "data a string": {"kind": "adapter_ready", "run": "R", "version": "1", "ts": "1", "data": '"x"'},
+    "run not UTF-8": {"kind": "adapter_ready", "run": b"\xff\xfe", "version": "1", "ts": "1"},
+    "key not UTF-8": {b"\xc3\x28": "x", "kind": "adapter_ready", "run": "R", "ts": "1"},
+    "no fields but junk": {"junk": "1"},
+}
+
+
+@pytest.mark.parametrize("fields", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_entry_is_skipped_and_read_moves_past_it(redis_conn, fields) -> None:
+    stream = EventStream(redis_conn)
+    before = stream.append(Event(kind=EventKind.ADAPTER_LOADED, run="r", version=1))
+    bad = redis_conn.xadd("tandem:events", fields).decode()
+    page = stream.read("0-0")
+    assert [e.id for e in page] == [before]
+    assert page.last_id == bad and [m.entry_id for m in page.malformed] == [bad]
+    # nothing more after it: the next read from the page's last id sees nothing, and new events still arrive
+    assert stream.read(page.last_id, block_ms=10) == []
+    after = stream.append(Event(kind=EventKind.ADAPTER_LOADED, run="r", version=2))
+    assert [e.id for e in stream.read(page.last_id)] == [after]
+    assert [e.version for e in stream.history()] == [1, 2]
+    assert [e.version for e in stream.follow("0-0", deadline=time.monotonic() + 0.3)] == [1, 2]

@@ -75,6 +75,10 @@ class ControllerMetrics:
                              registry=registry)
         self.loaded = Gauge("tandem_loaded_versions", "Versions the engine holds per run.", ["run"],
                             registry=registry)
+        self.malformed_events = Counter(
+            "tandem_controller_malformed_events", "Stream entries skipped because they do not parse.",
+            registry=registry,
+        )
 
 
 @dataclass
@@ -230,10 +234,15 @@ class Controller:
         block_ms = self.settings.controller.block_ms
         log.info("following %s from %s", keys.EVENTS, after)
         while True:
-            events = await asyncio.to_thread(self.events.read, after, block_ms=block_ms)
-            for event in events:
+            page = await asyncio.to_thread(self.events.read, after, block_ms=block_ms)
+            for event in page:
                 await self.handle(event)
                 after = event.id or after
+                await asyncio.to_thread(self.cursor.commit, after)
+            if page.malformed:
+                self.metrics.malformed_events.inc(len(page.malformed))
+            if page.last_id != after:  # the page ended with malformed entries: read on past them
+                after = page.last_id
                 await asyncio.to_thread(self.cursor.commit, after)
             await self.unload_retired()
             await self._check_engine()

@@ -91,11 +91,13 @@ class TrainHandle:
         stream = self.run.client.events
         while time.monotonic() < deadline:
             wait_ms = max(1, min(1000, int((deadline - time.monotonic()) * 1000)))
-            for event in stream.read(self.after, block_ms=wait_ms):
+            page = stream.read(self.after, block_ms=wait_ms)
+            for event in page:
                 self.after = event.id or self.after
                 if self._handle(event):
                     assert self._result is not None
                     return self._result
+            self.after = page.last_id
             self._check_rq()
         raise TrainTimeout(
             f"job {self.job_id} (run {self.run.name!r}, step {self.step}) did not serve within "

@@ -11,6 +11,7 @@
     ├── TrainFailed            a train job that ended with `train_failed`
     ├── TrainTimeout           a train job that did not serve in time
     ├── GatewayError           the gateway answered with an error (status and body kept)
+    ├── MalformedEvent         a stream entry that does not parse (skipped by every consumer)
     └── BackendUnavailable     Redis or the gateway cannot be reached
 
 Errors from redis, rq and httpx are translated where they enter tandem, with a message that
@@ -75,3 +76,12 @@ class GatewayError(TandemError):
 
 class BackendUnavailable(TandemError):
     """Redis or the gateway cannot be reached."""
+
+
+class MalformedEvent(TandemError):
+    """A stream entry that does not parse; consumers log it and read on past it."""
+
+    def __init__(self, entry_id: str, reason: str) -> None:
+        super().__init__(f"entry {entry_id}: {reason}")
+        self.entry_id = entry_id
+        self.reason = reason

@@ -3,22 +3,31 @@
 A consumer that was down catches up, because each consumer keeps its own cursor (the id of
 the last entry it handled) in Redis and reads on from there. Events are small: the kind,
 the run and version they concern, a timestamp, and a JSON `data` object.
+
+Every entry is untrusted input: anyone who can write to Redis can append one. An entry that
+does not parse (a missing or unknown kind, a version or timestamp that is not a number, `data`
+that is not a JSON object, bytes that are not UTF-8) is logged and skipped: `read` returns a
+page whose `last_id` moves past it, so no consumer stops on it or reads it again.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import time
 from collections.abc import Iterator, Mapping
 from enum import StrEnum
 from typing import Any
 
 import redis
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from redis.typing import EncodableT, FieldT
 
 from tandem import keys
-from tandem.errors import BackendUnavailable
+from tandem.errors import BackendUnavailable, MalformedEvent
+
+log = logging.getLogger("tandem.events")
 
 #: Entries kept in the stream (approximate trimming); old entries are history only.
 MAX_LEN = 100_000
@@ -64,16 +73,66 @@ class Event(BaseModel):
 
     @classmethod
     def from_entry(cls, entry_id: bytes | str, raw: Mapping[bytes | str, bytes | str]) -> Event:
-        f = {_text(k): _text(v) for k, v in raw.items()}
-        return cls(
-            id=_text(entry_id),
-            kind=EventKind(f["kind"]),
-            run=f["run"],
-            version=int(f["version"]) if f.get("version") else None,
-            job_id=f.get("job_id") or None,
-            ts=float(f["ts"]),
-            data=json.loads(f.get("data") or "{}"),
-        )
+        """Parse one stream entry; raise `MalformedEvent` naming the entry and the bad field."""
+        eid = entry_id.decode(errors="replace") if isinstance(entry_id, bytes) else str(entry_id)
+        try:
+            f = {_text(k): _text(v) for k, v in raw.items()}
+        except UnicodeDecodeError as exc:
+            raise MalformedEvent(eid, f"a field is not UTF-8 ({exc})") from exc
+        for name in ("kind", "run", "ts"):
+            if name not in f:
+                raise MalformedEvent(eid, f"the field {name!r} is missing")
+        try:
+            kind = EventKind(f["kind"])
+        except ValueError as exc:
+            raise MalformedEvent(eid, f"kind {f['kind']!r} is not one of {[k.value for k in EventKind]}") from exc
+        version: int | None = None
+        if f.get("version"):
+            if not f["version"].isdigit():
+                raise MalformedEvent(eid, f"version {f['version']!r} is not a non-negative integer")
+            version = int(f["version"])
+        try:
+            ts = float(f["ts"])
+        except ValueError as exc:
+            raise MalformedEvent(eid, f"ts {f['ts']!r} is not a number of seconds") from exc
+        if not math.isfinite(ts):
+            raise MalformedEvent(eid, f"ts {f['ts']!r} is not a finite number of seconds")
+        try:
+            data = json.loads(f.get("data") or "{}")
+        except ValueError as exc:
+            raise MalformedEvent(eid, f"data is not JSON ({exc})") from exc
+        if not isinstance(data, dict):
+            raise MalformedEvent(eid, f"data is a JSON {type(data).__name__}, not an object")
+        try:
+            return cls(id=eid, kind=kind, run=f["run"], version=version, job_id=f.get("job_id") or None,
+                       ts=ts, data=data)
+        except ValidationError as exc:
+            raise MalformedEvent(eid, str(exc)) from exc
+
+
+class EventPage(list[Event]):
+    """What one read of the stream returned: a list of the events that parsed, plus the entries
+    that did not (`malformed`) and the id to read after next time (`last_id`, past both)."""
+
+    def __init__(self, events: list[Event], last_id: str, malformed: list[MalformedEvent] | None = None) -> None:
+        super().__init__(events)
+        self.last_id = last_id
+        """Id of the last entry read, parsed or not; the `after` of the next read."""
+        self.malformed = malformed or []
+
+    @classmethod
+    def parse(cls, after: str, entries: list[Any]) -> EventPage:
+        page = cls([], after)
+        for eid, raw in entries:
+            if eid is None or raw is None:
+                continue
+            try:
+                page.append(Event.from_entry(eid, raw))
+            except MalformedEvent as exc:
+                log.warning("skipping a malformed entry of %s: %s", keys.EVENTS, exc)
+                page.malformed.append(exc)
+            page.last_id = _text(eid)
+        return page
 
 
 class EventStream:
@@ -94,27 +153,37 @@ class EventStream:
 
     def last_id(self) -> str:
         """Id of the newest entry, or '0-0' for an empty stream; read after it to see only new events."""
-        newest = self.conn.xrevrange(keys.EVENTS, count=1)
+        try:
+            newest = self.conn.xrevrange(keys.EVENTS, count=1)
+        except redis.RedisError as exc:
+            raise BackendUnavailable(f"cannot read {keys.EVENTS}: {exc}") from exc
         if not newest:
             return "0-0"
         entry_id = newest[0][0]
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
-    def read(self, after: str, *, block_ms: int | None = None, count: int = 100) -> list[Event]:
-        """Events after entry id `after`, waiting up to `block_ms` when there are none."""
-        resp = self.conn.xread({keys.EVENTS: after}, count=count, block=block_ms)
+    def read(self, after: str, *, block_ms: int | None = None, count: int = 100) -> EventPage:
+        """Entries after entry id `after`, waiting up to `block_ms` when there are none.
+
+        Malformed entries are logged and left out of `events`; read on from the page's `last_id`.
+        """
+        try:
+            resp = self.conn.xread({keys.EVENTS: after}, count=count, block=block_ms)
+        except redis.RedisError as exc:
+            raise BackendUnavailable(f"cannot read {keys.EVENTS}: {exc}") from exc
         if not resp:
-            return []
+            return EventPage([], after)
         if not isinstance(resp, list):
             raise TypeError(f"expected a RESP2 XREAD reply (a list), got {type(resp).__name__}")
-        return [Event.from_entry(eid, raw) for eid, raw in resp[0][1]]
+        return EventPage.parse(after, resp[0][1])
 
     def history(self, *, run: str | None = None, count: int = 1000) -> list[Event]:
-        """Newest `count` events, oldest first, optionally for one run."""
-        entries = self.conn.xrevrange(keys.EVENTS, count=count)
-        events = [
-            Event.from_entry(eid, raw) for eid, raw in reversed(entries or []) if eid is not None and raw is not None
-        ]
+        """Newest `count` events, oldest first, optionally for one run (malformed entries left out)."""
+        try:
+            entries = self.conn.xrevrange(keys.EVENTS, count=count)
+        except redis.RedisError as exc:
+            raise BackendUnavailable(f"cannot read {keys.EVENTS}: {exc}") from exc
+        events = EventPage.parse("0-0", list(reversed(entries or [])))
         return [e for e in events if run is None or e.run == run]
 
     def follow(
@@ -125,9 +194,9 @@ class EventStream:
             wait = block_ms
             if deadline is not None:
                 wait = max(1, min(block_ms, int((deadline - time.monotonic()) * 1000)))
-            for event in self.read(after, block_ms=wait):
-                after = event.id or after
-                yield event
+            page = self.read(after, block_ms=wait)
+            yield from page
+            after = page.last_id
 
 
 class Cursor:
@@ -138,8 +207,14 @@ class Cursor:
         self.key = keys.cursor(consumer)
 
     def get(self) -> str:
-        raw = self.conn.get(self.key)
+        try:
+            raw = self.conn.get(self.key)
+        except redis.RedisError as exc:
+            raise BackendUnavailable(f"cannot read the cursor {self.key}: {exc}") from exc
         return _text(raw) if raw else "0-0"
 
     def commit(self, entry_id: str) -> None:
-        self.conn.set(self.key, entry_id)
+        try:
+            self.conn.set(self.key, entry_id)
+        except redis.RedisError as exc:
+            raise BackendUnavailable(f"cannot write the cursor {self.key}: {exc}") from exc
