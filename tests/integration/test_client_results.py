@@ -6,11 +6,20 @@ while its rq job is still running: the result then comes from the job's `adapter
 
 from __future__ import annotations
 
+import threading
+import time
+from typing import Any
+
 import pytest
 import redis
+from rq.job import Job
+from rq.results import Result
+from rq.serializers import JSONSerializer
 
 from tandem import Client
 from tandem.events import Event, EventKind, EventStream
+from tandem.registry import Registry
+from tandem.runs import RunSpec
 from tandem.trajectories import Trajectory, TrajectoryGroup
 
 pytestmark = pytest.mark.integration
@@ -22,9 +31,14 @@ def group() -> TrajectoryGroup:
     ])
 
 
+def open_run(conn: redis.Redis, name: str):
+    """A run registered in Redis, opened by a client with no gateway behind it (none is needed to train)."""
+    Registry(conn).create_run(RunSpec(name=name, base_model="tiny"))
+    return Client("http://127.0.0.1:9", conn=conn).run(name)
+
+
 def test_a_version_that_serves_before_its_job_ends_returns_a_whole_result(redis_conn: redis.Redis) -> None:
-    client = Client("http://127.0.0.1:9", conn=redis_conn)
-    run = client.create_run("early", base_model="tiny")
+    run = open_run(redis_conn, "early")
     handle = run.train([group()], wait=False)  # queued; no worker: rq has no return value for it
     events = EventStream(redis_conn)
     events.append(Event(
@@ -42,8 +56,7 @@ def test_a_version_that_serves_before_its_job_ends_returns_a_whole_result(redis_
 
 
 def test_an_adapter_ready_with_unexpected_data_still_gives_the_version(redis_conn: redis.Redis) -> None:
-    client = Client("http://127.0.0.1:9", conn=redis_conn)
-    run = client.create_run("odd", base_model="tiny")
+    run = open_run(redis_conn, "odd")
     handle = run.train([group()], wait=False)
     events = EventStream(redis_conn)
     events.append(Event(kind=EventKind.ADAPTER_READY, run="odd", version=1, job_id=handle.job_id,
@@ -52,3 +65,85 @@ def test_an_adapter_ready_with_unexpected_data_still_gives_the_version(redis_con
 
     result = handle.result(timeout_s=10)
     assert (result.version, result.step, result.parent) == (1, 1, 0) and result.published_at > 0
+
+
+#: Entries anyone with write access to Redis can append to the stream a waiting train() reads.
+MALFORMED: list[dict[Any, Any]] = [
+    {"kind": "adapter_ready", "run": "noisy", "version": "abc", "ts": "1", "data": "{}"},
+    {"kind": "adapter_loaded", "run": "noisy", "version": "-1", "ts": "1"},
+    {"kind": "adapter_loaded", "run": "noisy", "version": "1", "ts": "soon"},
+    {"kind": "adapter_loaded", "run": "noisy", "version": "1", "ts": "inf"},
+    {"kind": "train_failed", "run": "noisy", "ts": "1", "data": "[1, 2]"},
+    {"kind": "train_failed", "run": "noisy", "ts": "1", "data": "{not json"},
+    {"kind": "adapter_exploded", "run": "noisy", "ts": "1"},
+    {"run": "noisy", "ts": "1"},
+    {"kind": "adapter_loaded", "run": b"\xff\xfe", "version": "1", "ts": "1"},
+    {"junk": "1"},
+]
+
+
+def test_malformed_entries_while_train_waits_are_skipped(redis_conn: redis.Redis) -> None:
+    run = open_run(redis_conn, "noisy")
+    handle = run.train([group()], wait=False)
+    events = EventStream(redis_conn)
+
+    def trainer_and_inference() -> None:  # with garbage around and between their events
+        time.sleep(0.2)
+        for fields in MALFORMED:
+            redis_conn.xadd("tandem:events", fields)
+        events.append(Event(kind=EventKind.ADAPTER_READY, run="noisy", version=1, job_id=handle.job_id,
+                            data={"step": 1, "parent": 0, "metrics": {"loss": 0.5}}))
+        for fields in MALFORMED:
+            redis_conn.xadd("tandem:events", fields)
+        events.append(Event(kind=EventKind.ADAPTER_LOADED, run="noisy", version=1, job_id=handle.job_id))
+
+    thread = threading.Thread(target=trainer_and_inference)
+    thread.start()
+    result = handle.result(timeout_s=20)
+    thread.join()
+    assert (result.version, result.step, result.metrics["loss"]) == (1, 1, 0.5)
+
+
+ODD_READY_DATA = {
+    "metrics a list": {"step": 1, "parent": 0, "metrics": [1, 2]},
+    "metrics a number": {"step": 1, "parent": 0, "metrics": 5},
+    "metrics null": {"step": 1, "parent": 0, "metrics": None},
+    "metrics of odd values": {"step": 1, "parent": 0, "metrics": {"loss": 0.25, "note": "x", "nested": {"a": 1},
+                                                                 "flag": True, "huge": 10**400, "train_s": "fast"}},
+    "step a string": {"step": "one", "parent": 0, "metrics": {"loss": 0.25}},
+    "parent a list": {"step": 1, "parent": [0], "metrics": {"loss": 0.25}},
+    "published_at a string": {"step": 1, "parent": 0, "published_at": "soon", "metrics": {"loss": 0.25}},
+    "nothing": {},
+}
+
+
+@pytest.mark.parametrize("data", ODD_READY_DATA.values(), ids=ODD_READY_DATA.keys())
+def test_odd_adapter_ready_data_still_gives_the_version_and_the_metrics_that_are_numbers(
+    redis_conn: redis.Redis, data: dict[str, Any]
+) -> None:
+    run = open_run(redis_conn, "odd")
+    handle = run.train([group()], wait=False)
+    events = EventStream(redis_conn)
+    events.append(Event(kind=EventKind.ADAPTER_READY, run="odd", version=1, job_id=handle.job_id, data=data))
+    events.append(Event(kind=EventKind.ADAPTER_LOADED, run="odd", version=1, job_id=handle.job_id))
+
+    result = handle.result(timeout_s=10)
+    assert result.version == 1 and result.published_at > 0 and result.metrics["served_at"] > 0
+    metrics = data.get("metrics")
+    if isinstance(metrics, dict):
+        assert result.metrics["loss"] == 0.25
+        assert not {"note", "nested", "flag", "huge", "train_s"} & set(result.metrics)
+
+
+def test_an_rq_result_that_is_not_a_train_result_falls_back_to_the_event(redis_conn: redis.Redis) -> None:
+    run = open_run(redis_conn, "rqodd")
+    handle = run.train([group()], wait=False)
+    job = Job.fetch(handle.job_id, connection=redis_conn, serializer=JSONSerializer)
+    Result.create(job, Result.Type.SUCCESSFUL, ttl=60, return_value={"not": "a train result"})
+    events = EventStream(redis_conn)
+    events.append(Event(kind=EventKind.ADAPTER_READY, run="rqodd", version=1, job_id=handle.job_id,
+                        data={"step": 1, "parent": 0, "metrics": {"loss": 0.5}}))
+    events.append(Event(kind=EventKind.ADAPTER_LOADED, run="rqodd", version=1, job_id=handle.job_id))
+
+    result = handle.result(timeout_s=10)
+    assert (result.job_id, result.version, result.metrics["loss"]) == (handle.job_id, 1, 0.5)

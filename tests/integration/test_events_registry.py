@@ -105,3 +105,12 @@ def test_a_malformed_entry_is_skipped_and_read_moves_past_it(redis_conn, fields)
     assert [e.id for e in stream.read(page.last_id)] == [after]
     assert [e.version for e in stream.history()] == [1, 2]
     assert [e.version for e in stream.follow("0-0", deadline=time.monotonic() + 0.3)] == [1, 2]
+
+
+@pytest.mark.parametrize("raw", ["{not json", '{"name": "bad"}', '{"name": "bad", "base_model": "m", "extra": 1}'])
+def test_a_stored_run_spec_that_does_not_parse_is_validation_failed(redis_conn, raw) -> None:
+    from tandem.errors import ValidationFailed
+
+    redis_conn.set("tandem:run:bad", raw)
+    with pytest.raises(ValidationFailed, match="tandem:run:bad"):
+        Registry(redis_conn).get_run("bad")

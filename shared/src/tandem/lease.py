@@ -7,7 +7,8 @@ lease has an expiry that its holder renews, so a trainer that dies holding it ca
 the GPU from inference for longer than one TTL.
 
 Redis layout (key `tandem:gpu:lease`, a hash): holder, state (`requested` -> `granted`),
-expires_at. Expiry is Redis' own (PEXPIRE), renewed by the holder.
+expires_at. Expiry is Redis' own (PEXPIRE), renewed by the holder. Every public method raises
+`BackendUnavailable`, naming the Redis URL, when Redis fails.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from enum import StrEnum
 import redis
 
 from tandem import keys
+from tandem.connection import translated
 from tandem.errors import TandemError
 
 
@@ -49,14 +51,15 @@ class GpuLease:
     # trainer side -----------------------------------------------------------
     def request(self) -> bool:
         """Ask for the GPU; False while another live holder has it."""
-        pipe = self.conn.pipeline()
-        pipe.hsetnx(self.key, "holder", self.holder)
-        pipe.hget(self.key, "holder")
-        _, holder = pipe.execute()
-        if holder is None or holder.decode() != self.holder:
-            return False
-        self.conn.hsetnx(self.key, "state", LeaseState.REQUESTED.value)
-        self.conn.pexpire(self.key, self.ttl_ms)
+        with translated(self.conn, f"request the GPU lease {self.key}"):
+            pipe = self.conn.pipeline()
+            pipe.hsetnx(self.key, "holder", self.holder)
+            pipe.hget(self.key, "holder")
+            _, holder = pipe.execute()
+            if holder is None or _text(holder) != self.holder:
+                return False
+            self.conn.hsetnx(self.key, "state", LeaseState.REQUESTED.value)
+            self.conn.pexpire(self.key, self.ttl_ms)
         return True
 
     def acquire(self, *, wait_s: float, poll_s: float = 0.05) -> float:
@@ -75,24 +78,28 @@ class GpuLease:
 
     def renew(self) -> bool:
         """Push the expiry out by one TTL; False if the lease is no longer ours."""
-        holder = self.conn.hget(self.key, "holder")
-        if holder is None or _text(holder) != self.holder:
-            return False
-        return bool(self.conn.pexpire(self.key, self.ttl_ms))
+        with translated(self.conn, f"renew the GPU lease {self.key}"):
+            holder = self.conn.hget(self.key, "holder")
+            if holder is None or _text(holder) != self.holder:
+                return False
+            return bool(self.conn.pexpire(self.key, self.ttl_ms))
 
     def release(self) -> None:
         """Give the GPU back (only if we hold it)."""
-        holder = self.conn.hget(self.key, "holder")
-        if holder is not None and _text(holder) == self.holder:
-            self.conn.delete(self.key)
+        with translated(self.conn, f"release the GPU lease {self.key}"):
+            holder = self.conn.hget(self.key, "holder")
+            if holder is not None and _text(holder) == self.holder:
+                self.conn.delete(self.key)
 
     # inference side ------------------------------------------------------------
     def state(self) -> LeaseState | None:
         """None when nobody holds or wants the GPU (or the lease expired)."""
-        raw = self.conn.hget(self.key, "state")
+        with translated(self.conn, f"read the GPU lease {self.key}"):
+            raw = self.conn.hget(self.key, "state")
         return LeaseState(_text(raw)) if raw else None
 
     def grant(self) -> None:
         """Say the GPU memory is released; the requester may train."""
-        if self.conn.exists(self.key):
-            self.conn.hset(self.key, "state", LeaseState.GRANTED.value)
+        with translated(self.conn, f"grant the GPU lease {self.key}"):
+            if self.conn.exists(self.key):
+                self.conn.hset(self.key, "state", LeaseState.GRANTED.value)

@@ -1,13 +1,16 @@
 """A run: one policy being trained, its base model, LoRA shape and training knobs.
 
 Version 0 of every run is the base model itself (no adapter); the first train step publishes
-version 1. Adapter names are `<run>-v<version>`: unique per version (SGLang refuses a second
-load under a name) and free of ':' (SGLang splits OpenAI model names at the first ':').
+version 1. Adapter names are `<run>-v<version>` (`-a<N>` appended from a version's second load
+attempt on): never reused (SGLang refuses a second load under a name) and free of ':' (SGLang
+splits OpenAI model names at the first ':').
 """
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import PurePosixPath
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -27,9 +30,65 @@ def check_run_name(name: str) -> str:
     return name
 
 
-def adapter_name(run: str, version: int) -> str:
-    """Engine-side name of a version: unique, never reused, no ':'."""
-    return f"{run}-v{version}"
+#: A hub id: `org/name`, letters, digits, '_', '.', '-'.
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _forms(model: str) -> set[str]:
+    """What a model reference can be compared by: itself normalised, and its real path when it
+    is a path that exists here."""
+    norm = os.path.normpath(model.strip())
+    forms = {norm}
+    if os.path.exists(norm):
+        forms.add(os.path.realpath(norm))
+    return forms
+
+
+def _copy_of(hub_id: str, path: str) -> bool:
+    """True when `path` is a local copy of hub model `hub_id`: a directory `.../org/name`, or a
+    snapshot in the Hugging Face cache (`.../models--org--name/snapshots/<rev>`)."""
+    if not HUB_ID.match(hub_id) or not path.startswith(("/", ".", "~")):
+        return False
+    org, name = hub_id.split("/")
+    parts = PurePosixPath(os.path.normpath(path)).parts
+    return parts[-2:] == (org, name) or f"models--{org}--{name}" in parts
+
+
+def same_base_model(wanted: str, engine_model: str, served_name: str | None = None) -> bool:
+    """Whether a run's `base_model` names the model the engine serves.
+
+    The engine reports its model (the hub id or local path it was started with) and the name it
+    serves it under. `wanted` matches when it equals either (paths compared normalised, and by
+    their real path where they exist on this machine), or when one of `wanted` and the engine's
+    model is a hub id and the other a local copy of it (`/models/Qwen/Qwen2.5-0.5B`, or a snapshot
+    in the Hugging Face cache). Two different local paths, or two different hub ids, never match.
+    """
+    served = {engine_model, *([served_name] if served_name else [])}
+    if any(_forms(wanted) & _forms(s) for s in served):
+        return True
+    return _copy_of(wanted, engine_model) or _copy_of(engine_model, wanted)
+
+
+#: An engine-side adapter name: `<run>-v<version>`, then `-a<attempt>` from the second attempt on.
+ADAPTER_NAME = re.compile(r"^(?P<run>.+)-v(?P<version>[0-9]+)(?:-a(?P<attempt>[0-9]+))?$")
+
+
+def adapter_name(run: str, version: int, attempt: int = 0) -> str:
+    """Engine-side name of one attempt to load a version: unique, never reused, no ':'.
+
+    The first attempt is `<run>-v<version>`; a later one (after a refused or timed-out load, or
+    an engine that lost the adapter) is `<run>-v<version>-a<attempt>`, since a name the engine
+    was ever given is never given again. No '.' either: peft refuses it in adapter names.
+    """
+    return f"{run}-v{version}" if attempt == 0 else f"{run}-v{version}-a{attempt}"
+
+
+def parse_adapter_name(name: str) -> tuple[str, int, int] | None:
+    """(run, version, attempt) of a name `adapter_name` made; None for any other name."""
+    m = ADAPTER_NAME.match(name)
+    if m is None or not RUN_NAME.match(m.group("run")):
+        return None
+    return m.group("run"), int(m.group("version")), int(m.group("attempt") or 0)
 
 
 class _Strict(BaseModel):

@@ -1,0 +1,98 @@
+"""`Client.create_run` refuses a run whose base model is not the one the engine serves.
+
+A real gateway on loopback tells its engine's model in `/v1/models`; no engine is needed for that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from loopback import free_port
+from test_gateway import gateway, inference_settings
+
+from tandem import Client
+from tandem.errors import BackendUnavailable, ValidationFailed
+from tandem.settings import InferenceSettings
+
+pytestmark = pytest.mark.integration
+
+ENGINE_MODEL = "/models/Qwen/Qwen2.5-0.5B-Instruct"
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model: Path) -> Any:
+    """The tiny model's tokenizer: the gateway wants one, though `/v1/models` never uses it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def settings_for(redis_url: str, tmp_path: Path, model: str) -> InferenceSettings:
+    return inference_settings(redis_url, tmp_path / "store", f"http://127.0.0.1:{free_port()}", Path(model))
+
+
+@pytest.fixture
+def gateway_url(redis_url: str, tmp_path: Path, tok: Any) -> Iterator[str]:
+    with gateway(settings_for(redis_url, tmp_path, ENGINE_MODEL), tok, with_controller=False) as url:
+        yield url
+
+
+def test_a_run_on_another_model_is_refused_naming_both(gateway_url: str, redis_conn: redis.Redis) -> None:
+    client = Client(gateway_url, conn=redis_conn)
+    with pytest.raises(ValidationFailed) as info:
+        client.create_run("wrong", base_model="Qwen/Qwen2.5-7B-Instruct")
+    message = str(info.value)
+    assert "Qwen/Qwen2.5-7B-Instruct" in message and ENGINE_MODEL in message and info.value.field == "base_model"
+    assert client.runs() == []  # nothing registered
+    client.close()
+
+
+@pytest.mark.parametrize("base_model", [
+    ENGINE_MODEL,
+    ENGINE_MODEL + "/",  # the same path, written differently
+    "Qwen/Qwen2.5-0.5B-Instruct",  # the hub id the engine's local copy was made from
+    "base",  # the engine's served name
+])
+def test_the_engine_model_in_any_comparable_form_is_accepted(
+    gateway_url: str, redis_conn: redis.Redis, base_model: str
+) -> None:
+    client = Client(gateway_url, conn=redis_conn)
+    run = client.create_run("right", base_model=base_model)
+    assert run.spec.base_model == base_model and client.runs() == ["right"]
+    client.close()
+
+
+def test_a_local_path_is_compared_by_where_it_leads(redis_url: str, redis_conn: redis.Redis, tmp_path: Path,
+                                                    tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tmp_path / "models" / "tiny"
+    model.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(model)
+    with gateway(settings_for(redis_url, tmp_path, str(model)), tok, with_controller=False) as url:
+        client = Client(url, conn=redis_conn)
+        monkeypatch.chdir(tmp_path)
+        assert client.create_run("rel", base_model="models/tiny").spec.base_model == "models/tiny"
+        assert client.create_run("link", base_model=str(tmp_path / "link")).name == "link"
+        with pytest.raises(ValidationFailed):
+            client.create_run("other", base_model=str(tmp_path / "models" / "small"))
+        client.close()
+
+
+def test_no_gateway_is_backend_unavailable_naming_it(redis_conn: redis.Redis) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    client = Client(url, conn=redis_conn)
+    with pytest.raises(BackendUnavailable, match=url):
+        client.create_run("r", base_model="tiny")
+    client.close()
+
+
+def test_the_gateway_tells_its_model_and_runs_while_redis_is_down(tmp_path: Path, tok: Any) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    with gateway(settings_for(dead, tmp_path, ENGINE_MODEL), tok, with_controller=False) as url:
+        models = httpx.get(f"{url}/v1/models")
+        assert models.status_code == 200 and models.json()["data"][0]["root"] == ENGINE_MODEL
+        assert httpx.get(f"{url}/v1/runs/nope").status_code == 404

@@ -1,0 +1,258 @@
+"""The client during a Redis outage, against a redis-server of the test's own that it stops and restarts.
+
+A waiting `train()` rides out an outage shorter than its timeout; a call that needs Redis while it
+is down fails with `BackendUnavailable` naming the Redis URL (never its password) and what to do;
+no redis-py error reaches user code.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from loopback import free_port
+from redis.exceptions import AuthorizationError
+
+from tandem import Client
+from tandem.adapters import Manifest
+from tandem.connection import call_until, redis_url, retryable
+from tandem.errors import BackendUnavailable, TrainTimeout
+from tandem.events import Event, EventKind, EventStream
+from tandem.lease import GpuLease
+from tandem.registry import Registry
+from tandem.runs import RunSpec
+from tandem.stack import redis_server_binary
+from tandem.trajectories import Trajectory, TrajectoryGroup
+
+pytestmark = pytest.mark.integration
+
+PASSWORD = "s3cret-pw"
+
+
+class OwnRedis:
+    """A redis-server on its own port and directory, with a password and an append-only file, so a
+    restart on the same port and directory comes back with the data it had."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.workdir = workdir
+        self.url = f"redis://:{PASSWORD}@127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--requirepass", PASSWORD,
+             "--save", "", "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with redis.Redis.from_url(self.url) as probe:
+                    probe.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[OwnRedis]:
+    server = OwnRedis(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+def group() -> TrajectoryGroup:
+    return TrajectoryGroup(trajectories=[
+        Trajectory(prompt_ids=[1, 2], completion_ids=[3], rollout_logprobs=[-0.5], reward=r) for r in (0.0, 1.0)
+    ])
+
+
+def client_for(server: OwnRedis) -> Client:
+    """A client whose run exists (registered as the trainer side would see it); no gateway is needed."""
+    client = Client("http://127.0.0.1:9", server.url)
+    Registry(client.conn).create_run(RunSpec(name="r", base_model="tiny"))
+    return client
+
+
+def served(conn: redis.Redis, job_id: str, *, ready: bool = True, loaded: bool = True) -> None:
+    """What the trainer and then the inference side append when the job's version serves."""
+    events = EventStream(conn)
+    if ready:
+        events.append(Event(kind=EventKind.ADAPTER_READY, run="r", version=1, job_id=job_id,
+                            data={"step": 1, "parent": 0, "metrics": {"loss": 0.5}}))
+    if loaded:
+        events.append(Event(kind=EventKind.ADAPTER_LOADED, run="r", version=1, job_id=job_id, data={}))
+
+
+def waiting(call: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    """Run `call` in a thread; its result or error lands in the returned dict."""
+    out: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            out["result"] = call()
+        except Exception as exc:  # noqa: BLE001 - handed to the test's assertions
+            out["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_waiting_result_rides_out_a_redis_restart(own_redis: OwnRedis) -> None:
+    client = client_for(own_redis)
+    handle = client.run("r").train([group()], wait=False)
+    served(client.conn, handle.job_id, loaded=False)
+    thread, out = waiting(lambda: handle.result(timeout_s=60))
+    time.sleep(0.5)  # the handle is blocked reading the stream
+    own_redis.stop()
+    time.sleep(2)
+    assert thread.is_alive(), out  # still waiting, not failed
+    own_redis.start()
+    with redis.Redis.from_url(own_redis.url) as conn:
+        served(conn, handle.job_id, ready=False)
+    thread.join(30)
+    assert "error" not in out, out
+    assert out["result"].version == 1 and out["result"].metrics["loss"] == 0.5
+    client.close()
+
+
+def test_a_sync_train_rides_out_a_redis_restart(own_redis: OwnRedis) -> None:
+    client = client_for(own_redis)
+    run = client.run("r")
+    thread, out = waiting(lambda: run.train([group()], timeout_s=60))
+    with redis.Redis.from_url(own_redis.url) as conn:  # the job is on the queue: find its id
+        deadline = time.monotonic() + 10
+        while not (job_ids := [j.decode() for j in conn.lrange("rq:queue:tandem-train", 0, -1)]):
+            assert time.monotonic() < deadline, "the job was never enqueued"
+            time.sleep(0.02)
+    time.sleep(0.5)
+    own_redis.stop()
+    time.sleep(2)
+    own_redis.start()
+    with redis.Redis.from_url(own_redis.url) as conn:
+        served(conn, job_ids[0])
+    thread.join(30)
+    assert "error" not in out, out
+    assert out["result"].job_id == job_ids[0] and run.status()["pending_jobs"] == []
+    client.close()
+
+
+def test_train_while_redis_is_down_names_the_url_without_its_password(own_redis: OwnRedis) -> None:
+    client = client_for(own_redis)
+    run = client.run("r")
+    own_redis.stop()
+    with pytest.raises(BackendUnavailable) as info:
+        run.train([group()], timeout_s=5)
+    message = str(info.value)
+    assert f"redis://127.0.0.1:{own_redis.port}/0" in message and PASSWORD not in message
+    assert "TANDEM_REDIS__URL" in message and "start Redis" in message
+    client.close()
+
+
+def test_an_outage_longer_than_the_timeout_keeps_the_job_pending(own_redis: OwnRedis) -> None:
+    client = client_for(own_redis)
+    run = client.run("r")
+    handle = run.train([group()], wait=False)
+    own_redis.stop()
+    with pytest.raises(BackendUnavailable) as info:
+        run.wait_all(timeout_s=1.5)
+    assert f"127.0.0.1:{own_redis.port}" in str(info.value) and PASSWORD not in str(info.value)
+    assert handle.job_id in str(info.value) and "wait_all" in str(info.value)
+    own_redis.start()
+    with redis.Redis.from_url(own_redis.url) as conn:
+        served(conn, handle.job_id)
+    assert [r.job_id for r in run.wait_all(timeout_s=30)] == [handle.job_id]
+    client.close()
+
+
+def test_no_event_and_redis_up_is_still_a_timeout(own_redis: OwnRedis) -> None:
+    client = client_for(own_redis)
+    handle = client.run("r").train([group()], wait=False)
+    with pytest.raises(TrainTimeout):
+        handle.result(timeout_s=0.5)
+    client.close()
+
+
+def test_every_registry_and_lease_call_during_an_outage_is_backend_unavailable(own_redis: OwnRedis) -> None:
+    conn = redis.Redis.from_url(own_redis.url)
+    reg, lease = Registry(conn), GpuLease(conn, ttl_s=5, holder="t")
+    manifest = Manifest(run="r", version=1, parent=0, step=1, job_id="j", base_model="tiny", lora_rank=4)
+    own_redis.stop()
+    calls: dict[str, Callable[[], Any]] = {
+        "create_run": lambda: reg.create_run(RunSpec(name="r", base_model="tiny")),
+        "get_run": lambda: reg.get_run("r"),
+        "list_runs": reg.list_runs,
+        "next_step": lambda: reg.next_step("r"),
+        "register_version": lambda: reg.register_version(manifest),
+        "latest_version": lambda: reg.latest_version("r"),
+        "manifest": lambda: reg.manifest("r", 1),
+        "manifests": lambda: reg.manifests("r"),
+        "version_of_job": lambda: reg.version_of_job("r", "j"),
+        "set_serving": lambda: reg.set_serving("r", 1),
+        "serving": lambda: reg.serving("r"),
+        "lease.request": lease.request,
+        "lease.acquire": lambda: lease.acquire(wait_s=0.2),
+        "lease.renew": lease.renew,
+        "lease.release": lease.release,
+        "lease.state": lease.state,
+        "lease.grant": lease.grant,
+    }
+    for name, call in calls.items():
+        with pytest.raises(BackendUnavailable) as info:
+            call()
+        message = str(info.value)
+        assert f"redis://127.0.0.1:{own_redis.port}/0" in message, (name, message)
+        assert PASSWORD not in message and "TANDEM_REDIS__URL" in message, (name, message)
+    conn.close()
+
+
+def test_what_is_retried_is_decided_by_one_predicate() -> None:
+    def wrapped(exc: Exception) -> BackendUnavailable:
+        try:
+            raise BackendUnavailable("x") from exc
+        except BackendUnavailable as outer:
+            return outer
+
+    for exc in (redis.ConnectionError("refused"), redis.TimeoutError("slow"), redis.BusyLoadingError("loading")):
+        assert retryable(exc) and retryable(wrapped(exc)), exc
+    for exc in (redis.AuthenticationError("wrong password"), AuthorizationError("no"),
+                redis.ResponseError("WRONGTYPE"), ValueError("x"), BackendUnavailable("gateway down")):
+        assert not retryable(exc) and not retryable(wrapped(exc)), exc
+
+
+def test_call_until_retries_until_it_succeeds_and_gives_up_at_the_deadline() -> None:
+    tries: list[float] = []
+
+    def flaky() -> str:
+        tries.append(time.monotonic())
+        if len(tries) < 3:
+            raise redis.ConnectionError("refused")
+        return "ok"
+
+    assert call_until(time.monotonic() + 10, flaky, what="test") == "ok" and len(tries) == 3
+    with pytest.raises(redis.ConnectionError):
+        call_until(time.monotonic() + 0.3, lambda: (_ for _ in ()).throw(redis.ConnectionError("down")), what="test")
+    with pytest.raises(redis.AuthenticationError):  # not retryable: raised at once
+        call_until(time.monotonic() + 60, lambda: (_ for _ in ()).throw(redis.AuthenticationError("pw")), what="t")
+
+
+def test_the_url_in_messages_never_carries_credentials() -> None:
+    assert redis_url(redis.Redis.from_url("redis://user:pw@example:6390/2")) == "redis://example:6390/2"
+    assert redis_url(redis.Redis.from_url("rediss://:pw@example:6390/0")) == "rediss://example:6390/0"
+    assert redis_url(redis.Redis.from_url("unix:///run/redis.sock?db=3")) == "unix:///run/redis.sock?db=3"

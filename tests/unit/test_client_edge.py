@@ -1,0 +1,166 @@
+"""Only tandem errors leave the client: odd gateway answers and bad user input, at the network edge.
+
+The gateway is an `httpx.MockTransport`; Redis is a client for a port nothing listens on, so any
+call that reached it would fail with a redis-py error (none must).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from loopback import free_port
+
+from tandem import Client
+from tandem.client import Completion, Run
+from tandem.errors import GatewayError, TandemError, ValidationFailed
+from tandem.runs import RunSpec, same_base_model
+
+pytestmark = pytest.mark.unit
+
+GATEWAY = "http://gateway.test"
+
+
+def client_with(handler: Callable[[httpx.Request], httpx.Response]) -> Client:
+    http = httpx.Client(base_url=GATEWAY, transport=httpx.MockTransport(handler))
+    return Client(GATEWAY, http=http, conn=redis.Redis(port=free_port(), socket_connect_timeout=1))
+
+
+def answering(status: int, body: Any) -> Client:
+    def handler(_: httpx.Request) -> httpx.Response:
+        if isinstance(body, str):
+            return httpx.Response(status, text=body)
+        return httpx.Response(status, json=body)
+
+    return client_with(handler)
+
+
+def chat(client: Client) -> list[Completion]:
+    return Run(client, RunSpec(name="r", base_model="m")).chat([{"role": "user", "content": "hi"}], n=2)
+
+
+ODD_ANSWERS = {
+    "200 not JSON": (200, "<html>hello</html>"),
+    "200 a JSON list": (200, [1, 2]),
+    "200 without tandem's extension": (200, {"choices": [{"message": {"content": "x"}}]}),
+    "200 with a short extension": (200, {"choices": [{"message": {"content": "x"}}, {"message": {"content": "y"}}],
+                                         "tandem": {"prompt_token_ids": [1], "completion_token_ids": [[2]],
+                                                    "completion_logprobs": [[-0.1]], "version": 0}}),
+    "200 with choices not a list": (200, {"choices": 3, "tandem": {}}),
+    "400 with error a string": (400, {"error": "bad request"}),
+    "404 with a list": (404, ["nope"]),
+    "500 not JSON": (500, "Internal Server Error"),
+}
+
+
+@pytest.mark.parametrize(("status", "body"), ODD_ANSWERS.values(), ids=ODD_ANSWERS.keys())
+def test_an_odd_gateway_answer_is_a_gateway_error(status: int, body: Any) -> None:
+    with pytest.raises(GatewayError) as info:
+        chat(answering(status, body))
+    assert info.value.status_code == status and "/v1/chat/completions" in str(info.value)
+    if status == 400:
+        assert "bad request" in str(info.value)
+
+
+def test_a_refused_connection_is_backend_unavailable_naming_the_gateway() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    with pytest.raises(TandemError, match=GATEWAY):
+        chat(client_with(refuse))
+
+
+def models(root: str | None, served: str = "base") -> Client:
+    return answering(200, {"object": "list", "data": [
+        {"id": served, "object": "model", "root": root}, {"id": "some-run", "object": "model", "root": None},
+    ]})
+
+
+def test_create_run_on_another_model_is_refused_before_anything_is_registered() -> None:
+    with pytest.raises(ValidationFailed) as info:
+        models("/models/tiny").create_run("r", base_model="/models/small")
+    assert "'/models/small'" in str(info.value) and "'/models/tiny'" in str(info.value)
+    assert info.value.field == "base_model"
+
+
+BAD_RUNS: dict[str, dict[str, Any]] = {
+    "name with a colon": {"name": "a:b", "base_model": "m"},
+    "empty base model": {"name": "r", "base_model": "  "},
+    "staleness out of range": {"name": "r", "base_model": "m", "max_staleness_steps": 1000},
+}
+
+
+@pytest.mark.parametrize("kwargs", BAD_RUNS.values(), ids=BAD_RUNS.keys())
+def test_a_bad_run_is_validation_failed(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValidationFailed):
+        models("m").create_run(**kwargs)
+
+
+def completion(n_tokens: int = 1) -> Completion:
+    return Completion(text="x", prompt_ids=[1], completion_ids=[2] * n_tokens, logprobs=[-0.1] * n_tokens, version=0)
+
+
+BAD_GROUPS: dict[str, tuple[list[Completion], list[float], str | None]] = {
+    "more rewards than completions": ([completion(), completion()], [1.0, 0.0, 1.0], "rewards"),
+    "one completion": ([completion()], [1.0], None),
+    "reward not finite": ([completion(), completion()], [float("nan"), 1.0], None),
+}
+
+
+@pytest.mark.parametrize(("completions", "rewards", "field"), BAD_GROUPS.values(), ids=BAD_GROUPS.keys())
+def test_a_bad_group_is_validation_failed(completions: list[Completion], rewards: list[float],
+                                          field: str | None) -> None:
+    with pytest.raises(ValidationFailed) as info:
+        Run.group(completions, rewards)
+    if field:
+        assert info.value.field == field
+
+
+def test_train_with_no_groups_is_validation_failed_before_redis_is_asked() -> None:
+    run = Run(answering(200, {}), RunSpec(name="r", base_model="m"))
+    with pytest.raises(ValidationFailed, match="no groups"):
+        run.train([], wait=False)
+
+
+SAME = [
+    ("/models/Qwen/Qwen2.5-0.5B-Instruct", "/models/Qwen/Qwen2.5-0.5B-Instruct/", None),
+    ("Qwen/Qwen2.5-0.5B-Instruct", "/models/Qwen/Qwen2.5-0.5B-Instruct", None),
+    ("Qwen/Qwen2.5-0.5B-Instruct",
+     "/root/.cache/huggingface/hub/models--Qwen--Qwen2.5-0.5B-Instruct/snapshots/abc123", None),
+    ("/models/Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", None),
+    ("Qwen/Qwen2.5-0.5B-Instruct", "/models/q", "Qwen/Qwen2.5-0.5B-Instruct"),
+]
+DIFFERENT = [
+    ("Qwen/Qwen2.5-0.5B", "/models/Qwen/Qwen2.5-0.5B-Instruct", "base"),
+    ("other/Qwen2.5-0.5B-Instruct", "/models/Qwen/Qwen2.5-0.5B-Instruct", "base"),
+    ("/models/a", "/models/b", "base"),
+    ("Qwen/A", "Qwen/B", "base"),
+]
+
+
+@pytest.mark.parametrize(("wanted", "model", "served"), SAME)
+def test_same_base_model_accepts_comparable_forms(wanted: str, model: str, served: str | None) -> None:
+    assert same_base_model(wanted, model, served)
+
+
+@pytest.mark.parametrize(("wanted", "model", "served"), DIFFERENT)
+def test_same_base_model_refuses_other_models(wanted: str, model: str, served: str | None) -> None:
+    assert not same_base_model(wanted, model, served)
+
+
+def test_the_request_body_is_json() -> None:
+    seen: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json={"choices": [{"message": {"content": "a"}}, {"message": {"content": "b"}}],
+                                         "tandem": {"prompt_token_ids": [1], "completion_token_ids": [[2], [3]],
+                                                    "completion_logprobs": [[-0.1], [-0.2]], "version": 4}})
+
+    out = chat(client_with(handler))
+    assert [c.text for c in out] == ["a", "b"] and out[1].completion_ids == [3] and out[0].version == 4
+    assert seen[0]["model"] == "r" and seen[0]["n"] == 2
