@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,50 @@ def test_orphan_is_adopted_by_the_next_job_of_the_run(trainer: Trainer, run: Run
     retry = trainer.train(make_job("job-1"))
     assert retry.reused and retry.version == 1
     assert store.versions(RUN) == [1, 2]
+
+
+def test_a_version_deleted_by_hand_is_skipped_by_the_next_job(trainer: Trainer, backend: PeftBackend, run: RunSpec,
+                                                               store: AdapterStore, redis_conn) -> None:
+    trainer.train(make_job("job-1"))
+    trainer.train(make_job("job-2", seed=1, step=2, version=1))
+    shutil.rmtree(store.version_dir(RUN, 2))  # the served version's directory, deleted by hand
+    backend.invalidate()  # as after a restart: v2 is no longer in memory
+
+    result = trainer.train(make_job("job-3", seed=2, step=3, version=2))
+    assert (result.version, result.parent) == (3, 1)  # resumed from the newest intact version
+    assert store.verify(RUN, 3).parent == 1
+    [ready] = [e for e in events(redis_conn, EventKind.ADAPTER_READY) if e.job_id == "job-3"]
+    assert ready.data["parent"] == 1
+    assert trainer.train(make_job("job-4", seed=3, step=4, version=3)).parent == 3  # back on the chain
+
+
+def test_a_lock_whose_set_went_through_unanswered_is_ours(settings, redis_conn, run) -> None:
+    from tandem_trainer.trainer import RunLock
+
+    lock = RunLock(redis_conn, RUN, "me#1", holder_alive=lambda owner: True)
+    redis_conn.set(keys.run_lock(RUN), lock.value, px=600_000)  # a SET NX whose reply a dropped connection lost
+    started = time.monotonic()
+    lock.acquire(ttl_ms=60_000, wait_s=5)
+    assert time.monotonic() - started < 1.0
+    lock.release()
+    assert redis_conn.get(keys.run_lock(RUN)) is None
+
+
+def test_a_retry_announces_only_what_was_not_announced(trainer: Trainer, run: RunSpec, redis_conn) -> None:
+    trainer.train(make_job())
+    redis_conn.delete(keys.EVENTS)  # a crash between register and announce: registered, no adapter_ready
+    for i in range(1500):  # other events since: more than one page of the stream to look through
+        redis_conn.xadd(keys.EVENTS, {"kind": "adapter_loaded", "run": "other", "version": str(i), "job_id": "",
+                                      "ts": "0", "data": "{}"})
+    again = trainer.train(make_job())
+    assert again.reused and again.version == 1
+
+    def ready() -> list:
+        return [e for e in EventStream(redis_conn).history(count=5000) if e.kind is EventKind.ADAPTER_READY]
+
+    assert [(e.version, e.job_id, e.data["path"]) for e in ready()] == [(1, "job-1", f"{RUN}/v000001/adapter")]
+    trainer.train(make_job())  # announced now, behind those 1500 entries: nothing more
+    assert len(ready()) == 1
 
 
 def _nan_reward(job: dict) -> None:

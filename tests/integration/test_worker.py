@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
+from loopback import free_port
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
@@ -20,6 +22,7 @@ from tandem.events import EventKind, EventStream
 from tandem.jobs import TrainJob, TrainResult, enqueue
 from tandem.registry import Registry
 from tandem.runs import LoraConfig, LossConfig, RunSpec
+from tandem.stack import redis_server_binary
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +32,7 @@ RUN = "worker-run"
 class WorkerProcess:
     """One trainer worker subprocess; its output goes to a log file shown on failure."""
 
-    def __init__(self, redis_url: str, store_root: Path, log_path: Path) -> None:
+    def __init__(self, redis_url: str, store_root: Path, log_path: Path, env: dict[str, str] | None = None) -> None:
         env = {
             **os.environ,
             "TANDEM_REDIS__URL": redis_url,
@@ -37,6 +40,7 @@ class WorkerProcess:
             "TANDEM_BACKEND__DEVICE": os.environ.get("TANDEM_TEST_TRAINER_DEVICE", "cpu"),
             "HF_HUB_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
+            **(env or {}),
         }
         self.log_path = log_path
         self._log = log_path.open("ab")
@@ -47,6 +51,17 @@ class WorkerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def wait_listening(self, timeout_s: float = 90) -> None:
+        """Until rq listens on the queue (recovery at start-up is done by then)."""
+        wait_for(lambda: "Listening on" in self.log(), timeout_s, "the worker to listen", self)
+
+    def wait_dead(self, timeout_s: float = 120) -> int:
+        """Until the process ends by itself (a failpoint's SIGKILL); returns its exit status."""
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"worker still alive after {timeout_s}s:\n{self.log()[-6000:]}")
 
     def stop(self) -> int | None:
         if self.proc.poll() is None:
@@ -60,21 +75,69 @@ class WorkerProcess:
         return self.proc.returncode
 
 
-@pytest.fixture
-def workers(redis_url: str, tmp_path: Path) -> Iterator[Callable[[], WorkerProcess]]:
-    started: list[WorkerProcess] = []
-    root = tmp_path / "adapters"
-    root.mkdir()
+class RedisServer:
+    """A redis-server of a test's own, on its own port, that the test may stop and start again.
 
-    def start() -> WorkerProcess:
-        w = WorkerProcess(redis_url, root, tmp_path / f"worker-{len(started)}.log")
+    Its append-only file is fsynced on every write, so a stop (SIGTERM) and a start on the
+    same port and directory bring back every key: the queue, the registry, the events.
+    """
+
+    def __init__(self, workdir: Path) -> None:
+        self.dir, self.port = workdir, free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> RedisServer:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+             "--appendonly", "yes", "--appendfsync", "always", "--save", ""],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                redis.Redis.from_url(self.url, socket_timeout=1).ping()
+                return self
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    pytest.fail(f"redis-server did not start on port {self.port}")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()  # SIGTERM: redis-server syncs its append-only file, then exits
+            self.proc.wait(20)
+
+    def connect(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
+
+
+def start_workers(redis_url: str, root: Path, logs: Path) -> tuple[Callable[..., WorkerProcess], list[WorkerProcess]]:
+    """A factory of worker processes sharing one Redis and one store, and the list it fills."""
+    started: list[WorkerProcess] = []
+
+    def start(env: dict[str, str] | None = None) -> WorkerProcess:
+        w = WorkerProcess(redis_url, root, logs / f"worker-{len(started)}.log", env)
         started.append(w)
         return w
 
-    yield start
+    return start, started
+
+
+def stop_workers(started: list[WorkerProcess]) -> None:
     for w in started:
         w.stop()
         print(f"--- {w.log_path.name} ---\n{w.log()[-6000:]}")
+
+
+@pytest.fixture
+def workers(redis_url: str, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    root = tmp_path / "adapters"
+    root.mkdir()
+    start, started = start_workers(redis_url, root, tmp_path)
+    yield start
+    stop_workers(started)
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, worker: WorkerProcess) -> None:
@@ -92,7 +155,7 @@ def status(conn, job_id: str) -> JobStatus | None:
 
 
 def make_job(job_id: str, *, groups: int = 2, size: int = 4, prompt: int = 6, completion: int = 8,
-             seed: int = 0) -> TrainJob:
+             seed: int = 0, run: str = RUN) -> TrainJob:
     rng = random.Random(seed)
     out = []
     for _ in range(groups):
@@ -102,7 +165,7 @@ def make_job(job_id: str, *, groups: int = 2, size: int = 4, prompt: int = 6, co
              "rollout_logprobs": [-6.2] * completion, "reward": rng.random()}
             for _ in range(size)
         ]})
-    return TrainJob.model_validate({"job_id": job_id, "run": RUN, "step": 1, "groups": out, "timeout_s": 300})
+    return TrainJob.model_validate({"job_id": job_id, "run": run, "step": 1, "groups": out, "timeout_s": 300})
 
 
 def test_bad_job_fails_once_and_the_worker_serves_the_next(workers, redis_conn, tiny_model: Path,

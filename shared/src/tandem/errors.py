@@ -3,6 +3,7 @@
     TandemError
     ├── ConfigError            a setting or argument that cannot work
     ├── ValidationFailed       user data (a job, a run, a trajectory) that breaks a contract
+    │   └── JobRefused         a queued job that is not a tandem train job (never run, never retried)
     ├── RunNotFound            a run name the registry does not know
     ├── RunExists              create_run on a name that is taken, with another spec
     ├── AdapterError
@@ -35,6 +36,11 @@ class ValidationFailed(TandemError):
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+
+
+class JobRefused(ValidationFailed):
+    """A job on the train queue that names another function, a callback or a webhook, or that
+    rq cannot read: the trainer refuses it without running anything."""
 
 
 class RunNotFound(TandemError):

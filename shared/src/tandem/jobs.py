@@ -3,6 +3,10 @@
 Jobs are serialized as JSON (rq's JSONSerializer), validated with pydantic on both ends,
 carry an explicit timeout, and are idempotent by `job_id`: a retried job finds the version
 it already published instead of publishing a second one.
+
+Redis is a code-execution boundary: rq imports and calls whatever function and callbacks a
+job hash names. The train queue therefore carries `GuardedJob`, an rq job class that
+resolves no name but `TRAIN_FUNC` and refuses everything else before anything runs.
 """
 
 from __future__ import annotations
@@ -14,10 +18,15 @@ from typing import Any
 import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from rq import Queue, Retry
+from rq.exceptions import DeserializationError
+from rq.job import UNEVALUATED, Job, JobStatus
 from rq.serializers import JSONSerializer
+from rq.types import FailureCallbackType, SuccessCallbackType
+from rq.utils import import_attribute
 
 from tandem import keys
-from tandem.errors import BackendUnavailable, ValidationFailed
+from tandem.connection import unavailable
+from tandem.errors import JobRefused, ValidationFailed
 from tandem.runs import check_run_name
 from tandem.trajectories import TrajectoryGroup
 
@@ -90,8 +99,115 @@ def parse_job(payload: Any) -> TrainJob:
         raise ValidationFailed(f"invalid train job: {describe(exc)}", field=first) from exc
 
 
+class GuardedJob(Job):
+    """An rq job that can run only `TRAIN_FUNC`, called with one argument (the payload).
+
+    A job that names another function, an instance method, a success/failure/stopped
+    callback, a webhook or a repeat, or whose hash rq cannot read (garbage in any field, data
+    that is not JSON), is refused: `func` raises JobRefused before anything is imported or
+    called. Callbacks are never resolved and webhooks never sent, whatever the hash says, so
+    neither rq's worker nor its registry cleanup can be steered into running foreign code.
+    """
+
+    unreadable: str | None = None
+    """Why rq could not read the job's hash, when it could not."""
+    failure_reported: bool = False
+    """Set by the job function once it has appended the failure's `train_failed` itself."""
+
+    def restore(self, raw_data: Any) -> None:
+        try:
+            super().restore(raw_data)
+            self._check_fields()
+        except Exception as exc:  # noqa: BLE001 - a hostile hash must fail the job, not the worker
+            self.unreadable = f"rq cannot read the job's hash ({type(exc).__name__}: {exc})"
+            if self._data is UNEVALUATED:
+                self.data = b""
+            self.origin = self.origin or keys.TRAIN_QUEUE
+            self._status = JobStatus.QUEUED
+            self.retries_left, self.retry_intervals, self.repeats_left, self.repeat_intervals = None, None, None, None
+            self._dependency_ids, self.meta, self._unreadable_meta = [], {}, None
+
+    def _check_fields(self) -> None:
+        """Check the fields rq restores without checking their shape, before rq relies on them."""
+        for name, value in (("retry_intervals", self.retry_intervals), ("repeat_intervals", self.repeat_intervals)):
+            if value is not None and not (
+                isinstance(value, list) and value and all(type(i) is int and i >= 0 for i in value)
+            ):
+                raise ValueError(f"{name} is {value!r}, not a list of seconds")
+        if not isinstance(self._dependency_ids, list) or not all(isinstance(d, str) for d in self._dependency_ids):
+            raise ValueError(f"dependency_ids is {self._dependency_ids!r}, not a list of job ids")
+        if not isinstance(self.meta, dict):
+            raise ValueError(f"meta is {self.meta!r}, not a mapping")
+        self.to_dict()  # what rq writes back when the job ends must serialize
+
+    def refusal(self) -> str | None:
+        """Why this job may not run, or None for a train job."""
+        how = f"the trainer runs only {TRAIN_FUNC}(payload); enqueue train jobs with tandem.jobs.enqueue"
+        if self.unreadable is not None:
+            return f"{self.unreadable}; {how}"
+        try:
+            func, instance, args, kwargs = self.func_name, self.instance, self.args, self.kwargs
+        except DeserializationError as exc:
+            return f"the job's data is not rq JSON ({exc.__cause__}); {how}"
+        if func != TRAIN_FUNC or instance is not None:
+            return f"function {func!r} is not allowed: {how}"
+        callbacks = {"on_success": self._success_callback_name, "on_failure": self._failure_callback_name,
+                     "on_stopped": self._stopped_callback_name}
+        named = [f"{kind}={name!r}" for kind, name in callbacks.items() if name]
+        if named:
+            return f"callbacks are not allowed ({', '.join(named)}): {how}, with no callbacks"
+        if self.webhooks:
+            return f"webhooks are not allowed ({', '.join(w.url for w in self.webhooks)}): {how}, with no webhooks"
+        if self.repeats_left:
+            return f"repeats are not allowed ({self.repeats_left} asked): {how}, once"
+        if not (len(args) == 1 and not kwargs) and not (not args and list(kwargs) == ["payload"]):
+            return f"{TRAIN_FUNC} takes one argument, the payload; got {len(args)} positional and keywords {sorted(kwargs)}"
+        return None
+
+    def payload(self) -> Any:
+        """The job's payload as far as it can be read (None when it cannot)."""
+        try:
+            args, kwargs = self.args, self.kwargs
+        except DeserializationError:
+            return None
+        if isinstance(args, list | tuple) and args:
+            return args[0]
+        return kwargs.get("payload") if isinstance(kwargs, dict) else None
+
+    def named_run(self) -> str:
+        """The run the payload names when it names a valid one, else ''."""
+        payload = self.payload()
+        run = payload.get("run") if isinstance(payload, dict) else None
+        try:
+            return check_run_name(run) if isinstance(run, str) else ""
+        except ValueError:
+            return ""
+
+    @property
+    def func(self) -> Any:
+        problem = self.refusal()
+        if problem is not None:
+            raise JobRefused(problem)
+        return import_attribute(TRAIN_FUNC)
+
+    @property
+    def success_callback(self) -> SuccessCallbackType | None:
+        return None
+
+    @property
+    def failure_callback(self) -> FailureCallbackType | None:
+        return None
+
+    @property
+    def stopped_callback(self) -> Any:
+        return None
+
+    def send_webhooks(self, status: Any, *, exc_string: str | None = None) -> None:
+        """Never: a webhook would make the trainer send requests wherever the hash says."""
+
+
 def train_queue(conn: redis.Redis) -> Queue:
-    return Queue(keys.TRAIN_QUEUE, connection=conn, serializer=JSONSerializer)
+    return Queue(keys.TRAIN_QUEUE, connection=conn, serializer=JSONSerializer, job_class=GuardedJob)
 
 
 def enqueue(conn: redis.Redis, job: TrainJob) -> str:
@@ -108,5 +224,5 @@ def enqueue(conn: redis.Redis, job: TrainJob) -> str:
             description=f"train {job.run} step {job.step}",
         )
     except redis.RedisError as exc:
-        raise BackendUnavailable(f"cannot enqueue job {job.job_id} for run {job.run!r}: {exc}") from exc
+        raise unavailable(conn, f"enqueue job {job.job_id} of run {job.run!r}", exc) from exc
     return job.job_id

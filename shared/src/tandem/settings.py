@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
@@ -18,6 +19,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.errors import BackendUnavailable
 from tandem.runs import DEFAULT_TARGETS
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password, if any, shown as '***' (for logs and messages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class RedisSettings(BaseModel):
@@ -44,7 +54,7 @@ class RedisSettings(BaseModel):
             client.ping()
         except redis.RedisError as exc:
             raise BackendUnavailable(
-                f"Redis at {self.url!r} does not answer ({exc}); start it or set TANDEM_REDIS__URL"
+                f"Redis at {redact_url(self.url)!r} does not answer ({exc}); start it or set TANDEM_REDIS__URL"
             ) from exc
         return client
 
@@ -82,7 +92,8 @@ class EngineSettings(BaseModel):
     max_loaded_adapters: int = Field(8, ge=1, le=256)
     """How many adapters the engine holds at once."""
     admin_api_key: SecretStr | None = None
-    """Key that guards load/unload and memory routes of the engine."""
+    """Key that guards load/unload and memory routes of the engine. Unset: the transformers engine
+    answers those routes on loopback only. Every stack sets one (`tandem up` generates it)."""
     load_timeout_s: float = Field(60.0, gt=0, le=3600)
     """Timeout of one adapter load, in seconds."""
     unload_timeout_s: float = Field(30.0, gt=0, le=3600)
@@ -113,6 +124,14 @@ class EngineSettings(BaseModel):
     """Restarts of a crashed SGLang within `restart_window_s` before the launcher gives up."""
     restart_window_s: float = Field(600.0, gt=0)
     """Window over which restarts are counted, in seconds."""
+    adapter_roots: list[Path] | None = None
+    """Directories the transformers engine loads adapters from (a JSON list: `["/adapters"]`);
+    `/load_lora_adapter` refuses a path outside them, symlinks resolved (400). Unset: the adapter
+    store (`store.root`)."""
+    weights_roots: list[Path] | None = None
+    """Directories the transformers engine reads `/update_weights_from_disk` checkpoints from (a
+    JSON list); it refuses a path outside them, symlinks resolved (400). Unset: the directory that holds the base
+    model (`engine.model`, when it is a local path; none for a hub id)."""
 
     @model_validator(mode="after")
     def _no_colon(self) -> EngineSettings:
@@ -135,6 +154,10 @@ class ControllerSettings(BaseModel):
     """How many newest versions per run stay loaded (older ones are unloaded when idle)."""
     block_ms: int = Field(1000, ge=1, le=60000)
     """How long one blocking read of the event stream waits, in milliseconds."""
+    reconcile_s: float = Field(5.0, gt=0, le=3600)
+    """How often the controller reconciles with the registry and the engine, in seconds: it loads
+    a registered version that was never announced, loads again what the engine lost and unloads
+    adapters the engine holds that nothing routes to."""
 
 
 class GatewaySettings(BaseModel):
@@ -148,6 +171,29 @@ class GatewaySettings(BaseModel):
     """Port the gateway binds to (the only published port of the stack)."""
     api_key: SecretStr | None = None
     """When set, requests need `Authorization: Bearer KEY`."""
+    max_in_flight_sequences: int = Field(256, ge=1, le=65536)
+    """Most samples (each request's `n`) admitted to the engine at once; more wait in the queue."""
+    max_in_flight_tokens: int = Field(8192, ge=1, le=2**31 - 1)
+    """Most tokens admitted to the engine at once, counted as `n * max_tokens` of each request;
+    more wait in the queue. It bounds the engine's backlog, so what a small request waits: sized
+    for the CPU engine, which runs one batch at a time; raise it for SGLang on a GPU (compose.yaml does)."""
+    max_queued_requests: int = Field(128, ge=0, le=65536)
+    """Requests that may wait for room; one more is refused at once with 429 and Retry-After."""
+    queue_timeout_s: float = Field(30.0, gt=0, le=3600)
+    """Longest a request waits in the queue for room before it is refused with 429, in seconds."""
+    retry_after_s: int = Field(2, ge=1, le=3600)
+    """Seconds a refused client is told to wait before it retries (the Retry-After header)."""
+    published_host: str | None = None
+    """Host address the gateway's port is published on when it runs in a container (compose sets it
+    from GATEWAY_BIND); the check for serving beyond loopback without `api_key` reads it instead of
+    `host`."""
+    allow_unauthenticated: bool = False
+    """Serve without `api_key` on an address beyond loopback. Off: the inference service refuses to
+    start that way."""
+    fan_out_n: bool | None = None
+    """Send a request's `n` samples as n engine calls instead of one call with `sampling_params.n`.
+    Unset: n calls on SGLang, whose unload can deadlock after n>1 sampling (sglang#36894, open in
+    0.5.12), one call on the transformers engine."""
 
 
 #: What the engine can free for the trainer in shared mode.
@@ -212,6 +258,9 @@ class TrainerBackendSettings(BaseModel):
     bfloat16 adapter measured 620 ms a version against ~75 ms (docs/benchmarks.md)."""
 
 
+#: Where `tandem up` (run from this directory) writes the gateway and Redis URLs of its stack.
+LOCAL_STACK_ENV = ".tandem/stack/client.env"
+
 _CONFIG = SettingsConfigDict(
     env_prefix="TANDEM_", env_nested_delimiter="__", env_file=".env", extra="ignore",
     use_attribute_docstrings=True,
@@ -227,6 +276,7 @@ class _ServiceSettings(BaseSettings):
     def redacted(self) -> dict[str, Any]:
         """The resolved settings as JSON-able data, secrets shown as '**********'."""
         data: dict[str, Any] = json.loads(self.model_dump_json())
+        data["redis"]["url"] = redact_url(self.redis.url)
         return data
 
 
@@ -239,6 +289,11 @@ class TrainerSettings(_ServiceSettings):
     """Default timeout of one train job, in seconds (a job may set its own)."""
     worker_name: str | None = None
     """rq worker name; default: host and pid."""
+    redis_outage_s: float = Field(300.0, ge=0, le=86400)
+    """How long the trainer rides out a Redis outage, in seconds: each Redis command that fails
+    because Redis is away is tried again, with pauses growing to 2 s, for up to this long, so a job
+    that ends while Redis is away completes once Redis is back; past it the worker exits and its
+    restart recovers the job."""
 
 
 class InferenceSettings(_ServiceSettings):
@@ -249,9 +304,31 @@ class InferenceSettings(_ServiceSettings):
     controller: ControllerSettings = ControllerSettings()
     gateway: GatewaySettings = GatewaySettings()
 
+    @model_validator(mode="after")
+    def _fan_out(self) -> InferenceSettings:
+        """Unset `gateway.fan_out_n`: fan out on SGLang (sglang#36894), one call elsewhere."""
+        if self.gateway.fan_out_n is None:
+            self.gateway = self.gateway.model_copy(update={"fan_out_n": self.engine.kind == "sglang"})
+        return self
+
+    @model_validator(mode="after")
+    def _engine_roots(self) -> InferenceSettings:
+        """Unset engine roots: the adapter store, and the directory that holds a local base model."""
+        if self.engine.adapter_roots is None:
+            self.engine = self.engine.model_copy(update={"adapter_roots": [self.store.root]})
+        if self.engine.weights_roots is None:
+            model = Path(self.engine.model)
+            roots = [model.resolve().parent] if model.exists() else []
+            self.engine = self.engine.model_copy(update={"weights_roots": roots})
+        return self
+
 
 class ClientSettings(_ServiceSettings):
     """Settings of the client SDK (`tandem.Client`)."""
+
+    # `tandem up` writes the URLs of the stack it started (Redis with its password) to
+    # LOCAL_STACK_ENV; a `.env` and the environment override them.
+    model_config = SettingsConfigDict(**{**_CONFIG, "env_file": (LOCAL_STACK_ENV, ".env")})
 
     gateway_url: str = "http://127.0.0.1:8000"
     """Base URL of the gateway."""

@@ -1,9 +1,10 @@
 """One train job, end to end: validate, lock the run, train one GRPO step, publish, announce.
 
 The job is the unit of idempotency. A job that already published (the registry maps its id
-to a version) returns that version again; a job whose version reached the store but not the
-registry (a crash between rename and register) has that version adopted; only otherwise
-does it train. A per-run lock in Redis makes sure two workers never train one run at once,
+to a version) returns that version again, appending its `adapter_ready` if a crash between
+register and announce left the stream without it; a job whose version reached the store but
+not the registry (a crash between rename and register) has that version adopted; only
+otherwise does it train. A per-run lock in Redis makes sure two workers never train one run at once,
 and everything that could make a job fail the same way every time is checked before any
 work, so bad input fails fast with a message that names the field.
 """
@@ -28,6 +29,7 @@ from tandem.jobs import TrainJob, TrainResult, parse_job
 from tandem.registry import Registry
 from tandem.runs import RunSpec
 from tandem.settings import TrainerSettings
+from tandem_trainer import failpoints
 from tandem_trainer.backend import Backend, ModelInfo
 from tandem_trainer.errors import JobRejected, LockTimeout, TrainStepFailed
 from tandem_trainer.grpo import LossStats, group_advantages, grpo_loss, reward_stats
@@ -36,11 +38,19 @@ from tandem_trainer.sharing import SharedGpu
 
 log = logging.getLogger(__name__)
 
+#: How far the trainer's clock may run ahead of Redis's, in seconds, when looking for an
+#: announcement in the stream (entry ids are Redis's milliseconds).
+ANNOUNCE_SKEW_S = 60.0
+
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 _STEAL = (
     "if redis.call('get', KEYS[1]) == ARGV[1] then "
     "return redis.call('set', KEYS[1], ARGV[2], 'PX', ARGV[3]) end return false"
 )
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
 
 
 class RunLock:
@@ -64,6 +74,8 @@ class RunLock:
                 return
             raw = self.conn.get(self.key)
             held = raw.decode() if isinstance(raw, bytes) else raw
+            if held == self.value:
+                return  # our own SET went through; its reply was lost to a dropped connection
             if held is not None and not self.holder_alive(held.split("|")[0]):
                 if self.conn.eval(_STEAL, 1, self.key, held, self.value, ttl_ms):
                     log.warning("run lock %s taken over from dead holder %s", self.key, held)
@@ -100,44 +112,47 @@ class Trainer:
         self.owner, self.holder_alive, self.entropy = owner, holder_alive, entropy
 
     # the job ------------------------------------------------------------------
-    def train(self, payload: TrainJob | dict[str, Any], *, retries_left: int = 0) -> TrainResult:
+    def train(self, payload: TrainJob | dict[str, Any], *, retries_left: int = 0,
+              job_id: str | None = None) -> TrainResult:
         """Train one job (or find what it already published); raise JobRejected on bad input.
 
         `retries_left` is how often the queue will run the job again if it fails for a reason
         other than its input; it goes into the `train_failed` event so that a client can tell
-        a final failure from one that a retry may still fix.
+        a final failure from one that a retry may still fix. `job_id` (the queue's id of the
+        job) names the job in that event when the payload does not.
         """
         started = time.perf_counter()
         raw = payload.model_dump(mode="json") if isinstance(payload, TrainJob) else payload
         run = raw.get("run") if isinstance(raw, dict) else None
-        job_id = raw.get("job_id") if isinstance(raw, dict) else None
-        run, job_id = run if isinstance(run, str) else "", job_id if isinstance(job_id, str) else None
+        named = raw.get("job_id") if isinstance(raw, dict) else None
+        run, job_id = run if isinstance(run, str) else "", named if isinstance(named, str) else job_id
         log.info("train.start run=%s job_id=%s", run, job_id)
         version: int | None = None
         try:
             job = self._parse(raw)
-            spec = self._run(job.run)
-            info = self.backend.model_info(spec.base_model)
-            self._check_tokens(job, info)
             result = self._reused(job)
             if result is None:
+                spec = self._run(job.run)
+                info = self.backend.model_info(spec.base_model)
+                self._check_tokens(job, info)
                 lock = RunLock(self.conn, job.run, self.owner, self.holder_alive)
                 lock.acquire(ttl_ms=job.timeout_s * 1000, wait_s=job.timeout_s)
+                failpoints.hit("lock_taken")
                 try:
                     result = self._adopt_orphans(job)
                     if result is None:
-                        parent = self.registry.latest_version(job.run)
-                        version = parent + 1
-                        self._check_versions(job, spec, parent)
+                        latest = self.registry.latest_version(job.run)
+                        version = latest + 1
+                        self._check_versions(job, spec, latest)
                         if self.gpu is None:
-                            result = self._train(job, spec, info, parent)
+                            result = self._train(job, spec, info, latest)
                         else:
                             with self.gpu.held() as waited:
-                                result = self._train(job, spec, info, parent)
+                                result = self._train(job, spec, info, latest)
                             result.metrics["gpu_wait_s"] = waited
                         # off the path to serving: after the announcement, and after the GPU went
                         # back to inference in shared mode
-                        self._save_state(job, version, parent)
+                        self._save_state(job, version, result.parent)
                 finally:
                     lock.release()
         except Exception as exc:
@@ -233,9 +248,37 @@ class Trainer:
 
     # idempotency --------------------------------------------------------------
     def _reused(self, job: TrainJob) -> TrainResult | None:
+        """The version this job already published, announced (again, if a crash cut that off)."""
         version = self.registry.version_of_job(job.run, job.job_id)
         manifest = self.registry.manifest(job.run, version) if version is not None else None
-        return self._result(manifest, reused=True) if manifest is not None else None
+        if manifest is None:
+            return None
+        if not self._announced(manifest):
+            log.warning("announce.resumed run=%s version=%d job_id=%s: registered but never announced",
+                        manifest.run, manifest.version, manifest.job_id)
+            self._append_ready(manifest, published_at=manifest.created_at)
+        return self._result(manifest, reused=True)
+
+    def _announced(self, manifest: Manifest) -> bool:
+        """Whether the stream holds this version's `adapter_ready`.
+
+        It was appended after the version's publish, so only entries since then (less a margin
+        for clock skew between the trainer and Redis) are read. A stream trimmed past it reads
+        as not announced, and the version is announced again: harmless to consumers.
+        """
+        since = max(0, int((manifest.created_at - ANNOUNCE_SKEW_S) * 1000))
+        start, page = f"{since}-0", 1000
+        want = {"kind": EventKind.ADAPTER_READY.value, "run": manifest.run, "version": str(manifest.version)}
+        while True:
+            entries = self.conn.xrange(keys.EVENTS, min=start, count=page) or []
+            for entry_id, raw in entries:
+                fields = {_text(k): _text(v) for k, v in (raw or {}).items()}
+                if all(fields.get(k) == v for k, v in want.items()):
+                    return True
+                if entry_id is not None:
+                    start = f"({_text(entry_id)}"  # exclusive: the next page starts after it
+            if len(entries) < page:
+                return False
 
     def _save_state(self, job: TrainJob, version: int, parent: int) -> None:
         """Attach the optimizer state to the published version; a failure costs only the state."""
@@ -244,6 +287,7 @@ class Trainer:
         try:
             with self.store.trainer_state(job.run, version) as state_dir:
                 self.backend.save_state(state_dir, trainer_state=state)
+                failpoints.hit("state_written")
             log.info("state.saved run=%s version=%d state_ms=%.1f", job.run, version, (time.perf_counter() - t0) * 1000)
         except Exception as exc:  # noqa: BLE001 - the version is already out; only its state is lost
             unexpected = not isinstance(exc, (OSError, VersionExists))
@@ -284,6 +328,10 @@ class Trainer:
         place) let anyone reading the stream time each stage of the sync path.
         """
         self.registry.register_version(manifest)
+        failpoints.hit("after_register")
+        self._append_ready(manifest, published_at=published_at, stepped_at=stepped_at)
+
+    def _append_ready(self, manifest: Manifest, *, published_at: float, stepped_at: float | None = None) -> None:
         adapter = self.store.adapter_dir(manifest.run, manifest.version)
         self.events.append(Event(
             kind=EventKind.ADAPTER_READY, run=manifest.run, version=manifest.version, job_id=manifest.job_id,
@@ -304,8 +352,36 @@ class Trainer:
         )
 
     # training -----------------------------------------------------------------
-    def _train(self, job: TrainJob, spec: RunSpec, info: ModelInfo, parent: int) -> TrainResult:
+    def _resume_point(self, run: str, latest: int) -> int:
+        """The version training starts from: the newest registered one, or, when its files are
+        gone from the store (a directory deleted by hand), the newest one below it whose files
+        are all there (0: a fresh adapter). The new version's manifest names it as parent."""
+        if latest == 0 or self.backend.active == (run, latest):
+            return latest
+        for version in range(latest, 0, -1):
+            missing = self._missing(run, version)
+            if missing is None:
+                if version != latest:
+                    log.warning("train.resumed run=%s from_version=%d newest=%d: the newer versions' files "
+                                "are gone from the store", run, version, latest)
+                return version
+            log.warning("train.skip run=%s version=%d: %s", run, version, missing)
+        return 0
+
+    def _missing(self, run: str, version: int) -> str | None:
+        """What is missing from a version's directory (its manifest, a file it lists), or None."""
+        try:
+            manifest = self.store.read_manifest(run, version)
+        except AdapterRejected as exc:
+            return str(exc)
+        vdir = self.store.version_dir(run, version)
+        gone = sorted(rel for rel in manifest.files if not (vdir / rel).is_file())
+        return f"{run} v{version}: {', '.join(gone)} missing" if gone else None
+
+    def _train(self, job: TrainJob, spec: RunSpec, info: ModelInfo, latest: int) -> TrainResult:
+        """One step from the run's newest intact version; publishes version `latest + 1`."""
         started = time.perf_counter()
+        parent = self._resume_point(job.run, latest)
         samples, rewards, flat_groups = [], [], 0
         for group in job.groups:
             adv = group_advantages(torch.tensor(group.rewards), normalize_std=spec.loss.normalize_std)
@@ -335,6 +411,7 @@ class Trainer:
                 if not math.isfinite(loss_value):
                     raise TrainStepFailed(f"the loss is {loss_value} on micro-batch {mb.indices}")
                 (terms.loss * weight).backward()
+                failpoints.hit("mid_training")
                 stats.add(terms.sums)
                 if fwd.entropy is not None:
                     stats.add({"entropy": float((fwd.entropy * mb.mask).sum())})
@@ -347,11 +424,10 @@ class Trainer:
             "groups": float(len(job.groups)), "zero_advantage_groups": float(flat_groups),
             "microbatches": float(len(batches)), "epochs": float(spec.loss.epochs), "train_s": train_s,
         }
-        return self._publish(job, spec, parent, metrics, train_s, stepped_at)
+        return self._publish(job, spec, latest + 1, parent, metrics, train_s, stepped_at)
 
-    def _publish(self, job: TrainJob, spec: RunSpec, parent: int, metrics: dict[str, float],
+    def _publish(self, job: TrainJob, spec: RunSpec, version: int, parent: int, metrics: dict[str, float],
                  train_s: float, stepped_at: float) -> TrainResult:
-        version = parent + 1
         removed = self.store.remove_stale_staging(job.run)
         if removed:
             log.info("store.staging.cleaned run=%s removed=%d", job.run, removed)
@@ -361,12 +437,16 @@ class Trainer:
         )
         t0 = time.perf_counter()
         with self.store.staging(job.run, version) as staged:
+            failpoints.hit("staging_created")
             self.backend.save_adapter(staged / ADAPTER_DIR)
+            failpoints.hit("weights_written")
             t1 = time.perf_counter()
             manifest = self.store.publish(staged, manifest)
+        failpoints.hit("after_rename")
         published_at = time.time()
         t2 = time.perf_counter()
         self._announce(manifest, published_at=published_at, stepped_at=stepped_at)
+        failpoints.hit("after_announce")
         log.info("publish run=%s version=%d save_ms=%.1f checksum_fsync_rename_ms=%.1f announce_ms=%.1f",
                  job.run, version, (t1 - t0) * 1000, (t2 - t1) * 1000, (time.perf_counter() - t2) * 1000)
         self.backend.mark_active(job.run, version, self.store.version_dir(job.run, version))

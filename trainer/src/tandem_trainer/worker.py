@@ -1,133 +1,82 @@
-"""The rq side of the trainer: the job function, worker liveness and abandoned-job recovery.
+"""The rq side of the trainer: the worker class, the job function, and serving the queue.
 
 The worker is an rq `SimpleWorker`: jobs run in the worker process itself (it never forks,
 so CUDA is safe) and one process-global Trainer keeps the base model resident across jobs.
-
-rq notices a job whose worker died only when the job's StartedJobRegistry entry expires
-(rq 3.0: the entry is `job_id:execution_id` scored now + job timeout + 60 s for a
-SimpleWorker, cleaned by maintenance that runs every 10 minutes), so a trainer killed
-mid-job would leave its job hanging for up to half an hour. Each worker therefore keeps a
-liveness key with a short TTL, refreshed by a daemon thread; any entry of the train queue
-whose worker's key is gone is handed to rq's own cleanup at once, which requeues it (one of
-its retries) or fails it, exactly as rq would have done later. Recovery runs at start-up and
-then on every liveness tick, so a live worker also rescues the jobs of a dead neighbour.
+It runs only tandem's train function: the queue's job class (`tandem.jobs.GuardedJob`)
+refuses any other function, callback or webhook, and any job hash rq cannot read. Every job
+that fails gets a `train_failed` event naming it, from the train function when the failure
+is its own, else from the worker; a refused job is never retried. Its Redis connections ride
+out an outage of up to `redis_outage_s` (outage.py); recovery.py hands back the jobs of dead
+workers.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 from rq import SimpleWorker, get_current_job
 from rq.executions import Execution
+from rq.job import Job
+from rq.queue import Queue
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from tandem import keys
 from tandem.adapters import AdapterStore
 from tandem.errors import ConfigError
-from tandem.jobs import train_queue
+from tandem.events import EventStream
+from tandem.jobs import GuardedJob, train_queue
 from tandem.settings import TrainerSettings
+from tandem_trainer import failpoints
 from tandem_trainer.backend import select_backend
 from tandem_trainer.errors import JobRejected
+from tandem_trainer.outage import ride_out_outages
+from tandem_trainer.recovery import (
+    LIVENESS_INTERVAL_S,
+    LIVENESS_TTL_S,
+    Liveness,
+    any_trainer_alive,
+    failure_event,
+    liveness_key,
+    owner_alive,
+    recover_abandoned,
+)
 from tandem_trainer.sharing import SharedGpu
 from tandem_trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
-#: A worker whose liveness key is older than this is dead; its jobs are requeued.
-LIVENESS_TTL_S = 8.0
-#: How often the liveness key is refreshed (and abandoned jobs looked for).
-LIVENESS_INTERVAL_S = 2.0
 
+class TrainWorker(SimpleWorker):
+    """rq's SimpleWorker on `GuardedJob`s: refused jobs fail at once, every failure is announced."""
 
-liveness_key = keys.trainer_alive
-RECOVERY_LOCK = keys.TRAINER_RECOVERY
+    job_class = GuardedJob
 
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        failpoints.hit("after_dequeue")
+        super().execute_job(job, queue)
 
-class Liveness:
-    """Keeps `liveness_key(name)` alive from a daemon thread; `token` identifies this process."""
+    def handle_job_success(self, job: Job, queue: Queue, started_job_registry: StartedJobRegistry,
+                           execution: Execution) -> None:
+        failpoints.hit("before_finish")
+        super().handle_job_success(job, queue, started_job_registry, execution)
 
-    def __init__(
-        self,
-        conn: redis.Redis,
-        worker_name: str,
-        *,
-        ttl_s: float = LIVENESS_TTL_S,
-        interval_s: float = LIVENESS_INTERVAL_S,
-        on_tick: Callable[[], object] | None = None,
-    ) -> None:
-        self.conn, self.name, self.ttl_ms, self.interval_s = conn, worker_name, int(ttl_s * 1000), interval_s
-        self.token = f"{worker_name}#{uuid.uuid4().hex[:8]}"
-        self.on_tick = on_tick
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def beat(self) -> None:
-        self.conn.set(liveness_key(self.name), self.token, px=self.ttl_ms)
-
-    def start(self) -> None:
-        self.beat()
-        self._thread = threading.Thread(target=self._loop, name="tandem-liveness", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.beat()
-                if self.on_tick is not None:
-                    self.on_tick()
-            except Exception:  # noqa: BLE001 - the thread must outlive a Redis hiccup
-                log.exception("liveness tick of %s failed; retrying", self.name)
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(self.interval_s + 5)
-        key = liveness_key(self.name)
-        if self.conn.get(key) == self.token.encode():
-            self.conn.delete(key)
-
-
-def owner_alive(conn: redis.Redis, owner: str) -> bool:
-    """Whether the worker instance `owner` (a Liveness token) still lives."""
-    raw = conn.get(liveness_key(owner.split("#", 1)[0]))
-    return raw is not None and (raw.decode() if isinstance(raw, bytes) else raw) == owner
-
-
-def recover_abandoned(conn: redis.Redis, *, dead_names: frozenset[str] = frozenset()) -> list[str]:
-    """Requeue (or fail, when out of retries) started jobs whose worker is gone; returns their ids.
-
-    `dead_names` are worker names known dead whatever their liveness key says: at start-up,
-    the worker's own name (a previous process of that name cannot still be running jobs).
-    """
-    if not conn.set(RECOVERY_LOCK, uuid.uuid4().hex, nx=True, px=30_000):
-        return []  # another worker is recovering right now
-    try:
-        registry = StartedJobRegistry(keys.TRAIN_QUEUE, connection=conn, serializer=JSONSerializer)
-        abandoned = []
-        for job_id, execution_id in registry.get_job_and_execution_ids(cleanup=False):
-            try:
-                worker_name = Execution.fetch(execution_id, job_id, connection=conn).worker_name
-            except ValueError:  # the execution record expired with its worker
-                worker_name = ""
-            if worker_name and worker_name not in dead_names and conn.exists(liveness_key(worker_name)):
-                continue
-            # Mark the entry expired and let rq's own cleanup requeue or fail it.
-            conn.zadd(registry.key, {f"{job_id}:{execution_id}": 0}, xx=True)
-            abandoned.append(job_id)
-            log.warning("job.abandoned job_id=%s worker=%s: requeueing", job_id, worker_name or "?")
-        if abandoned:
-            registry.cleanup(timestamp=1)
-        return abandoned
-    finally:
-        conn.delete(RECOVERY_LOCK)
+    def handle_job_failure(self, job: Job, queue: Queue, started_job_registry: StartedJobRegistry | None = None,
+                           exc_string: str = "", execution: Execution | None = None) -> None:
+        if isinstance(job, GuardedJob):
+            refusal = job.refusal()
+            if refusal is not None:
+                log.warning("job.refused job_id=%s reason=%s", job.id, refusal)
+                job.retries_left = 0  # refused the same way every time
+            if not job.failure_reported:
+                lines = [line for line in exc_string.strip().splitlines() if line.strip()]
+                message = refusal or (lines[-1] if lines else "the job failed without an error message")
+                retries_left = job.retries_left if job.retries_left and job.retries_left > 0 else 0
+                EventStream(self.connection).append(failure_event(job, message, retries_left=retries_left))
+        super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
 
 
 # the process-global trainer -----------------------------------------------------
@@ -158,29 +107,36 @@ def _trainer() -> Trainer:
     if _context is not None:
         return _context.trainer
     settings = TrainerSettings()
-    conn = settings.redis.connect()
+    conn = ride_out_outages(settings.redis.connect(), settings.redis_outage_s)
     job = get_current_job()
-    liveness = Liveness(settings.redis.connect(), job.worker_name if job and job.worker_name else "rq")
+    liveness = Liveness(ride_out_outages(settings.redis.connect(), settings.redis_outage_s),
+                        job.worker_name if job and job.worker_name else "rq")
     liveness.start()
     return setup(settings, conn, liveness)
 
 
 def run_train_job(payload: dict[str, Any]) -> dict[str, Any]:
     """rq job function (`tandem.jobs.TRAIN_FUNC`): train one job, return its TrainResult as JSON."""
+    failpoints.hit("job_started")
     job = get_current_job()
     if job is not None and isinstance(payload, dict) and "job_id" not in payload:
         payload = {**payload, "job_id": job.id}  # a retry must find what its first attempt did
+    trainer = _trainer()
     try:
         retries_left = (job.retries_left or 0) if job is not None else 0
-        return _trainer().train(payload, retries_left=retries_left).model_dump(mode="json")
-    except JobRejected:
-        if job is not None:
+        result = trainer.train(payload, retries_left=retries_left, job_id=job.id if job else None)
+    except Exception as exc:
+        if isinstance(job, GuardedJob):
+            job.failure_reported = True  # train() appended the failure's event
+        if isinstance(exc, JobRejected) and job is not None:
             # Bad input fails the same way every time: no retries. The worker's failure
             # handling reads the in-memory job (the same object in a SimpleWorker), and the
             # stored hash is updated too for anyone who fetches the job.
             job.retries_left = 0
             job.connection.hset(job.key, "retries_left", 0)
         raise
+    failpoints.hit("after_state")
+    return result.model_dump(mode="json")
 
 
 # serving ------------------------------------------------------------------------
@@ -193,8 +149,8 @@ def claim_name(conn: redis.Redis, name: str) -> None:
                 f"a trainer worker named {name!r} is alive; give each worker its own TANDEM_WORKER_NAME"
             )
         time.sleep(0.2)
-    stale = SimpleWorker.find_by_key(
-        SimpleWorker.redis_worker_namespace_prefix + name, connection=conn, serializer=JSONSerializer
+    stale = TrainWorker.find_by_key(
+        TrainWorker.redis_worker_namespace_prefix + name, connection=conn, serializer=JSONSerializer
     )
     if stale is not None and stale.death_date is None:
         stale.register_death()  # rq refuses to start a worker whose name looks alive
@@ -202,17 +158,18 @@ def claim_name(conn: redis.Redis, name: str) -> None:
 
 def serve(settings: TrainerSettings, conn: redis.Redis, name: str, *, burst: bool = False) -> bool:
     """Recover abandoned jobs, then work the train queue until a (warm) shutdown."""
+    ride_out_outages(conn, settings.redis_outage_s)
     claim_name(conn, name)
     started = time.perf_counter()
-    recovered = recover_abandoned(conn, dead_names=frozenset({name}))
+    recovered = recover_abandoned(conn, dead_names=frozenset({name}), alone=not any_trainer_alive(conn))
     log.info("recovery.end requeued=%d duration_s=%.3f jobs=%s",
              len(recovered), time.perf_counter() - started, recovered)
-    thread_conn = settings.redis.connect()
+    thread_conn = ride_out_outages(settings.redis.connect(), settings.redis_outage_s)
     liveness = Liveness(thread_conn, name, on_tick=lambda: recover_abandoned(thread_conn))
     liveness.start()
     try:
         setup(settings, conn, liveness)
-        worker = SimpleWorker([train_queue(conn)], connection=conn, name=name, serializer=JSONSerializer)
+        worker = TrainWorker([train_queue(conn)], connection=conn, name=name, serializer=JSONSerializer)
         return worker.work(burst=burst, with_scheduler=False)
     finally:
         liveness.stop()

@@ -1,0 +1,97 @@
+"""A trainer SIGKILLed at every failpoint of a job: the job still ends exactly once and serves.
+
+For each point a trainer armed with that failpoint (`TANDEM_TRAINER_FAILPOINTS`) takes a
+client's job and kills itself there; a second, unarmed trainer recovers the job. A real
+inference side (the transformers engine, the controller and gateway) runs beside them, so the
+client's `TrainHandle.result()` returns only once the version serves.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from rq.job import JobStatus
+from test_worker import RedisServer, start_workers, status, stop_workers, wait_for
+
+from tandem import Client, LoraConfig
+from tandem.adapters import AdapterStore
+from tandem.events import EventKind
+from tandem.registry import Registry
+from tandem.stack import Service, Stack, StackConfig
+from tandem.trajectories import TrajectoryGroup
+from tandem_trainer.failpoints import POINTS
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+class InferenceStack(Stack):
+    """The local stack without its trainer: the tests start their own."""
+
+    def plan(self) -> list[Service]:
+        return [svc for svc in super().plan() if svc.name != "trainer"]
+
+
+class Side:
+    def __init__(self, redis: RedisServer, stack: Stack) -> None:
+        self.redis, self.stack = redis, stack
+        self.root = stack.state / "adapters"
+        self.client = Client(stack.gateway_url, redis.url)
+
+
+@pytest.fixture(scope="module")
+def side(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Side]:
+    workdir = tmp_path_factory.mktemp("kills")
+    redis = RedisServer(workdir / "redis").start()
+    config = StackConfig(state_dir=workdir / "stack", model=str(tiny_model), gateway_port=0, redis_url=redis.url,
+                         extra_env={"TANDEM_ENGINE__ADMIN_API_KEY": "kill-tests",
+                                    "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": str(2 * len(POINTS))})
+    with InferenceStack(config) as stack:
+        (stack.state / "adapters").mkdir(parents=True, exist_ok=True)
+        side = Side(redis, stack)
+        yield side
+        side.client.close()
+    redis.stop()
+
+
+def groups(seed: int) -> list[TrajectoryGroup]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(2):
+        prompt = [rng.randrange(3, 500) for _ in range(6)]
+        out.append(TrajectoryGroup.model_validate({"trajectories": [
+            {"prompt_ids": prompt, "completion_ids": [rng.randrange(3, 500) for _ in range(8)],
+             "rollout_logprobs": [-6.2] * 8, "reward": rng.random()} for _ in range(4)
+        ]}))
+    return out
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_trainer_killed_at_any_point_leaves_one_served_version(point: str, side: Side, tmp_path: Path,
+                                                                 tiny_model: Path) -> None:
+    run = side.client.create_run(f"kill-{point.replace('_', '-')}", base_model=str(tiny_model), lora=LoraConfig(r=4))
+    start, started = start_workers(side.redis.url, side.root, tmp_path)
+    try:
+        armed = start({"TANDEM_TRAINER_FAILPOINTS": point})
+        handle = run.train(groups(seed=len(point)), wait=False, timeout_s=300)
+        assert armed.wait_dead() == -signal.SIGKILL
+        assert f"failpoint {point}" in armed.log()
+
+        rescuer = start()
+        result = handle.result(timeout_s=120)  # returns once the version serves
+        assert (result.version, result.parent, result.job_id) == (1, 0, handle.job_id)
+
+        conn = side.client.conn
+        wait_for(lambda: status(conn, handle.job_id) == JobStatus.FINISHED, 60, "rq to finish the job", rescuer)
+        registry = Registry(conn)
+        assert [m.version for m in registry.manifests(run.name)] == [1]
+        assert AdapterStore(side.root).versions(run.name) == [1]
+        history = run.history()
+        assert [(e.version, e.job_id) for e in history if e.kind == EventKind.ADAPTER_READY] == [(1, handle.job_id)]
+        assert not [e for e in history if e.kind == EventKind.TRAIN_FAILED]
+        assert registry.serving(run.name) == 1
+    finally:
+        stop_workers(started)
