@@ -33,7 +33,7 @@ from tandem.settings import (
     StoreSettings,
 )
 from tandem_inference.controller import Controller
-from tandem_inference.engine_client import EngineClient
+from tandem_inference.engine_client import CallKind, EngineClient
 from tandem_inference.engine_server import create_engine_app
 from tandem_inference.errors import EngineTimeout, ModelNotFound
 from tandem_inference.routing import RoutingTable
@@ -53,6 +53,7 @@ def publish(
     *,
     rank: int = 4,
     config_patch: dict | None = None,
+    register: bool = True,
 ) -> Manifest:
     """Build a LoRA whose B matrices are nonzero (so it changes outputs), publish and register it."""
     from peft import LoraConfig, get_peft_model
@@ -84,7 +85,8 @@ def publish(
                 lora_rank=rank,
             ),
         )
-    registry.register_version(manifest)
+    if register:
+        registry.register_version(manifest)
     return manifest
 
 
@@ -369,7 +371,7 @@ async def test_failed_unload_is_retried_and_never_stops_the_controller(
     announce(events, store, publish(store, registry, tiny_model, run, 4))
     await wait_until(lambda: controller.table.serving(run) == 4, what="v4 serving")
     await wait_until(lambda: calls == [f"{run}-v2"], what="a failed unload attempt")
-    assert controller.status()["retiring"] == [f"{run}@v2"]
+    assert controller.status()["retiring"] == [f"{run}-v2"]
     assert controller._task is not None and not controller._task.done()
 
     engine.unload_adapter = real_unload  # type: ignore[method-assign]
@@ -384,17 +386,16 @@ async def test_adapters_the_engine_lost_are_loaded_again(
     store: AdapterStore,
     engine: EngineClient,
     tiny_model: Path,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("tandem_inference.controller.ENGINE_CHECK_S", 0.1)
     registry, events = Registry(redis_conn), EventStream(redis_conn)
     controller = await start()
+    controller.settings.controller.reconcile_s = 0.1
     announce(events, store, publish(store, registry, tiny_model, run, 1))
     await wait_until(lambda: controller.table.serving(run) == 1, what="v1 serving")
 
     await engine.unload_adapter(f"{run}-v1")  # what an engine restart does to its adapters
-    await wait_until(lambda: _holds(engine, f"{run}-v1"), what="v1 loaded again")
-    assert controller.table.serving(run) == 1
+    await wait_until(lambda: _holds(engine, f"{run}-v1-a1"), what="v1 loaded again, under a new name")
+    assert controller.table.serving(run) == 1 and controller.table.resolve(run).adapter == f"{run}-v1-a1"
     assert [e.version for e in events_of(events, EventKind.ADAPTER_LOADED, run)] == [1]  # not announced twice
 
 
@@ -462,10 +463,275 @@ async def test_an_adapter_the_engine_holds_is_adopted_only_if_its_files_check_ou
 async def test_a_routed_version_is_never_unloaded_even_if_an_earlier_check_queued_it(
     run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: EngineClient, tiny_model: Path
 ) -> None:
-    from tandem_inference.controller import _Retiring
-
     controller, _, _ = await serving_v1(start, redis_conn, store, tiny_model, run)
-    controller._retiring[(run, 1)] = _Retiring()  # what a failed check of v1 (e.g. a read error) leaves
+    controller.unloader.add(f"{run}-v1", run, 1, routed=False)  # what a failed check of v1 leaves
     await controller.unload_retired()
     assert f"{run}-v1" in await engine.loaded_adapters()
     assert controller.status()["retiring"] == [] and controller.table.serving(run) == 1
+
+
+def record_loads(engine: EngineClient) -> list[str]:
+    """Names of every adapter load the engine is asked for from now on (the loads still happen)."""
+    names: list[str] = []
+    real_load = engine.load_adapter
+
+    async def load(name: str, path: str) -> float:
+        names.append(name)
+        return await real_load(name, path)
+
+    engine.load_adapter = load  # type: ignore[method-assign]
+    return names
+
+
+#: Stream entries that do not parse, one of each shape.
+MALFORMED: list[dict[str, str | bytes]] = [
+    {"run": "x", "ts": "1"},  # no kind
+    {"kind": "adapter_loaded_maybe", "run": "x", "ts": "1"},
+    {"kind": "adapter_ready", "ts": "1", "version": "1"},  # no run
+    {"kind": "adapter_ready", "run": "x", "version": "1"},  # no ts
+    {"kind": "adapter_ready", "run": "x", "ts": "soon"},
+    {"kind": "adapter_ready", "run": "x", "ts": "nan"},
+    {"kind": "adapter_ready", "run": "x", "ts": "1", "version": "two"},
+    {"kind": "adapter_ready", "run": "x", "ts": "1", "version": "-3"},
+    {"kind": "adapter_ready", "run": "x", "ts": "1", "version": "\u00b2"},  # a digit, but not 0-9
+    {"kind": "adapter_ready", "run": "x", "ts": "1", "version": "9" * 5000},
+    {"kind": "adapter_ready", "run": "x", "ts": "1", "data": "{not json"},
+    {"kind": "adapter_ready", "run": "x", "ts": "1", "data": "[1, 2]"},
+    {"kind": "adapter_ready", "run": "x", "ts": "1", "data": "[" * 100_000},
+    {"kind": b"adapter_ready\xff", "run": "x", "ts": "1"},  # not UTF-8
+]
+
+
+def hostile_events(run: str) -> list[Event]:
+    """Entries that parse but carry what no trainer writes."""
+    ready = EventKind.ADAPTER_READY
+    return [
+        Event(kind=ready, run="../../etc", version=1, data={"path": "../../etc"}),
+        Event(kind=ready, run="r" * 100_000, version=1),
+        Event(kind=ready, run="ghost", version=1, data={"path": "ghost/v000001/adapter"}),
+        Event(kind=ready, run=run, version=7, data={"path": "../../../../etc"}),
+        Event(kind=ready, run=run, version=7, data={"path": 12}),
+        Event(kind=ready, run=run, version=7, data={"path": "a\x00b"}),
+        Event(kind=ready, run=run, version=0),
+        Event(kind=ready, run=run, version=7, data={"blob": "x" * 2_000_000}),
+        Event(kind=EventKind.TRAIN_FAILED, run=run, data={"message": "m" * 1_000_000}),
+    ]
+
+
+async def test_malformed_and_hostile_entries_are_skipped_and_the_next_version_loads_promptly(
+    run: str,
+    start,
+    redis_conn: redis.Redis,
+    store: AdapterStore,
+    tiny_model: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    registry, events = Registry(redis_conn), EventStream(redis_conn)
+    controller = await start()
+    for fields in MALFORMED:
+        redis_conn.xadd(keys.EVENTS, fields)  # type: ignore[arg-type]
+    for event in hostile_events(run):
+        events.append(event)
+    ready_id = announce(events, store, publish(store, registry, tiny_model, run, 1))
+
+    await wait_until(lambda: controller.table.serving(run) == 1, timeout_s=10, what="v1 serving")
+    await wait_until(lambda: committed_past(redis_conn, ready_id), what="cursor past every entry")
+    metrics = generate_latest(controller.metrics.registry).decode()
+    assert f"tandem_controller_malformed_events_total {float(len(MALFORMED))}" in metrics
+    assert controller._task is not None and not controller._task.done()
+    assert not [r for r in caplog.records if "controller failed" in r.getMessage()]
+    assert controller.table.runs() == [run]  # no entry made up a run
+    rejected = {e.version for e in events_of(events, EventKind.ADAPTER_REJECTED, run)}
+    assert rejected == {0, 7}
+
+
+async def test_a_registered_version_never_announced_is_loaded_by_the_periodic_reconcile(
+    run: str,
+    start,
+    settings: InferenceSettings,
+    redis_conn: redis.Redis,
+    store: AdapterStore,
+    engine: EngineClient,
+    tiny_model: Path,
+) -> None:
+    controller, registry, events = await serving_v1(start, redis_conn, store, tiny_model, run)
+    settings.controller.reconcile_s = 0.2
+    loads = record_loads(engine)
+
+    manifest = publish(store, registry, tiny_model, run, 2)  # registered; the trainer died before announcing
+    await wait_until(lambda: controller.table.serving(run) == 2, timeout_s=10, what="v2 serving")
+    loaded = events_of(events, EventKind.ADAPTER_LOADED, run)
+    assert [(e.version, e.job_id) for e in loaded] == [(1, f"job-{run}-1"), (2, manifest.job_id)]
+    assert loads == [f"{run}-v2"]
+
+    # the trainer's retry announces it after all: harmless, and a waiting client hears it serves
+    ready_id = announce(events, store, manifest)
+    await wait_until(lambda: committed_past(redis_conn, ready_id), what="cursor commit")
+    await wait_until(lambda: len(events_of(events, EventKind.ADAPTER_LOADED, run)) == 3, what="re-announced")
+    assert events_of(events, EventKind.ADAPTER_LOADED, run)[-1].version == 2
+    assert loads == [f"{run}-v2"] and not events_of(events, EventKind.ADAPTER_REJECTED, run)
+    assert controller.table.loaded(run) == [1, 2] and controller.status()["retiring"] == []
+
+
+def symlink_out(store: AdapterStore, run: str, version: int, what: str, outside: Path) -> None:
+    """Replace the version directory or its weights file by a symlink to a copy outside the store."""
+    import shutil
+
+    target = store.version_dir(run, version) if what == "version_dir" else (
+        store.adapter_dir(run, version) / "adapter_model.safetensors")
+    moved = outside / f"{what}-{run}-{version}"
+    shutil.move(target, moved)
+    target.symlink_to(moved)
+
+
+@pytest.mark.parametrize("how", ["event", "reconcile"])
+@pytest.mark.parametrize("what", ["version_dir", "weights_file"])
+async def test_a_symlink_out_of_the_store_is_refused_before_the_engine_sees_it(
+    what: str,
+    how: str,
+    run: str,
+    start,
+    redis_conn: redis.Redis,
+    store: AdapterStore,
+    engine: EngineClient,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    controller, registry, events = await serving_v1(start, redis_conn, store, tiny_model, run)
+    loads = record_loads(engine)
+    manifest = publish(store, registry, tiny_model, run, 2)
+    symlink_out(store, run, 2, what, tmp_path)
+    if how == "event":
+        announce(events, store, manifest)
+    else:  # found registered by a restarted controller
+        await controller.stop()
+        controller = await start()
+
+    await wait_until(lambda: events_of(events, EventKind.ADAPTER_REJECTED, run), what="adapter_rejected")
+    message = events_of(events, EventKind.ADAPTER_REJECTED, run)[0].data["message"]
+    assert "outside the adapter store" in message
+    assert loads == []  # the engine never opened it
+    assert controller.table.serving(run) == 1
+    assert not [n for n in await engine.loaded_adapters() if n.startswith(f"{run}-v2")]
+
+
+async def test_a_name_once_given_to_the_engine_is_never_given_again(
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: EngineClient, tiny_model: Path
+) -> None:
+    controller, registry, events = await serving_v1(start, redis_conn, store, tiny_model, run)
+    loads = record_loads(engine)
+    manifest = publish(store, registry, tiny_model, run, 2)
+    flip_a_byte(store, run, 2)  # torn: the engine loads it while its checksums are checked, then it goes
+    announce(events, store, manifest)
+    await wait_until(lambda: events_of(events, EventKind.ADAPTER_REJECTED, run), what="adapter_rejected")
+    await wait_until(lambda: _lacks(engine, f"{run}-v2"), what="the torn v2 unloaded")
+    assert loads == [f"{run}-v2"]
+
+    # a restarted trainer moves the torn v2 aside and writes v2 again
+    vdir = store.version_dir(run, 2)
+    vdir.rename(vdir.with_name(f".tmp-rejected-{vdir.name}"))
+    announce(events, store, publish(store, registry, tiny_model, run, 2))
+    await wait_until(lambda: controller.table.serving(run) == 2, what="the new v2 serving")
+    assert loads == [f"{run}-v2", f"{run}-v2-a1"]
+    assert controller.table.resolve(run).adapter == f"{run}-v2-a1"
+    assert events_of(events, EventKind.ADAPTER_LOADED, run)[-1].data["adapter"] == f"{run}-v2-a1"
+    assert f"{run}-v2-a1" in await engine.loaded_adapters()
+
+    # a new controller adopts what the engine holds under the suffixed name, and never reuses it
+    await controller.stop()
+    second = await start()
+    assert second.table.loaded(run) == [1, 2] and second.table.resolve(f"{run}@v2").adapter == f"{run}-v2-a1"
+    assert loads == [f"{run}-v2", f"{run}-v2-a1"]
+    await engine.unload_adapter(f"{run}-v2-a1")  # lost by the engine: loaded again, under a new name
+    second.settings.controller.reconcile_s = 0.2
+    await wait_until(lambda: second.table.resolve(run).adapter == f"{run}-v2-a2", timeout_s=10,
+                     what="v2 loaded again")
+    assert f"{run}-v2-a2" in await engine.loaded_adapters()
+
+
+async def test_a_forged_ready_for_an_unregistered_run_makes_no_run(
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: EngineClient, tiny_model: Path
+) -> None:
+    controller, registry, events = await serving_v1(start, redis_conn, store, tiny_model, run)
+    loads = record_loads(engine)
+    forged = events.append(Event(kind=EventKind.ADAPTER_READY, run="ghost", version=1,
+                                 data={"path": "ghost/v000001/adapter"}))
+    await wait_until(lambda: committed_past(redis_conn, forged), what="cursor commit")
+    assert not controller.table.has_run("ghost") and "ghost" not in controller.table.known_models()
+    rejected = events_of(events, EventKind.ADAPTER_REJECTED, "ghost")
+    assert len(rejected) == 1 and "no run 'ghost' is registered" in rejected[0].data["message"]
+    with pytest.raises(ModelNotFound):
+        controller.table.resolve("ghost")
+    assert loads == []
+
+
+async def test_a_load_that_completes_after_its_timeout_is_unloaded_as_a_stray(
+    run: str,
+    start,
+    settings: InferenceSettings,
+    redis_conn: redis.Redis,
+    store: AdapterStore,
+    engine: EngineClient,
+    tiny_model: Path,
+) -> None:
+    settings.controller.reconcile_s = 0.2
+    controller, registry, events = await serving_v1(start, redis_conn, store, tiny_model, run)
+    v3 = publish(store, registry, tiny_model, run, 3, register=False)  # written now, registered later
+    load_timeout_s = engine.timeouts_s[CallKind.LOAD]
+    engine.timeouts_s[CallKind.LOAD] = 0.3
+
+    # a long generation holds the engine; a load asked for meanwhile outlasts its timeout
+    long = engine.generate_stream([5, 6, 7], {"max_new_tokens": 1000, "ignore_eos": True, "temperature": 0})
+    await long.__anext__()
+    ready2 = announce(events, store, publish(store, registry, tiny_model, run, 2))
+    await wait_until(lambda: committed_past(redis_conn, ready2), what="v2's load given up")
+    assert controller.table.serving(run) == 1
+
+    # v3 comes, the engine frees up: v2's load completes late, in the engine only
+    engine.timeouts_s[CallKind.LOAD] = load_timeout_s
+    loads = record_loads(engine)
+    registry.register_version(v3)
+    announce(events, store, v3)
+    await wait_until(lambda: loads == [f"{run}-v3"], what="v3's load asked for")
+    await long.aclose()
+    await wait_until(lambda: controller.table.serving(run) == 3, what="v3 serving")
+    await wait_until(lambda: _lacks(engine, f"{run}-v2"), timeout_s=15, what="the late v2 unloaded")
+    assert controller.table.loaded(run) == [1, 3]
+    held = await engine.loaded_adapters()
+    assert {n for n in held if n.startswith(run)} == {f"{run}-v1", f"{run}-v3"}
+    metrics = generate_latest(controller.metrics.registry).decode()
+    assert f'tandem_adapter_load_timeouts_total{{run="{run}"}} 1.0' in metrics
+    assert f'tandem_adapter_strays_total{{run="{run}"}} 1.0' in metrics  # the engine did hold the late v2
+
+
+async def test_a_timed_out_load_is_sent_again_once_the_engine_restarted(
+    run: str,
+    start,
+    settings: InferenceSettings,
+    redis_conn: redis.Redis,
+    store: AdapterStore,
+    engine: EngineClient,
+    tiny_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A load that timed out is not sent again while it may still complete in the engine, but an
+    engine that restarted runs none of the earlier loads: the version is loaded anew."""
+    import tandem_inference.controller as controller_module
+
+    monkeypatch.setattr(controller_module, "PENDING_LOAD_TIMEOUTS", 10_000)  # never retried by waiting
+    settings.controller.reconcile_s = 0.2
+    controller, registry, events = await serving_v1(start, redis_conn, store, tiny_model, run)
+    real_load, hung = engine.load_adapter, []
+
+    async def load(name: str, path: str) -> float:
+        if name.startswith(f"{run}-v2") and not hung:  # the engine hangs on this load, then restarts
+            hung.append(name)
+            raise EngineTimeout(f"load of {name} timed out")
+        return await real_load(name, path)
+
+    engine.load_adapter = load  # type: ignore[method-assign]
+    ready2 = announce(events, store, publish(store, registry, tiny_model, run, 2))
+    await wait_until(lambda: committed_past(redis_conn, ready2), what="v2's load given up")
+    assert hung and controller.table.serving(run) == 1
+    await engine.unload_adapter(f"{run}-v1")  # what an engine restart does to its adapters
+    await wait_until(lambda: controller.table.serving(run) == 2, timeout_s=20, what="v2 loaded after the restart")

@@ -112,3 +112,72 @@ def test_trainer_state_is_attached_whole_or_not_at_all(tmp_path: Path) -> None:
     with pytest.raises(VersionExists):
         with store.trainer_state("r", 1):
             pass
+
+
+def move_out(target: Path, outside: Path) -> None:
+    """Replace `target` by a symlink to where it now lies, `outside`."""
+    target.rename(outside)
+    target.symlink_to(outside)
+
+
+@pytest.mark.parametrize("what", ["run_dir", "version_dir", "adapter_dir", "weights_file", "manifest"])
+def test_a_symlink_anywhere_in_a_version_is_refused_before_checksums(tmp_path: Path, what: str) -> None:
+    store = AdapterStore(tmp_path / "store")
+    publish(store)
+    target = {
+        "run_dir": store.run_dir("r"),
+        "version_dir": store.version_dir("r", 1),
+        "adapter_dir": store.adapter_dir("r", 1),
+        "weights_file": store.adapter_dir("r", 1) / "adapter_model.safetensors",
+        "manifest": store.version_dir("r", 1) / "manifest.json",
+    }[what]
+    move_out(target, tmp_path / "outside")
+    with pytest.raises(AdapterRejected, match="outside the adapter store"):
+        store.check("r", 1, only="adapter")
+    with pytest.raises(AdapterRejected, match="outside the adapter store"):
+        store.verify("r", 1)
+
+
+def test_a_symlink_to_elsewhere_in_the_store_is_refused_too(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path)
+    publish(store, version=1, payload=b"one")
+    publish(store, version=2, payload=b"two")
+    weights = store.adapter_dir("r", 2) / "adapter_model.safetensors"
+    weights.unlink()
+    weights.symlink_to(store.adapter_dir("r", 1) / "adapter_model.safetensors")
+    with pytest.raises(AdapterRejected, match="is a symlink"):
+        store.check("r", 2)
+
+
+def test_check_confines_the_event_path_and_every_file_but_reads_no_checksum(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path)
+    publish(store)
+    assert store.check("r", 1, path="r/v000001/adapter", only="adapter").version == 1
+    assert store.check("r", 1, path=store.adapter_dir("r", 1)).version == 1
+    with pytest.raises(AdapterRejected, match="not the version's adapter directory"):
+        store.check("r", 1, path="r/v000001")
+    with pytest.raises(AdapterRejected, match="outside the adapter store"):
+        store.check("r", 1, path="../elsewhere")
+    (store.adapter_dir("r", 1) / "adapter_model.safetensors").write_bytes(b"tampered")
+    assert store.check("r", 1).version == 1  # checksums are verify's job
+
+
+def test_files_the_manifest_does_not_list_are_refused(tmp_path: Path) -> None:
+    """The engine opens the whole adapter directory, so nothing unlisted may sit in it."""
+    store = AdapterStore(tmp_path)
+    publish(store)
+    (store.adapter_dir("r", 1) / "adapter_model.bin").write_bytes(b"unlisted")
+    with pytest.raises(AdapterRejected, match="adapter/adapter_model.bin is not in the manifest"):
+        store.check("r", 1, only="adapter")
+
+
+@pytest.mark.parametrize("rel", ["adapter/../../../../etc/passwd", "/etc/passwd", "adapter/../manifest.json"])
+def test_manifest_paths_that_leave_the_version_are_refused(tmp_path: Path, rel: str) -> None:
+    store = AdapterStore(tmp_path)
+    publish(store)
+    path = store.version_dir("r", 1) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["files"][rel] = "0" * 64
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(AdapterRejected, match="leaves"):
+        store.check("r", 1)

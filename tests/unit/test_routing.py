@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.runs import adapter_name, parse_adapter_name
 from tandem_inference.errors import ModelNotFound
 from tandem_inference.routing import Route, RoutingTable, parse_model
 
@@ -101,3 +102,31 @@ def test_failed_checkout_counts_nothing(table: RoutingTable) -> None:
 def test_invalid_run_name_is_refused(table: RoutingTable) -> None:
     with pytest.raises(ValueError):
         table.add_run("bad@name")
+
+
+def test_each_version_keeps_the_adapter_name_it_was_loaded_under(table: RoutingTable) -> None:
+    table.add_version("digits", 3, "digits-v3-a1")  # a second attempt: the first name is never reused
+    assert table.resolve("digits").adapter == "digits-v3-a1"
+    assert table.resolve("digits@v3") == Route("digits", 3)  # routes compare by run and version
+    assert table.adapter("digits", 3) == "digits-v3-a1" and table.adapter("digits", 1) == "digits-v1"
+    assert table.adapter("digits", 9) is None
+    with table.checkout("digits") as lease:
+        assert lease.route.adapter == "digits-v3-a1" and table.in_flight("digits", 3) == 1
+
+
+def test_only_known_runs_take_versions(table: RoutingTable) -> None:
+    with pytest.raises(ValueError, match="unknown run 'ghost'"):
+        table.add_version("ghost", 1)
+    assert "ghost" not in table.runs()
+
+
+@pytest.mark.parametrize(("run", "version", "attempt"), [("r", 2, 0), ("r", 2, 1), ("a-v1", 2, 0), ("r-v2-a1", 1, 3)])
+def test_adapter_names_round_trip_and_hold_no_colon_or_dot(run: str, version: int, attempt: int) -> None:
+    name = adapter_name(run, version, attempt)
+    assert ":" not in name and "." not in name
+    assert parse_adapter_name(name) == (run, version, attempt)
+    assert len({adapter_name(run, version, a) for a in range(5)}) == 5  # every attempt has its own name
+
+
+def test_foreign_adapter_names_do_not_parse() -> None:
+    assert parse_adapter_name("tuned") is None and parse_adapter_name("../x-v1") is None

@@ -11,8 +11,9 @@ Model strings the gateway accepts:
     <run>               the run's serving version; version 0 (the base model) until one loads
     <run>@v7, <run>@7   that version, which must be loaded (v0 = the base model)
 
-Rules that keep routing safe: a version enters the table only after the engine confirmed
-its load (so an alias never points at a version the engine lacks), and leaves the routable
+Rules that keep routing safe: a run enters the table only from the registry (an event alone
+never makes a run), a version enters it only after the engine confirmed its load, under the
+adapter name that load used (so an alias never points at a version the engine lacks), and leaves the routable
 set before it is unloaded (so no request is sent to an unloaded version; SGLang would reload
 it silently from disk). Resolution and acquire happen under one lock, without awaiting, so
 the controller cannot retire a version between the two.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -35,15 +36,15 @@ _PINNED = re.compile(r"^(?P<run>[^@]+)@v?(?P<version>\d+)$")
 
 @dataclass(frozen=True)
 class Route:
-    """Where one request goes: a run (or none for the bare base model) and a version."""
+    """Where one request goes: a run (or none for the bare base model) and a version.
+
+    Routes compare (and count in flight) by run and version; `adapter` is the engine-side name
+    the version was loaded under, None for version 0 (the base model).
+    """
 
     run: str | None
     version: int
-
-    @property
-    def adapter(self) -> str | None:
-        """Engine-side adapter name, None for version 0 (the base model)."""
-        return adapter_name(self.run, self.version) if self.run is not None and self.version > 0 else None
+    adapter: str | None = field(default=None, compare=False)
 
     def name(self, base_model: str) -> str:
         """Canonical model string of this route: `run@vN`, or the base model's name."""
@@ -86,29 +87,31 @@ class RoutingTable:
         self.base_model = base_model
         self._lock = threading.Lock()
         self._runs: set[str] = set()
-        self._loaded: dict[str, set[int]] = defaultdict(set)
+        self._loaded: dict[str, dict[int, str]] = defaultdict(dict)  # run -> version -> adapter name
         self._in_flight: dict[Route, int] = defaultdict(int)
 
     # what the controller changes -------------------------------------------
     def add_run(self, run: str) -> None:
-        """Make a run routable (to version 0 until a version loads)."""
+        """Make a registered run routable (to version 0 until a version loads)."""
         if not RUN_NAME.match(run):
             raise ValueError(f"run name {run!r} is invalid")
         with self._lock:
             self._runs.add(run)
 
-    def add_version(self, run: str, version: int) -> None:
-        """Record a version the engine confirmed loaded; the run's alias moves to its newest."""
+    def add_version(self, run: str, version: int, adapter: str | None = None) -> None:
+        """Record a version the engine confirmed loaded under `adapter` (its first-attempt name
+        when None); the run's alias moves to its newest."""
         if version < 1:
             raise ValueError(f"version {version} of {run!r}: only versions >= 1 are adapters")
         with self._lock:
-            self._runs.add(run)
-            self._loaded[run].add(version)
+            if run not in self._runs:
+                raise ValueError(f"unknown run {run!r}: add_run it (from the registry) before its versions")
+            self._loaded[run][version] = adapter or adapter_name(run, version)
 
     def retire(self, run: str, version: int) -> int:
         """Stop routing to a version (before unloading it); returns its in-flight count."""
         with self._lock:
-            self._loaded[run].discard(version)
+            self._loaded[run].pop(version, None)
             return self._in_flight.get(Route(run, version), 0)
 
     # what anyone may read ---------------------------------------------------
@@ -124,6 +127,11 @@ class RoutingTable:
         """Routable versions of a run, oldest first."""
         with self._lock:
             return sorted(self._loaded.get(run, ()))
+
+    def adapter(self, run: str, version: int) -> str | None:
+        """Adapter name a routable version was loaded under; None if it is not routable."""
+        with self._lock:
+            return self._loaded.get(run, {}).get(version)
 
     def serving(self, run: str) -> int:
         """Version the run's alias points at (0 = base model)."""
@@ -154,6 +162,7 @@ class RoutingTable:
                 run: {
                     "serving_version": max(self._loaded.get(run) or (0,)),
                     "loaded_versions": sorted(self._loaded.get(run, ())),
+                    "adapters": {str(v): name for v, name in sorted(self._loaded.get(run, {}).items())},
                     "in_flight": {str(r.version): n for r, n in self._in_flight.items()
                                   if r.run == run and n},
                 }
@@ -183,11 +192,13 @@ class RoutingTable:
                 f"and runs {sorted(self._runs)}",
                 known=[self.base_model, *sorted(self._runs)],
             )
-        loaded = self._loaded.get(run, set())
+        loaded = self._loaded.get(run, {})
         if version is None:
-            return Route(run, max(loaded or (0,)))
-        if version == 0 or version in loaded:
-            return Route(run, version)
+            version = max(loaded or (0,))
+        if version == 0:
+            return Route(run, 0)
+        if version in loaded:
+            return Route(run, version, loaded[version])
         versions = [f"{run}@v{v}" for v in sorted(loaded)]
         raise ModelNotFound(
             f"version {version} of run {run!r} is not loaded; loaded: {versions or 'none'} "

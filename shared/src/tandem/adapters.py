@@ -13,6 +13,12 @@ writing never leaves a partial version behind. `adapter/` and the manifest never
 published; `trainer/` is attached once, later, by its own rename (it carries no checksums: a
 crash leaves either all of it or none). Every path that comes from Redis or a request
 is resolved inside the root; anything outside it is refused.
+
+`check` is the one place that decides whether an engine may open a version: the event's
+path must be the version's `adapter/`, no component from the root down may be a symlink, the
+manifest must name the version, and `adapter/` must hold exactly the files the manifest lists,
+all regular files. It reads no file contents, so it runs before any engine sees the version;
+`verify` adds the checksums, which detect torn or corrupt writes (they are not a signature).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -94,7 +100,11 @@ class AdapterStore:
 
     def resolve(self, path: str | Path) -> Path:
         """`path` (relative to the root, or absolute) if it lies inside the root; else refuse."""
-        candidate = (self.root / path).resolve()
+        try:
+            candidate = (self.root / path).resolve()
+        except (OSError, ValueError) as exc:  # a NUL byte, a symlink loop, a name too long
+            raise AdapterRejected(f"path {str(path)[:200]!r} cannot be resolved ({exc}); give a path "
+                                  "inside the adapter store") from exc
         if candidate != self.root and not candidate.is_relative_to(self.root):
             raise AdapterRejected(
                 f"path {str(path)!r} resolves to {candidate}, outside the adapter store "
@@ -123,8 +133,30 @@ class AdapterStore:
         found = [int(p.name[1:]) for p in d.iterdir() if p.name.startswith("v") and p.name[1:].isdigit()]
         return sorted(found)
 
+    def confined(self, path: Path, what: str) -> Path:
+        """`path` (absolute, under the root) if no component of it below the root is a symlink.
+
+        A symlink that leaves the store is refused as outside it; one that stays inside is
+        refused too, since a published version holds real files and directories only.
+        """
+        try:
+            resolved = path.resolve()
+        except (OSError, ValueError) as exc:
+            raise AdapterRejected(f"{what} {path} cannot be resolved: {exc}") from exc
+        if resolved == path:
+            return path
+        if resolved != self.root and not resolved.is_relative_to(self.root):
+            raise AdapterRejected(
+                f"{what} {path} resolves to {resolved}, outside the adapter store {self.root}; "
+                "adapter files must be real files inside the store, never symlinks out of it"
+            )
+        raise AdapterRejected(
+            f"{what} {path} is a symlink (to {resolved}); a published version holds real files and "
+            "directories only"
+        )
+
     def read_manifest(self, run: str, version: int) -> Manifest:
-        path = self.version_dir(run, version) / MANIFEST
+        path = self.confined(self.version_dir(run, version) / MANIFEST, f"{run} v{version}: manifest")
         try:
             return Manifest.model_validate_json(path.read_text())
         except FileNotFoundError as exc:
@@ -191,14 +223,29 @@ class AdapterStore:
         _fsync(final.parent)
         return manifest
 
-    def verify(self, run: str, version: int, *, only: str | None = None) -> Manifest:
-        """Check a version against its manifest; raise AdapterRejected naming what is wrong.
+    def check(
+        self, run: str, version: int, *, path: str | Path | None = None, only: str | None = None
+    ) -> Manifest:
+        """Everything about a version but its checksums; raise AdapterRejected naming what is wrong.
 
-        `only` limits the checksums to the files under one subdirectory (the inference side
-        checks `adapter/`, which is what it loads). A file that cannot be read is a rejection
-        too, never another kind of error.
+        `path` (from an event) must resolve to the version's adapter directory. The version
+        directory, the manifest and every file it lists (under `only`, a subdirectory, when
+        given) must be real and inside the store; `adapter/`, which an engine opens whole, must
+        hold exactly the files the manifest lists. No file is read but the manifest, so this
+        is cheap enough to run before every load.
         """
+        if version < 1:
+            raise AdapterRejected(f"{run} v{version}: versions start at 1 (0 is the base model)")
         vdir = self.version_dir(run, version)
+        adapter = vdir / ADAPTER_DIR
+        if path is not None:
+            resolved = self.resolve(path)
+            if resolved != adapter:
+                raise AdapterRejected(
+                    f"{run} v{version}: path {str(path)[:200]!r} resolves to {resolved}, not the "
+                    f"version's adapter directory {adapter}"
+                )
+        self.confined(vdir, f"{run} v{version}: version directory")
         if not vdir.is_dir():
             raise AdapterRejected(f"{run} v{version}: no directory {vdir}")
         manifest = self.read_manifest(run, version)
@@ -206,23 +253,50 @@ class AdapterStore:
             raise AdapterRejected(
                 f"{vdir}: manifest says {manifest.run} v{manifest.version}, expected {run} v{version}"
             )
-        for rel, digest in manifest.files.items():
-            if only is not None and not rel.startswith(f"{only}/"):
+        for rel in manifest.files:
+            parts = PurePosixPath(rel).parts
+            if PurePosixPath(rel).is_absolute() or ".." in parts or not parts:
+                raise AdapterRejected(f"{run} v{version}: manifest path {rel[:200]!r} leaves {vdir} "
+                                      "(absolute, empty or with '..')")
+            if only is not None and parts[0] != only:
                 continue
-            path = self.resolve(vdir / rel)
-            if not path.is_relative_to(vdir):
-                raise AdapterRejected(f"{run} v{version}: manifest path {rel!r} leaves {vdir}")
-            if not path.is_file():
+            file = self.confined(vdir / rel, f"{run} v{version}: file {rel}")
+            if not file.is_file():
                 raise AdapterRejected(f"{run} v{version}: file {rel} is missing")
+        self.confined(adapter, f"{run} v{version}: adapter directory")
+        for dirpath, dirnames, filenames in os.walk(adapter):
+            for name in [*dirnames, *filenames]:
+                entry = Path(dirpath, name)
+                rel = str(entry.relative_to(vdir))
+                self.confined(entry, f"{run} v{version}: {rel}")
+                if name in filenames and rel not in manifest.files:
+                    raise AdapterRejected(
+                        f"{run} v{version}: {rel} is not in the manifest; a version's {ADAPTER_DIR}/ "
+                        "holds exactly the files its manifest lists"
+                    )
+        config = adapter / "adapter_config.json"
+        if f"{ADAPTER_DIR}/adapter_config.json" not in manifest.files or not config.is_file():
+            raise AdapterRejected(f"{run} v{version}: adapter/adapter_config.json is missing")
+        return manifest
+
+    def verify(self, run: str, version: int, *, only: str | None = None) -> Manifest:
+        """`check`, then the checksums of every file (under `only`) against the manifest.
+
+        `only` limits the checks to the files under one subdirectory (the inference side
+        checks `adapter/`, which is what it loads). A file that cannot be read is a rejection
+        too, never another kind of error.
+        """
+        manifest = self.check(run, version, only=only)
+        vdir = self.version_dir(run, version)
+        for rel, digest in manifest.files.items():
+            if only is not None and PurePosixPath(rel).parts[0] != only:
+                continue
             try:
-                actual = sha256_file(path)
+                actual = sha256_file(vdir / rel)
             except OSError as exc:
                 raise AdapterRejected(f"{run} v{version}: cannot read {rel}: {exc}") from exc
             if actual != digest:
                 raise AdapterRejected(f"{run} v{version}: checksum of {rel} does not match the manifest")
-        config = vdir / ADAPTER_DIR / "adapter_config.json"
-        if f"{ADAPTER_DIR}/adapter_config.json" not in manifest.files or not config.is_file():
-            raise AdapterRejected(f"{run} v{version}: adapter/adapter_config.json is missing")
         return manifest
 
     def adapter_config(self, run: str, version: int) -> dict[str, Any]:

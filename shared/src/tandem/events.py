@@ -88,8 +88,10 @@ class Event(BaseModel):
             raise MalformedEvent(eid, f"kind {f['kind']!r} is not one of {[k.value for k in EventKind]}") from exc
         version: int | None = None
         if f.get("version"):
-            if not f["version"].isdigit():
-                raise MalformedEvent(eid, f"version {f['version']!r} is not a non-negative integer")
+            # ASCII digits only (int() refuses '²', which isdigit() accepts) and a bounded length
+            # (int() refuses more than 4300 digits)
+            if not (f["version"].isascii() and f["version"].isdigit() and len(f["version"]) <= 18):
+                raise MalformedEvent(eid, f"version {f['version'][:40]!r} is not a non-negative integer")
             version = int(f["version"])
         try:
             ts = float(f["ts"])
@@ -99,7 +101,7 @@ class Event(BaseModel):
             raise MalformedEvent(eid, f"ts {f['ts']!r} is not a finite number of seconds")
         try:
             data = json.loads(f.get("data") or "{}")
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to parse
             raise MalformedEvent(eid, f"data is not JSON ({exc})") from exc
         if not isinstance(data, dict):
             raise MalformedEvent(eid, f"data is a JSON {type(data).__name__}, not an object")

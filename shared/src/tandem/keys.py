@@ -48,6 +48,11 @@ def run_loaded(name: str) -> str:
     return f"{PREFIX}:run:{name}:loaded"
 
 
+def run_load_attempts(name: str) -> str:
+    """Hash version -> load attempts the controller has made, so no adapter name is reused."""
+    return f"{PREFIX}:run:{name}:load_attempts"
+
+
 def run_lock(name: str) -> str:
     """Lock held by the trainer while it trains a run, so two workers never race."""
     return f"{PREFIX}:run:{name}:lock"
