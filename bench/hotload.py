@@ -116,6 +116,10 @@ class _Engine:
             "TANDEM_ENGINE__HOST": "127.0.0.1",
             "TANDEM_ENGINE__PORT": str(port),
             "TANDEM_ENGINE__SGLANG_PYTHON": ctx.sglang_python,
+            # the engine loads only from its roots: the store's versions or the random adapters in
+            # `out`, and the merged checkpoints in `out`
+            "TANDEM_ENGINE__ADAPTER_ROOTS": json.dumps([str(Path(ctx.store_root).resolve()), str(Path(ctx.out).resolve())]),
+            "TANDEM_ENGINE__WEIGHTS_ROOTS": json.dumps([str(Path(ctx.out).resolve()), str(Path(ctx.model).resolve().parent)]),
         })
         with _environ(env):
             settings = InferenceSettings(_env_file=None)  # type: ignore[call-arg]
@@ -349,7 +353,7 @@ def report(ctx: Any, rows: list[dict[str, Any]], out: Path) -> dict[str, Any]:
         "hotload_total_ms_p50": hot,
         "hotload_load_ms_p50": parts["hot-load"]["load"],
         "hotload_first_response_ms_p50": parts["hot-load"]["first response"],
-        "hotload_warmup_total_ms": warmup["total_ms"] if warmup else None,
+        "hotload_warmup_total_ms": warmup.get("total_ms") if warmup else None,
         "restart_total_ms_p50": p50["restart"],
         "restart_stop_ms_p50": parts["restart"]["stop"],
         "restart_boot_ms_p50": parts["restart"]["boot"],
@@ -387,7 +391,7 @@ def table(measured: dict[str, list[dict[str, Any]]], p50: dict[str, float | None
         x = "1" if a == "hot-load" else _num(ratio[a])
         shown = " · ".join(f"{label} {_num(ms)}" for label, ms in parts[a].items())
         lines.append(f"| {LABELS[a]} | {len(measured[a])} | {_num(p50[a])} | {shown} | {x} |")
-    if warmup:
+    if warmup and "total_ms" in warmup:
         lines.append(f"| first hot-load (warm-up, not in the p50) | 1 | {_num(warmup['total_ms'])} | load "
                      f"{_num(warmup['load_ms'])} · first response {_num(warmup['first_response_ms'])} | – |")
     lines += [""] + [f"Not measured: {e}" for e in errors] if errors else []

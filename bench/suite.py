@@ -9,6 +9,7 @@ bench/results/<timestamp>/ with results.json, report.md and the PNG plots:
     4 gateway       gateway overhead: the same load through the gateway and straight to the engine
     6 prefix_cache  prefix-cache share of a shared system prompt after each swap
     5 pipeline      sync vs async RL on the toy task (max_staleness 0, 1, 2)
+    7 load          the gateway saturated: a small request's and /ready's latency, the share refused (429)
     2 hotload       hot-load vs engine restart vs merged-weights reload (after the stack stops)
 
     python bench/suite.py                      # the whole suite, < 10 min on 2 CPU cores
@@ -39,7 +40,7 @@ from benchlib import SGLANG_FLAGS, SHAPES, BenchStack, Ctx, machine, md_table, p
 from tandem import Client
 from tandem.stack import StackConfig
 
-ON_STACK = ["sync", "swaps", "gateway_overhead", "prefix_cache", "pipeline"]
+ON_STACK = ["sync", "swaps", "gateway_overhead", "prefix_cache", "pipeline", "load"]
 AFTER_STACK = ["hotload"]
 ALIASES = {"gateway": "gateway_overhead", "prefix": "prefix_cache", "async": "pipeline"}
 
@@ -88,6 +89,7 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
         "TANDEM_ENGINE__EXTRA_ARGS": json.dumps(SGLANG_FLAGS),
         "TANDEM_ENGINE__MEM_FRACTION_STATIC": str(args.mem_fraction if args.mode == "split" else 0.6),
         "TANDEM_BACKEND__KIND": "auto", "TANDEM_LOG_LEVEL": "INFO", "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": "16",
+        "TANDEM_GATEWAY__MAX_IN_FLIGHT_TOKENS": "524288",  # as compose.yaml: a GPU takes far more than a CPU
     }
     return env
 

@@ -396,17 +396,17 @@ def test_malformed_completion_bodies_are_422(url: str, client: openai.OpenAI) ->
         client.completions.create(model="base", prompt="x", max_tokens=LIMIT + 1)
 
 
-def test_engine_errors_are_502_and_an_unreachable_engine_503(
+def test_engine_refusals_are_400_and_an_unreachable_engine_503(
     url: str, redis_url: str, tmp_path: Path, tiny_model: Path, tokenizer: Any
 ) -> None:
     too_long = {
         "model": "base",
         "prompt": [5] * 1100,
         "max_tokens": 2,
-    }  # longer than the tiny model's context
+    }  # longer than the tiny model's context: the engine refuses it, for what the client asked
     resp = httpx.post(f"{url}/v1/completions", json=too_long)
-    assert resp.status_code == 502 and resp.json()["error"]["type"] == "engine_error"
-    assert "/generate" in resp.json()["error"]["message"]
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
+    assert "context length 1024" in resp.json()["error"]["message"]
 
     dead = inference_settings(redis_url, tmp_path / "s2", f"http://127.0.0.1:{free_port()}", tiny_model)
     with gateway(dead, tokenizer, with_controller=False) as dead_url:
@@ -459,3 +459,18 @@ def test_metrics_and_readiness(
     assert 'tandem_gateway_request_seconds_count{route="/v1/completions"} 2.0' in text
     assert f'tandem_adapter_loads_total{{run="{run}"}} 1.0' in text
     assert json.loads(redis_conn.get(f"tandem:run:{run}:loaded")) == [1]
+
+
+def test_a_forged_ready_for_an_unregistered_run_is_no_model(
+    url: str, client: openai.OpenAI, run: str, redis_conn: redis.Redis
+) -> None:
+    from tandem.events import Event, EventKind
+
+    events = EventStream(redis_conn)
+    events.append(Event(kind=EventKind.ADAPTER_READY, run="ghost", version=1, data={"path": "ghost/v000001/adapter"}))
+    wait_until(lambda: any(e.kind is EventKind.ADAPTER_REJECTED for e in events.history(run="ghost")),
+               what="the forged event refused")
+    ids = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+    assert "ghost" not in ids and run in ids
+    with pytest.raises(openai.NotFoundError, match="no run 'ghost'"):
+        client.chat.completions.create(model="ghost", messages=CHAT, max_tokens=2)

@@ -329,3 +329,48 @@ async def test_generate_stream_http_error_before_the_stream() -> None:
         async for _ in make_client(handler).generate_stream([1], {}, lora_name="x-v9"):
             pass
     assert info.value.status_code == 400
+
+
+async def test_generate_n_is_one_call_with_n_and_returns_the_samples_in_order() -> None:
+    seen: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        n = seen[-1]["sampling_params"].get("n", 1)
+        if n == 1:
+            return httpx.Response(200, json=generate_reply([1]))
+        return httpx.Response(200, json=[{**generate_reply([i]), "index": i} for i in reversed(range(n))])
+
+    client = make_client(handler)
+    outs = await client.generate_n([1, 2], {"max_new_tokens": 1}, 3)
+    assert [o["output_ids"] for o in outs] == [[0], [1], [2]]
+    assert len(seen) == 1 and seen[0]["sampling_params"] == {"max_new_tokens": 1, "n": 3}
+    assert [o["output_ids"] for o in await client.generate_n([1], {"max_new_tokens": 1}, 1)] == [[1]]
+    assert "n" not in seen[1]["sampling_params"]
+
+
+async def test_generate_n_refuses_a_reply_with_the_wrong_number_of_samples() -> None:
+    client = make_client(lambda r: httpx.Response(200, json=[generate_reply([1])] * 2))
+    with pytest.raises(EngineResponseError, match="answered 2 outputs for n=3"):
+        await client.generate_n([1], {}, 3)
+
+
+async def test_generation_and_admin_calls_use_separate_pools() -> None:
+    used: list[tuple[str, str]] = []
+
+    def pool(name: str) -> httpx.AsyncClient:
+        def handler(request: httpx.Request) -> httpx.Response:
+            used.append((name, request.url.path))
+            if request.url.path == "/generate":
+                return httpx.Response(200, json=generate_reply([1]))
+            return httpx.Response(200, json={"success": True, "data": []})
+
+        return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+    client = EngineClient(pool("rollouts"), BASE, admin_http=pool("admin"))
+    await client.generate([1], {})
+    await client.load_adapter("a-v1", "/adapters/a/v1")
+    assert await client.health()
+    await client.loaded_adapters()
+    assert used == [("rollouts", "/generate"), ("admin", "/load_lora_adapter"), ("admin", "/health"),
+                    ("admin", "/v1/models")]

@@ -5,8 +5,10 @@ only the SGLang API subset that both serve (see docs: sglang-api.md): native `/g
 `/load_lora_adapter`, `/unload_lora_adapter`, `/v1/models`, `/server_info`, `/health`,
 `/flush_cache`, `/update_weights_from_disk` and the memory release/resume routes.
 
-Each call kind has its own timeout (a load may take a minute, a health check must not),
-and only idempotent calls are retried, only after connection errors, a bounded number of
+Generation and the rest travel in separate connection pools: rollouts may fill theirs, while
+loads, unloads and health checks (the controller's, /ready's) go through their own and never
+queue behind them. Each call kind has its own timeout (a load may take a minute, a health check
+must not), and only idempotent calls are retried, only after connection errors, a bounded number of
 times: `should_retry` is the one place that decides. Errors from httpx and error bodies of
 the engine are translated into tandem errors whose message names the URL or the adapter.
 """
@@ -17,7 +19,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -43,6 +45,18 @@ RETRY_MAX_PAUSE_S = 2.0
 INFO_TIMEOUT_S = 10.0
 #: Longest wait for a TCP connection, in seconds (the engine is on a private network).
 CONNECT_TIMEOUT_S = 10.0
+#: Connections of the admin pool (loads, unloads, health, info): a few calls at a time.
+ADMIN_CONNECTIONS = 8
+
+
+def pool_limits(max_calls: int) -> httpx.Limits:
+    """Limits of a pool with room for `max_calls` calls at once, each on a connection of its own.
+
+    Size the generation pool for every call the gateway admits: a call that waits for a
+    connection costs the pool time on every later call (httpcore rescans its queue), so a deep
+    queue there stalls the whole process.
+    """
+    return httpx.Limits(max_connections=max_calls, max_keepalive_connections=max_calls)
 
 
 class CallKind(StrEnum):
@@ -116,13 +130,19 @@ def _message_of(body: Any) -> str | None:
 
 
 class EngineClient:
-    """Async client of one engine; one per process, sharing the process's httpx client."""
+    """Async client of one engine; one per process.
+
+    `http` carries generation; `admin_http` (default: `http`) carries every other call, so
+    that loads, unloads and health checks never wait for a connection behind rollouts. The
+    caller owns both clients and closes them.
+    """
 
     def __init__(
         self,
         http: httpx.AsyncClient,
         base_url: str,
         *,
+        admin_http: httpx.AsyncClient | None = None,
         admin_api_key: str | None = None,
         load_timeout_s: float = 60.0,
         unload_timeout_s: float = 30.0,
@@ -132,6 +152,7 @@ class EngineClient:
         max_attempts: int = MAX_ATTEMPTS,
     ) -> None:
         self.http = http
+        self.admin_http = admin_http if admin_http is not None else http
         self.base_url = base_url.rstrip("/")
         self._admin_key = admin_api_key
         self.timeouts_s = {
@@ -148,11 +169,14 @@ class EngineClient:
         self.max_attempts = max_attempts
 
     @classmethod
-    def from_settings(cls, http: httpx.AsyncClient, settings: EngineSettings) -> EngineClient:
+    def from_settings(
+        cls, http: httpx.AsyncClient, settings: EngineSettings, *, admin_http: httpx.AsyncClient | None = None,
+    ) -> EngineClient:
         key = settings.admin_api_key.get_secret_value() if settings.admin_api_key else None
         return cls(
             http,
             settings.url,
+            admin_http=admin_http,
             admin_api_key=key,
             load_timeout_s=settings.load_timeout_s,
             unload_timeout_s=settings.unload_timeout_s,
@@ -179,6 +203,34 @@ class EngineClient:
             )
         return out
 
+    async def generate_n(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        n: int,
+        lora_name: str | None = None,
+        return_logprob: bool = True,
+        *,
+        logprob_start_len: int = -1,
+    ) -> list[dict[str, Any]]:
+        """`n` samples of one prompt in one /generate call (`sampling_params.n`), in sample order.
+
+        SGLang answers n > 1 with a list of n outputs (the transformers engine too, each with
+        its `index`); n = 1 is one output, returned as a list of one.
+        """
+        params = {**sampling_params, "n": n} if n > 1 else sampling_params
+        body = self._generate_body(input_ids, params, lora_name, return_logprob, logprob_start_len)
+        out = await self._call(CallKind.GENERATE, "POST", "/generate", body=body)
+        outs = out if isinstance(out, list) else [out]
+        if len(outs) != n or not all(isinstance(o, dict) for o in outs):
+            raise EngineResponseError(
+                f"engine at {self.base_url}/generate answered {len(outs)} outputs for n={n}, "
+                "expected one object per sample", status_code=200,
+            )
+        if all(isinstance(o.get("index"), int) for o in outs):
+            outs = sorted(outs, key=lambda o: o["index"])
+        return outs
+
     async def generate_stream(
         self,
         input_ids: Sequence[int],
@@ -187,10 +239,12 @@ class EngineClient:
         return_logprob: bool = True,
         *,
         logprob_start_len: int = -1,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """Chunks of a streamed /generate, as the engine sends them, until `data: [DONE]`.
 
-        Only opening the stream is retried; an error event inside the stream raises
+        With `sampling_params["n"] > 1` the samples' chunks interleave, each carrying the
+        sample's `index`. Closing the iterator closes the engine call, which stops the engine
+        generating for it. Only opening the stream is retried; an error event inside the stream raises
         EngineResponseError with the engine's message.
         """
         body = self._generate_body(input_ids, sampling_params, lora_name, return_logprob, logprob_start_len)
@@ -243,13 +297,17 @@ class EngineClient:
         input_ids: Sequence[int], sampling_params: dict[str, Any], lora_name: str | None,
         return_logprob: bool, logprob_start_len: int,
     ) -> dict[str, Any]:
+        # top_logprobs_num rides with the sampling params but is a request field in SGLang
+        params = {k: v for k, v in sampling_params.items() if k != "top_logprobs_num"}
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
-            "sampling_params": sampling_params,
+            "sampling_params": params,
             "return_logprob": return_logprob,
         }
         if return_logprob:
             body["logprob_start_len"] = logprob_start_len
+            if sampling_params.get("top_logprobs_num"):
+                body["top_logprobs_num"] = sampling_params["top_logprobs_num"]
         if lora_name is not None:
             body["lora_path"] = lora_name
         return body
@@ -336,8 +394,9 @@ class EngineClient:
         attempt = 0
         while True:
             attempt += 1
+            http = self.http if kind is CallKind.GENERATE else self.admin_http
             try:
-                resp = await self.http.request(
+                resp = await http.request(
                     method, url, json=body, headers=self._headers(kind), timeout=self._timeout(kind)
                 )
             except httpx.HTTPError as exc:

@@ -9,7 +9,9 @@ threads (the runtime serializes it), so the event loop stays responsive while it
 
 Logprobs (`output_token_logprobs`, OpenAI `logprobs`) are `log_softmax` of the raw logits, the
 model's unscaled (temperature 1, unfiltered) distribution, of each token actually sampled: what
-the trainer recomputes (see hf_engine).
+the trainer recomputes (see hf_engine). Top logprobs (`top_logprobs_num`, OpenAI `top_logprobs`,
+or a count in completions' `logprobs`) list the likeliest tokens of that distribution. Bad input
+is a 4xx naming the field, in SGLang's error shape with OpenAI's fields (bodies.py).
 
 Run it with `python -m tandem_inference.engine_server` (or `tandem-engine`); settings come
 from `TANDEM_ENGINE__*` (see tandem.settings.EngineSettings).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import json
 import logging
 import secrets
@@ -27,16 +30,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
-from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import Field, model_validator
 from starlette.exceptions import HTTPException
 
 from tandem.settings import EngineSettings
+from tandem_inference.bodies import Body, error_response, field_of, location, validation_problems
 from tandem_inference.errors import (
     AdapterLoadFailed,
     AdapterNotLoaded,
@@ -46,7 +50,8 @@ from tandem_inference.errors import (
     InvalidRequest,
     WeightsLoadFailed,
 )
-from tandem_inference.hf_engine import HFEngine, SamplingParams, Sequence
+from tandem_inference.hf_engine import MAX_TOP_LOGPROBS, HFEngine, SamplingParams, Sequence
+from tandem_inference.stops import sendable
 
 log = logging.getLogger("tandem_inference.engine_server")
 
@@ -59,10 +64,12 @@ _STATUS = {
     EngineBusy: 503,
 }
 _TAGS = {"weights", "kv_cache", "cuda_graph"}
+_MAX_PROBLEMS = 20  # most validation problems one 422 lists (a long list of bad ids has one per id)
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # SGLang accepts many more fields; ignore them
+class _Body(Body):
+    """SGLang accepts many more fields: unknown ones are ignored. NaN, Infinity and lone
+    surrogates are refused anywhere (see bodies.py)."""
 
 
 class SamplingBody(_Body):
@@ -84,7 +91,8 @@ class GenerateBody(_Body):
     sampling_params: SamplingBody = SamplingBody()
     return_logprob: bool = False
     logprob_start_len: int = -1  # accepted; only output-token logprobs are returned
-    top_logprobs_num: int = 0  # accepted; top lists come back empty
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    """Alternatives per output token in meta_info.output_top_logprobs (with return_logprob)."""
     stream: bool = False
     rid: str | list[str] | None = None
     lora_path: str | list[str | None] | None = None  # adapter NAME(s); None = base model
@@ -106,18 +114,38 @@ class _OpenAIBody(_Body):
     stream_options: dict[str, Any] | None = None
     return_token_ids: bool = False  # extension (vLLM's name): token ids in every choice
 
+    @property
+    def top_logprobs_num(self) -> int:
+        """How many alternatives per token the reply lists (0: none)."""
+        return 0
+
 
 class ChatBody(_OpenAIBody):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatBody:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true; set both, or drop top_logprobs")
+        return self
+
+    @property
+    def top_logprobs_num(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
 
 
 class CompletionBody(_OpenAIBody):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's and SGLang's default for completions
-    logprobs: bool | int | None = None
+    logprobs: bool | Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    """true/false, or OpenAI's count: logprobs, and that many alternatives per token."""
+
+    @property
+    def top_logprobs_num(self) -> int:
+        return 0 if isinstance(self.logprobs, bool) else self.logprobs or 0
 
 
 class LoadBody(_Body):
@@ -200,11 +228,20 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
         return app.state.engine
 
     def admin(request: Request) -> None:
-        if settings.admin_api_key is None:
+        """Admin routes load files and free memory: they need the admin key, or without one a
+        client on loopback (the engine is private, but its network may not be)."""
+        key = settings.admin_api_key.get_secret_value() if settings.admin_api_key is not None else ""
+        if not key:
+            peer = request.client.host if request.client else ""
+            if not _is_loopback(peer):
+                raise HTTPException(
+                    403, f"admin route called from {peer or 'an unknown address'}; without an admin key "
+                    "(TANDEM_ENGINE__ADMIN_API_KEY) the engine answers admin routes on loopback only",
+                )
             return
         auth = request.headers.get("authorization", "")
         given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-        if not secrets.compare_digest(given.encode(), settings.admin_api_key.get_secret_value().encode()):
+        if not secrets.compare_digest(given.encode(), key.encode()):
             raise HTTPException(
                 401, "admin route: send the admin key as `Authorization: Bearer KEY` or `x-api-key: KEY`"
             )
@@ -235,17 +272,21 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
         return eng
 
     async def run_all(
-        jobs: list[tuple[list[int], str | None]], params: SamplingParams
+        jobs: list[tuple[list[int], str | None]], params: SamplingParams, request: Request | None = None
     ) -> list[list[Sequence]]:
+        """Generate every job; when the client of `request` leaves, the rest is aborted (as SGLang does)."""
         eng = prepare(jobs, params)
         cancel = threading.Event()
         running.add(cancel)
         timer = asyncio.get_running_loop().call_later(settings.generate_timeout_s, cancel.set)
+        watch = asyncio.ensure_future(_on_disconnect(request, cancel.set)) if request is not None else None
         try:
             results = await asyncio.to_thread(
                 lambda: [eng.generate(ids, params, adapter, cancel=cancel) for ids, adapter in jobs]
             )
         finally:
+            if watch is not None:
+                watch.cancel()
             timer.cancel()
             cancel.set()
             running.discard(cancel)
@@ -275,7 +316,10 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
                                 if len(s.output_ids) > sent[j]:  # a new token (the last one ends it)
                                     sent[j] = len(s.output_ids)
                                     snap = dataclasses.replace(
-                                        s, output_ids=list(s.output_ids), logprobs=list(s.logprobs)
+                                        s,
+                                        output_ids=list(s.output_ids),
+                                        logprobs=list(s.logprobs),
+                                        top_logprobs=list(s.top_logprobs),
                                     )
                                     loop.call_soon_threadsafe(queue.put_nowait, (k * params.n + j, snap))
 
@@ -315,7 +359,7 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
     # -- native generation -------------------------------------------------------------------
 
     @app.post("/generate")
-    async def generate(body: GenerateBody) -> Any:
+    async def generate(body: GenerateBody, request: Request) -> Any:
         eng = engine()
         if body.text is not None and body.input_ids is not None:
             raise InvalidRequest("give either text or input_ids, not both")
@@ -336,6 +380,7 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
         params = sampling(
             **body.sampling_params.model_dump(exclude={"sampling_seed"}),
             seed=body.sampling_params.sampling_seed,
+            top_logprobs=body.top_logprobs_num if body.return_logprob else 0,
         )
         jobs = list(zip(prompts, loras, strict=True))
         rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(jobs)
@@ -359,7 +404,7 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
 
         if body.stream:
             return sse(out(i, s) async for i, s in steps(jobs, params))
-        results = [s for seqs in await run_all(jobs, params) for s in seqs]
+        results = [s for seqs in await run_all(jobs, params, request) for s in seqs]
         outs = [out(i, s) for i, s in enumerate(results)]
         return outs if multi else outs[0]
 
@@ -379,6 +424,7 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
             stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos,
             seed=body.seed,
+            top_logprobs=body.top_logprobs_num,
         )
 
     def adapter_of(model: str | None) -> str | None:
@@ -405,6 +451,7 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
                     len(jobs) * params.n,
                     chat,
                     want_logprobs,
+                    params.top_logprobs,
                     params.stop,
                     usage_prompt if (body.stream_options or {}).get("include_usage") else None,
                 )
@@ -412,7 +459,7 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
         seqs = [s for group in await run_all(jobs, params) for s in group]
         choices = []
         for i, s in enumerate(seqs):
-            lp = _logprobs(eng, s.output_ids, s.logprobs, chat) if want_logprobs else None
+            lp = _logprobs(eng, s, 0, chat, params.top_logprobs > 0) if want_logprobs else None
             choice: dict[str, Any] = {
                 "index": i,
                 "logprobs": lp,
@@ -492,6 +539,7 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
         admin(request)
         eng = engine()
         try:
+            _confine(body.lora_path, settings.adapter_roots, "lora_path", "engine.adapter_roots", AdapterLoadFailed)
             seconds = await asyncio.to_thread(eng.load_adapter, body.lora_name, body.lora_path)
         except EngineError as exc:
             log.warning("adapter_load_failed name=%s path=%s error=%s", body.lora_name, body.lora_path, exc)
@@ -519,6 +567,7 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
                 raise WeightsLoadFailed(
                     f"load_format={body.load_format!r} is not supported; this engine reads safetensors"
                 )
+            _confine(body.model_path, settings.weights_roots, "model_path", "engine.weights_roots", WeightsLoadFailed)
             if body.abort_all_requests:  # they end with finish_reason "abort" at their next token
                 for cancel in list(running):
                     cancel.set()
@@ -624,32 +673,70 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
     async def engine_error(request: Request, exc: EngineError) -> JSONResponse:
         if _status(exc) >= 500:
             log.error("request_failed path=%s error=%s", request.url.path, exc)
-        return JSONResponse(_error_body(str(exc), _status(exc)), status_code=_status(exc))
+        return error_response(_status(exc), _error_body(str(exc), _status(exc)))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return JSONResponse(_error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
+        return error_response(exc.status_code, _error_body(str(exc.detail), exc.status_code))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = jsonable_encoder(exc.errors())
-        where = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in errors[:5])
-        return JSONResponse(
-            {**_error_body(f"invalid request: {where}", 422), "detail": errors}, status_code=422
-        )
+        problems = validation_problems(list(exc.errors())[:_MAX_PROBLEMS])
+        where = "; ".join(f"{location(p)}: {p['msg']}" for p in problems[:5])
+        param = field_of(problems[0]) if problems else None
+        return error_response(422, {**_error_body(f"invalid request: {where}", 422, param), "detail": problems})
 
     return app
+
+
+async def _on_disconnect(request: Request, then: Callable[[], None]) -> None:
+    """Call `then` once the client of `request` is gone (its body is read: only the disconnect comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    then()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _confine(path: str, roots: list[Path] | None, field: str, setting: str, error: type[EngineError]) -> None:
+    """Refuse `path` unless it, and every entry in it, resolves inside one of `roots`.
+
+    Symlinks are followed before the check, so none leads out. `roots` None (EngineSettings
+    built alone, as tests do) confines nothing; the service's settings always set them.
+    """
+    if roots is None:
+        return
+    resolved = [root.resolve() for root in roots]
+
+    def inside(p: Path) -> bool:
+        real = p.resolve()
+        return any(real.is_relative_to(root) for root in resolved)
+
+    where = f"{[str(r) for r in roots]} ({setting})"
+    target = Path(path)
+    if not target.is_absolute() or not inside(target):
+        raise error(f"{field} {path!r} is outside the engine's roots {where}; load from inside them")
+    if target.is_dir():
+        for entry in target.iterdir():
+            if not inside(entry):
+                raise error(f"{field} {path!r}: {entry.name} leads outside the engine's roots {where}")
 
 
 def _status(exc: Exception) -> int:
     return next((code for cls, code in _STATUS.items() if isinstance(exc, cls)), 500)
 
 
-def _error_body(message: str, status: int) -> dict[str, Any]:
+def _error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """SGLang's error shape, OpenAI's fields: `{"error": {message, type, param, code}}`."""
     kind = (
         "BadRequestError" if status < 500 else "ServiceUnavailableError" if status == 503 else "InternalError"
     )
-    return {"error": {"message": message, "type": kind, "code": status}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def _native(
@@ -673,27 +760,45 @@ def _native(
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.logprobs, s.output_ids, strict=False)]
         meta["input_token_logprobs"] = []
         if top > 0:
-            meta["output_top_logprobs"] = [[] for _ in s.output_ids]
+            meta["output_top_logprobs"] = [[[lp, t, None] for lp, t in alts] for alts in s.top_logprobs]
     out: dict[str, Any] = {"text": s.text, "output_ids": s.output_ids, "meta_info": meta}
     if index is not None:
         out["index"] = index
     return out
 
 
-def _logprobs(eng: HFEngine, ids: list[int], lps: list[float], chat: bool) -> dict[str, Any]:
-    tokens = [eng.decode([t]) for t in ids]
+def _logprobs(eng: HFEngine, s: Sequence, start: int, chat: bool, top: bool) -> dict[str, Any]:
+    """OpenAI logprobs of the tokens of `s` from `start` on; with `top`, their alternatives too."""
+    tokens = [eng.decode([t]) for t in s.output_ids[start:]]
+    lps = s.logprobs[start:]
+    alternatives = [[(eng.decode([t]), lp) for lp, t in alts] for alts in s.top_logprobs[start:]]
+    alternatives += [[] for _ in range(len(tokens) - len(alternatives))]
     if chat:
         return {
             "content": [
-                {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-                for tok, lp in zip(tokens, lps, strict=False)
+                {
+                    "token": tok,
+                    "logprob": lp,
+                    "bytes": list(tok.encode()),
+                    "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in alts],
+                }
+                for tok, lp, alts in zip(tokens, lps, alternatives, strict=False)
             ]
         }
     offsets, at = [], 0
     for tok in tokens:
         offsets.append(at)
         at += len(tok)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+    tops = [_by_text(alts) for alts in alternatives] if top else None
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _by_text(alternatives: list[tuple[str, float]]) -> dict[str, float]:
+    """OpenAI's completions shape, {token: logprob}; of tokens that read the same, the likeliest."""
+    out: dict[str, float] = {}
+    for text, logprob in alternatives:
+        out.setdefault(text, logprob)
+    return out
 
 
 async def _openai_stream(
@@ -703,6 +808,7 @@ async def _openai_stream(
     n_choices: int,
     chat: bool,
     want_logprobs: bool,
+    top: int,
     stops: tuple[str, ...],
     usage_prompt: int | None,
 ) -> AsyncIterator[dict[str, Any]]:
@@ -726,12 +832,11 @@ async def _openai_stream(
             ],
         }
     async for i, s in events:
-        new_ids, new_lps = s.output_ids[tokens[i] :], s.logprobs[tokens[i] :]
+        lp = _logprobs(eng, s, tokens[i], chat, top > 0) if want_logprobs else None
         tokens[i] = len(s.output_ids)
-        text = s.text if s.finish_reason else _safe_prefix(s.text, stops)
+        text = s.text if s.finish_reason else sendable(s.text, stops)
         delta = text[len(sent[i]) :] if text.startswith(sent[i]) else ""
         sent[i] += delta
-        lp = _logprobs(eng, new_ids, new_lps, chat) if want_logprobs else None
         choice: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": s.finish_reason}
         if s.finish_reason:
             choice["matched_stop"] = s.matched
@@ -752,17 +857,6 @@ async def _openai_stream(
                 "total_tokens": usage_prompt + completion,
             },
         }
-
-
-def _safe_prefix(text: str, stops: tuple[str, ...]) -> str:
-    """What of a running text can be sent: no half-decoded character, no possible stop-string start."""
-    cut = len(text.rstrip("\ufffd"))
-    for stop in stops:
-        for k in range(min(len(stop) - 1, cut), 0, -1):
-            if text[:cut].endswith(stop[:k]):
-                cut -= k
-                break
-    return text[:cut]
 
 
 def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -15,8 +15,10 @@
         │   ├── EngineBusy         in-flight requests did not finish in time (503)
         │   └── EngineResponseError  (engine client) the engine answered an error status;
         │                          carries the status and the engine's message
-        └── ModelNotFound          (gateway) a `model` that names no run or loaded version (404);
-                                   carries the known names
+        ├── ModelNotFound          (gateway) a `model` that names no run or loaded version (404);
+        │                          carries the known names
+        └── Overloaded             (gateway) no room for more generation in flight or in the
+                                   queue (429 with Retry-After); carries the reason
 
 Errors from torch, transformers and peft are translated where they enter tandem_inference,
 with a message that names the offending value and what to do. The engine client translates
@@ -95,3 +97,13 @@ class ModelNotFound(InferenceError):
     def __init__(self, message: str, *, known: list[str] | None = None) -> None:
         super().__init__(message)
         self.known = list(known or [])
+
+
+class Overloaded(InferenceError):
+    """The gateway has no room for this request now (settings gateway.max_in_flight_*, queue)."""
+
+    def __init__(self, message: str, *, reason: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+        """`queue_full` (refused at once) or `queue_timeout` (waited `gateway.queue_timeout_s`)."""
+        self.retry_after_s = retry_after_s

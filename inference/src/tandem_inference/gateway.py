@@ -7,9 +7,15 @@ can carry the exact prompt and completion token ids and their logprobs for train
 re-tokenisation anywhere. Responses are OpenAI-shaped (any OpenAI client works) plus a
 `tandem` object and `x-tandem-run` / `x-tandem-version` headers saying which version served.
 
-`n > 1` is fanned out as n engine calls: SGLang's unload can deadlock after n>1 sampling.
-Each request holds the in-flight count of its version until its response (or stream) ends,
-so the controller never unloads a version under a running request.
+A request's `n` samples are one engine call (`sampling_params.n`), or n calls with
+`gateway.fan_out_n` (SGLang's unload can deadlock after n>1 sampling). Generation is admitted
+within a budget (capacity.py): beyond it requests wait in a bounded queue, then are refused with
+429 and Retry-After. A client that leaves ends its engine calls, streamed or not, so the engine
+stops generating for nobody. Each request holds the in-flight count of its version until its
+response (or stream) ends, so the controller never unloads a version under a running request.
+
+Bad input is a 4xx in OpenAI's error shape naming the field (bodies.py); a generation the
+engine refuses for what the client asked (a prompt longer than the context) is a 400, not a 502.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
+import anyio
 import redis
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,18 +45,21 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.errors import TandemError
+from tandem.errors import BackendUnavailable, TandemError
 from tandem.registry import Registry
 from tandem.runs import RUN_NAME
 from tandem.settings import InferenceSettings
+from tandem_inference.bodies import Body, error_response, field_of, location, validation_problems
+from tandem_inference.capacity import Capacity, Permit
 from tandem_inference.controller import Controller
 from tandem_inference.engine_client import EngineClient
-from tandem_inference.errors import EngineError, EngineUnavailable, ModelNotFound
+from tandem_inference.errors import EngineError, EngineResponseError, EngineUnavailable, ModelNotFound, Overloaded
 from tandem_inference.routing import Lease, Route, RoutingTable, parse_model
 from tandem_inference.sharing import Admission
+from tandem_inference.stops import sendable
 
 log = logging.getLogger("tandem.gateway")
 
@@ -59,9 +69,15 @@ _GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
 # requests -------------------------------------------------------------------
-class _Body(BaseModel):
-    # Unknown OpenAI fields (user, stream_options, ...) are ignored, not refused.
-    model_config = ConfigDict(extra="ignore")
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token a request may ask for (OpenAI's limit)."""
+MAX_MODEL_CHARS = 256
+"""Longest `model` accepted: a run name (63), `@v` and a version fit many times over."""
+
+
+class _Body(Body):
+    """Unknown OpenAI fields (user, stream_options, ...) are ignored, not refused; NaN,
+    Infinity and lone surrogates are refused anywhere (see bodies.py)."""
 
 
 class TextPart(_Body):
@@ -79,25 +95,47 @@ class ChatMessage(_Body):
 
 
 class _Sampling(_Body):
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, max_length=MAX_MODEL_CHARS)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
+    stop: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | None = None
     stream: bool = False
+
+    @property
+    def top_logprobs_num(self) -> int:
+        """How many alternatives per token the reply lists (0: none)."""
+        return 0
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """Alternatives per token in `logprobs.content[].top_logprobs`; needs `logprobs: true`."""
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true; set both, or drop top_logprobs")
+        return self
+
+    @property
+    def top_logprobs_num(self) -> int:
+        return self.top_logprobs or 0 if self.logprobs else 0
 
 
 class CompletionRequest(_Sampling):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
-    logprobs: int | None = Field(None, ge=0, le=20)
-    """OpenAI's completions API takes a count here; any value asks for logprobs."""
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """OpenAI's completions API takes a count here: any value asks for logprobs, and that many
+    alternatives per token come back in `top_logprobs`."""
+
+    @property
+    def top_logprobs_num(self) -> int:
+        return self.logprobs or 0
 
 
 # engine outputs -------------------------------------------------------------
@@ -109,18 +147,29 @@ def _finish_reason(meta: dict[str, Any]) -> str | None:
     return "length" if kind == "length" else "stop"
 
 
+TopLogprobs = list[tuple[float, int, str | None]]
+"""The alternatives at one position, as SGLang's `output_top_logprobs` lists them: (logprob, id, text)."""
+
+
 @dataclass
 class Output:
     """One choice as the engine produced it, built from a whole result or from stream chunks.
 
     SGLang streams cumulative or incremental chunks depending on its version and flags; the
-    cumulative count `meta_info.completion_tokens` tells which, so both are handled.
+    cumulative count `meta_info.completion_tokens` tells which, and the text follows the tokens,
+    so both are handled. The engine cuts the text where a stop string begins once the stop
+    string is whole, so while it may still be arriving, text that could begin one of `stops`
+    is held back (stops.py): streamed deltas add up to the unstreamed text.
     """
 
+    stops: Sequence[str] = ()
+    """The request's stop strings."""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     token_texts: list[str | None] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
+    """Per token, the alternatives the engine listed (None where it listed none)."""
     finish_reason: str | None = None
     cached_tokens: int = 0
     """Prompt tokens the engine's prefix cache served (SGLang's meta_info.cached_tokens)."""
@@ -132,27 +181,34 @@ class Output:
         meta = chunk.get("meta_info") or {}
         total = meta.get("completion_tokens")
         start = len(self.token_ids)
+        cumulative: bool | None = None  # unknown without token ids: then the text tells
         triples = meta.get("output_token_logprobs")
         if triples:
             ids = [int(t[1]) for t in triples]
-            keep = 0 if self._cumulative(ids, total) else len(self.token_ids)
+            cumulative = self._cumulative(ids, total)
+            keep = 0 if cumulative else len(self.token_ids)
+            tops = list(meta.get("output_top_logprobs") or [])[: len(triples)]
+            tops += [None] * (len(triples) - len(tops))
             self.token_ids = self.token_ids[:keep] + ids
             self.logprobs = self.logprobs[:keep] + [float(t[0]) for t in triples]
             self.token_texts = self.token_texts[:keep] + [t[2] if len(t) > 2 else None for t in triples]
+            self.top_logprobs = self.top_logprobs[:keep] + [_alternatives(t) for t in tops]
         elif chunk.get("output_ids") is not None:
             ids = [int(i) for i in chunk["output_ids"]]
-            keep = 0 if self._cumulative(ids, total) else len(self.token_ids)
+            cumulative = self._cumulative(ids, total)
+            keep = 0 if cumulative else len(self.token_ids)
             self.token_ids = self.token_ids[:keep] + ids
         text = chunk.get("text")
         if isinstance(text, str):
-            cumulative = text.startswith(self.text.rstrip("\ufffd"))
+            if cumulative is None:
+                cumulative = text.startswith(self.text.rstrip("\ufffd"))
             self.text = text if cumulative else self.text + text
         self.finish_reason = _finish_reason(meta) or self.finish_reason
         if isinstance(meta.get("cached_tokens"), int):
             self.cached_tokens = meta["cached_tokens"]
-        # a trailing U+FFFD is half a character still being decoded: send it once it is whole
-        visible = self.text if self.finish_reason else self.text.rstrip("\ufffd")
-        delta, self._sent = visible[self._sent:], len(visible)
+        visible = self.text if self.finish_reason else sendable(self.text, self.stops)
+        delta = visible[self._sent:]
+        self._sent = max(self._sent, len(visible))
         return delta, min(start, len(self.token_ids))
 
     def _cumulative(self, ids: list[int], total: Any) -> bool:
@@ -160,6 +216,21 @@ class Output:
         if isinstance(total, int):
             return len(ids) == total
         return len(ids) >= len(self.token_ids) and ids[: len(self.token_ids)] == self.token_ids
+
+
+def _by_text(alternatives: list[tuple[str, float]]) -> dict[str, float]:
+    """OpenAI's completions shape, {token: logprob}; of tokens that read the same, the likeliest."""
+    out: dict[str, float] = {}
+    for text, logprob in alternatives:
+        out.setdefault(text, logprob)
+    return out
+
+
+def _alternatives(entry: Any) -> TopLogprobs | None:
+    """One position of SGLang's `output_top_logprobs` ([[logprob, id, text or null], ...] or null)."""
+    if not isinstance(entry, list):
+        return None
+    return [(float(t[0]), int(t[1]), t[2] if len(t) > 2 else None) for t in entry]
 
 
 # metrics --------------------------------------------------------------------
@@ -173,6 +244,27 @@ class GatewayMetrics:
                                  registry=registry)
         self.in_flight = Gauge("tandem_gateway_in_flight", "Generation requests in flight.",
                                registry=registry)
+        self.queued = Gauge("tandem_gateway_queued_requests", "Generation requests waiting for room.",
+                            registry=registry)
+        self.in_flight_sequences = Gauge("tandem_gateway_in_flight_sequences",
+                                         "Samples admitted to the engine (each request's n).", registry=registry)
+        self.in_flight_tokens = Gauge("tandem_gateway_in_flight_tokens",
+                                      "Tokens admitted to the engine (n * max_tokens of each request).",
+                                      registry=registry)
+        self.refused = Counter("tandem_gateway_refused", "Requests refused with 429, by reason.", ["reason"],
+                               registry=registry)
+        for reason in ("queue_full", "queue_timeout"):
+            self.refused.labels(reason)
+        self.queue_wait = Histogram("tandem_gateway_queue_wait_seconds", "Time admitted requests waited for room.",
+                                    buckets=(0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300), registry=registry)
+        self.cancelled = Counter("tandem_gateway_cancelled", "Requests whose client left before their end; "
+                                 "their engine calls were closed.", ["route"], registry=registry)
+
+    def watch(self, capacity: Capacity) -> None:
+        """Read queue depth and admitted work from `capacity` at every scrape."""
+        self.queued.set_function(lambda: capacity.queued)
+        self.in_flight_sequences.set_function(lambda: capacity.sequences)
+        self.in_flight_tokens.set_function(lambda: capacity.tokens)
 
 
 class _MetricsMiddleware:
@@ -206,30 +298,42 @@ class _MetricsMiddleware:
 
 
 # errors ---------------------------------------------------------------------
-def _error(status: int, message: str, kind: str, **extra: Any) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "code": status, **extra}}
-    return JSONResponse(body, status_code=status)
+MAX_PROBLEMS = 20
+"""Most validation problems one 422 lists (a long list of bad token ids has one per id)."""
+
+
+def _error(status: int, message: str, kind: str, *, param: str | None = None, **extra: Any) -> JSONResponse:
+    """An OpenAI-shaped error reply, `{"error": {message, type, param, code}}`, that always serializes."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status, **extra}}
+    return error_response(status, body)
+
+
+def _refused_as_invalid(exc: EngineResponseError) -> bool:
+    """Whether the engine refused a generation for what the client asked (a prompt longer than
+    the context, ...): a 4xx about the request, not about an adapter it lacks (a server fault)."""
+    return exc.status_code in (400, 413, 422) and "never been loaded" not in exc.engine_message
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ModelNotFound)
     async def _not_found(_: Request, exc: ModelNotFound) -> JSONResponse:
-        return _error(404, str(exc), "model_not_found", known=exc.known)
+        return _error(404, str(exc), "model_not_found", param="model", known=exc.known)
 
     @app.exception_handler(EngineError)
     async def _engine(_: Request, exc: EngineError) -> JSONResponse:
         if isinstance(exc, EngineUnavailable):
             return _error(503, str(exc), "engine_unavailable")
+        if isinstance(exc, EngineResponseError) and _refused_as_invalid(exc):
+            return _error(400, f"invalid request, refused by the engine: {exc.engine_message}",
+                          "invalid_request_error")
         return _error(502, str(exc), "engine_error")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = [
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-            for e in exc.errors()
-        ]
-        return _error(422, "invalid request: " + "; ".join(problems), "invalid_request_error",
-                      detail=json.loads(json.dumps(exc.errors(), default=str)))
+        problems = validation_problems(list(exc.errors())[:MAX_PROBLEMS])
+        words = "; ".join(f"{location(p)}: {p['msg']}" for p in problems[:5])
+        return _error(422, f"invalid request: {words}", "invalid_request_error",
+                      param=field_of(problems[0]) if problems else None, detail=problems)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -246,9 +350,13 @@ class Gateway:
     """What the routes share: engine, routing table, tokenizer, registry, controller."""
 
     def __init__(self, settings: InferenceSettings, engine: EngineClient, table: RoutingTable, tokenizer: Any,
-                 registry: Registry, controller: Controller | None, admission: Admission | None = None) -> None:
+                 registry: Registry, controller: Controller | None, admission: Admission | None = None,
+                 metrics: GatewayMetrics | None = None) -> None:
         self.settings = settings
         self.admission = admission
+        self.capacity = Capacity.from_settings(settings.gateway)
+        self.metrics = metrics if metrics is not None else GatewayMetrics(CollectorRegistry())
+        self.metrics.watch(self.capacity)
         self.engine = engine
         self.table = table
         self.tokenizer = tokenizer
@@ -260,6 +368,8 @@ class Gateway:
     async def checkout(self, model: str) -> Lease:
         """Resolve `model` and hold its version; a run new to the table is looked up in Redis.
 
+        Only registered runs exist: a name the registry lacks is 404 even if an event named it.
+
         In shared mode, while the GPU is lent to the trainer, this waits for it to come back.
         """
         if self.admission is not None:
@@ -270,8 +380,8 @@ class Gateway:
         except ModelNotFound:
             if self.table.has_run(run):
                 raise  # a known run: the error lists its loaded versions
-        runs = sorted(set(await self.registry_runs()) | set(self.table.runs()))
-        if run in runs and RUN_NAME.match(run):
+        runs = await self.registry_runs()
+        if run in runs:
             self.table.add_run(run)
             return self.table.checkout(model)
         known = [self.table.base_model, *runs]
@@ -279,9 +389,10 @@ class Gateway:
                             f"(the base model) and runs {runs}", known=known)
 
     async def registry_runs(self) -> list[str]:
+        """Registered runs (valid names only); the table's runs, all registered, while Redis is down."""
         try:
-            return await asyncio.to_thread(self.registry.list_runs)
-        except redis.RedisError as exc:
+            return [r for r in await asyncio.to_thread(self.registry.list_runs) if RUN_NAME.match(r)]
+        except (redis.RedisError, BackendUnavailable) as exc:
             log.warning("registry unreachable (%s); using the runs the routing table knows", exc)
             return self.table.runs()
 
@@ -316,27 +427,45 @@ class Gateway:
         }
         if body.stop:
             params["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+        if body.top_logprobs_num:  # a request field of /generate: the engine client lifts it out
+            params["top_logprobs_num"] = body.top_logprobs_num
         return params
 
     # responses --------------------------------------------------------------
     async def serve(self, request: Request, kind: Literal["chat", "text"], body: _Sampling,
                     input_ids: list[int], params: dict[str, Any], logprobs: bool) -> Response:
-        lease = await self.checkout(body.model)
+        """Admit, resolve the version and generate; 429 beyond capacity, 499 when the client left."""
+        try:
+            return await _unless_client_leaves(request, self._serve(request, kind, body, input_ids, params, logprobs))
+        except Overloaded as exc:
+            self.metrics.refused.labels(exc.reason).inc()
+            refusal = _error(429, str(exc), "rate_limit_exceeded", reason=exc.reason)
+            refusal.headers["retry-after"] = str(exc.retry_after_s)
+            return refusal
+        except _ClientLeft:
+            self.metrics.cancelled.labels(request.url.path).inc()
+            log.info("client left %s before its response; its engine calls were closed", request.url.path)
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+    async def _serve(self, request: Request, kind: Literal["chat", "text"], body: _Sampling,
+                     input_ids: list[int], params: dict[str, Any], logprobs: bool) -> Response:
+        permit = await self.capacity.acquire(body.n, body.n * params["max_new_tokens"])
+        self.metrics.queue_wait.observe(permit.waited_s)
+        try:
+            lease = await self.checkout(body.model)
+        except BaseException:
+            permit.release()
+            raise
         route = lease.route
         request.state.tandem_model = route.run or self.table.base_model
         headers = {"x-tandem-run": route.run or "", "x-tandem-version": str(route.version)}
         if body.stream:
-            return await self._stream(lease, kind, body, input_ids, params, logprobs, headers)
+            return await self._stream(lease, permit, kind, body, input_ids, params, logprobs, headers)
         try:
-            results = await asyncio.gather(
-                *(self.engine.generate(input_ids, params, route.adapter) for _ in range(body.n)),
-                return_exceptions=True,
-            )
+            results = await self._generate(input_ids, params, route.adapter, body.n)
         finally:
             lease.release()
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
+            permit.release()
         outputs = []
         for r in results:
             out = Output()
@@ -346,6 +475,25 @@ class Gateway:
         payload = {**self._envelope(kind, route, stream=False), "choices": choices,
                    "usage": _usage(input_ids, outputs), "tandem": self._extension(route, input_ids, outputs)}
         return JSONResponse(payload, headers=headers)
+
+    async def _generate(self, input_ids: list[int], params: dict[str, Any], adapter: str | None,
+                        n: int) -> list[dict[str, Any]]:
+        """The engine outputs of n samples, in order: one call, or n calls with gateway.fan_out_n."""
+        if n == 1 or not self.settings.gateway.fan_out_n:
+            return await self.engine.generate_n(input_ids, params, n, adapter)
+        results = await asyncio.gather(*(self.engine.generate(input_ids, params, adapter) for _ in range(n)),
+                                       return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results  # type: ignore[return-value]
+
+    def _engine_stream(self, input_ids: list[int], params: dict[str, Any], adapter: str | None,
+                       n: int) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
+        """The engine chunks of n samples as (sample index, chunk): one call, or n with gateway.fan_out_n."""
+        if n > 1 and self.settings.gateway.fan_out_n:
+            return _merge([self.engine.generate_stream(input_ids, params, adapter) for _ in range(n)])
+        return _indexed(self.engine.generate_stream(input_ids, {**params, "n": n} if n > 1 else params, adapter), n)
 
     def _envelope(self, kind: str, route: Route, *, stream: bool, rid: str | None = None) -> dict[str, Any]:
         obj = {"chat": "chat.completion", "text": "text_completion"}[kind]
@@ -369,12 +517,18 @@ class Gateway:
         text = out.token_texts[i] if i < len(out.token_texts) else None
         return text if text is not None else self.tokenizer.decode([out.token_ids[i]])
 
+    def _alternatives(self, out: Output, i: int) -> list[tuple[str, float]]:
+        """(token text, logprob) of the alternatives the engine listed at position `i`, best first."""
+        tops = out.top_logprobs[i] if i < len(out.top_logprobs) else None
+        return [(text if text is not None else self.tokenizer.decode([tid]), lp) for lp, tid, text in tops or ()]
+
     def _chat_logprobs(self, out: Output, start: int) -> list[dict[str, Any]]:
         entries = []
         for i in range(start, len(out.logprobs)):
             token = self._token_text(out, i)
+            top = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in self._alternatives(out, i)]
             entries.append({"token": token, "logprob": out.logprobs[i], "bytes": list(token.encode()),
-                            "top_logprobs": []})
+                            "top_logprobs": top})
         return entries
 
     def _text_logprobs(self, out: Output, start: int) -> dict[str, Any]:
@@ -383,7 +537,10 @@ class Gateway:
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens, "token_logprobs": out.logprobs[start:], "top_logprobs": None,
+        top = None
+        if any(t is not None for t in out.top_logprobs):  # asked for: OpenAI's {token: logprob} per position
+            top = [_by_text(self._alternatives(out, i)) for i in range(start, len(out.logprobs))]
+        return {"tokens": tokens, "token_logprobs": out.logprobs[start:], "top_logprobs": top,
                 "text_offset": offsets}
 
     @staticmethod
@@ -394,37 +551,33 @@ class Gateway:
                 "completion_logprobs": [o.logprobs for o in outputs]}
 
     # streaming --------------------------------------------------------------
-    async def _stream(self, lease: Lease, kind: Literal["chat", "text"], body: _Sampling,
+    async def _stream(self, lease: Lease, permit: Permit, kind: Literal["chat", "text"], body: _Sampling,
                       input_ids: list[int], params: dict[str, Any], logprobs: bool,
                       headers: dict[str, str]) -> Response:
-        events = self._sse(lease, kind, body.n, input_ids, params, logprobs)
+        events = self._sse(lease, permit, kind, body.n, input_ids, params, logprobs)
         try:
             first = await events.__anext__()  # engine errors before the first token keep their status
         except BaseException:
             lease.release()
+            permit.release()
             await events.aclose()
             raise
+        route = _route_of(kind)
+        return _EventStream(first, events, headers={**headers, "cache-control": "no-cache"},
+                            on_client_left=lambda: self.metrics.cancelled.labels(route).inc())
 
-        async def body_iter() -> AsyncIterator[str]:
-            yield first
-            async for item in events:
-                yield item
-
-        return StreamingResponse(body_iter(), media_type="text/event-stream",
-                                 headers={**headers, "cache-control": "no-cache"})
-
-    async def _sse(self, lease: Lease, kind: Literal["chat", "text"], n: int, input_ids: list[int],
+    async def _sse(self, lease: Lease, permit: Permit, kind: Literal["chat", "text"], n: int, input_ids: list[int],
                    params: dict[str, Any], logprobs: bool) -> AsyncGenerator[str, None]:
         route = lease.route
         envelope = self._envelope(kind, route, stream=True)
         tag = {"run": route.run, "version": route.version}
-        outputs = [Output() for _ in range(n)]
+        outputs = [Output(stops=params.get("stop") or ()) for _ in range(n)]
         finished = [False] * n
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             return "data: " + json.dumps({**envelope, "choices": choices, "tandem": tag, **extra}) + "\n\n"
 
-        merged = _merge([self.engine.generate_stream(input_ids, params, route.adapter) for _ in range(n)])
+        merged = self._engine_stream(input_ids, params, route.adapter, n)
         try:
             started = False
             async for i, engine_chunk in merged:
@@ -454,6 +607,7 @@ class Gateway:
             yield "data: " + json.dumps(error) + "\n\n"
         finally:
             lease.release()
+            permit.release()
             await merged.aclose()
         yield "data: [DONE]\n\n"
 
@@ -478,6 +632,19 @@ def _usage(input_ids: list[int], outputs: list[Output]) -> dict[str, Any]:
     cached = max((o.cached_tokens for o in outputs), default=0)
     return {"prompt_tokens": len(input_ids), "completion_tokens": completion,
             "total_tokens": len(input_ids) + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def _indexed(
+    stream: AsyncGenerator[dict[str, Any], None], n: int,
+) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
+    """One engine stream of n samples as (sample index, chunk): each chunk names its `index`."""
+    async with contextlib.aclosing(stream) as chunks:
+        async for chunk in chunks:
+            i = chunk.get("index", 0) if n > 1 else 0
+            if not isinstance(i, int) or not 0 <= i < n:
+                raise EngineResponseError(f"the engine streamed a chunk of sample {i!r}, expected 0..{n - 1}",
+                                          status_code=200)
+            yield i, chunk
 
 
 async def _merge(
@@ -510,7 +677,90 @@ async def _merge(
     finally:
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Shielded: a second cancel (the stream's own, repeated by anyio while its client is gone)
+        # would interrupt the pumps as they close their engine calls, leaving the engine generating.
+        await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
+
+
+# clients that leave -----------------------------------------------------------
+_T = TypeVar("_T")
+
+
+class _ClientLeft(Exception):
+    """The client closed its connection before its response started."""
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client of `request` is gone (its body is read: only the disconnect comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, _T]) -> _T:
+    """`work`'s result, unless the client leaves first: then `work` is cancelled (its engine calls
+    closed, its version and room released) and _ClientLeft raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        gone.cancel()
+        raise
+    if task.done():
+        gone.cancel()
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise _ClientLeft
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that ends, and closes its engine calls, as soon as its client leaves.
+
+    It listens for the disconnect whatever ASGI version the server speaks (under 2.4 Starlette
+    would notice a client gone only when a chunk fails to send, so a stream waiting on the
+    engine would go on generating for nobody), counts the client's leaving, and closes its
+    event source however it ends, started or not, shielded from the cancellation that ended it.
+    """
+
+    def __init__(self, first: str, events: AsyncGenerator[str, None], *, headers: dict[str, str],
+                 on_client_left: Callable[[], None]) -> None:
+        async def body() -> AsyncIterator[str]:
+            yield first
+            async for item in events:
+                yield item
+
+        super().__init__(body(), media_type="text/event-stream", headers=headers)
+        self._events = events
+        self._on_client_left = on_client_left
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        finished = False
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    nonlocal finished
+                    try:
+                        await self.stream_response(send)
+                        finished = True
+                    except OSError:  # the client left mid-send
+                        self._on_client_left()
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                if not finished:
+                    self._on_client_left()
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._events.aclose()
+
+
+def _route_of(kind: str) -> str:
+    return _GENERATION_PATHS[0] if kind == "chat" else _GENERATION_PATHS[1]
 
 
 # the app --------------------------------------------------------------------
@@ -528,15 +778,16 @@ def create_gateway_app(
 ) -> FastAPI:
     """The gateway app; its lifespan runs `controller` (if given) as a background task.
 
-    `engine` wraps the process's one httpx.AsyncClient, which the caller owns and closes.
+    `engine` wraps the process's httpx clients (generation and admin pools), which the caller
+    owns and closes.
     `metrics` is the Prometheus registry /metrics serves (a fresh one if None); the
     controller's registry is served too when it is another one. `admission` holds requests
     while the GPU is lent out (shared mode); `background` coroutines (the GPU-sharing loop,
     the engine supervisor) run for the app's lifetime.
     """
-    gw = Gateway(settings, engine, table, tokenizer, registry, controller, admission)
     prom = metrics if metrics is not None else CollectorRegistry()
     gm = GatewayMetrics(prom)
+    gw = Gateway(settings, engine, table, tokenizer, registry, controller, admission, gm)
     api_key = settings.gateway.api_key.get_secret_value() if settings.gateway.api_key else None
 
     @asynccontextmanager
@@ -583,12 +834,13 @@ def create_gateway_app(
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
-        for run in await gw.registry_runs():
+        registered = set(await gw.registry_runs())
+        for run in registered:
             if not table.has_run(run):
                 table.add_run(run)
         cards = [{"id": m, "object": "model", "created": 0, "owned_by": "tandem",
                   "root": settings.engine.model if m == table.base_model else None}
-                 for m in table.known_models()]
+                 for m in table.known_models() if m == table.base_model or parse_model(m)[0] in registered]
         return {"object": "list", "data": cards}
 
     @app.get("/v1/runs/{run}", dependencies=auth)
@@ -599,7 +851,7 @@ def create_gateway_app(
                                 known=sorted(set(runs) | set(table.runs())))
         try:
             latest = await asyncio.to_thread(registry.latest_version, run)
-        except redis.RedisError:
+        except (redis.RedisError, BackendUnavailable):
             latest = None
         return {"run": run, "serving_version": table.serving(run), "loaded_versions": table.loaded(run),
                 "latest_version": latest,

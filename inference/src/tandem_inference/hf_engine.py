@@ -8,6 +8,8 @@ Logprobs: every generated token carries `log_softmax(raw logits)[token]`, the lo
 under the model's *unscaled* distribution (temperature 1, no top-k/top-p/min-p filtering),
 whatever sampling settings chose the token. That is what the trainer recomputes in its
 teacher-forced pass, so rollout and trainer logprobs agree (to float error) on the same weights.
+Top logprobs (`top_logprobs`, SGLang's `top_logprobs_num`) list the most likely tokens of that
+same distribution at each step.
 
 Concurrency: model calls are serialized by one lock (callers run them in worker threads).
 Every generation holds a *lease* on its adapter (None = base model) for its whole duration;
@@ -46,6 +48,8 @@ log = logging.getLogger("tandem_inference.hf_engine")
 
 _NOT_LOADED = "Got LoRA adapter that has never been loaded"  # SGLang's wording, which clients match
 MAX_BATCH_ROWS = 64  # most rows one batch may hold: n of one request, or coalesced requests
+MAX_TOP_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's limit)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class SamplingParams:
     n: int = 1
     ignore_eos: bool = False
     seed: int | None = None  # None = non-deterministic
+    top_logprobs: int = 0  # alternatives listed per token (SGLang's top_logprobs_num), best first
 
     def check(self) -> SamplingParams:
         """Return self, or raise InvalidRequest naming the first bad value."""
@@ -74,6 +79,14 @@ class SamplingParams:
             (self.n >= 1, f"n={self.n} must be >= 1"),
             (self.n <= MAX_BATCH_ROWS, f"n={self.n} must be <= {MAX_BATCH_ROWS}; fan larger groups out"),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (
+                self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
+                f"seed={self.seed} must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]",
+            ),
+            (
+                0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+                f"top_logprobs={self.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]",
+            ),
         ]
         for ok, message in rules:
             if not ok:
@@ -88,6 +101,8 @@ class Sequence:
     prompt_tokens: int
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    """Per token, the `params.top_logprobs` most likely tokens as (logprob, id), best first."""
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     matched: int | str | None = None  # the eos/stop token id or the stop string
@@ -163,7 +178,10 @@ class HFEngine:
     # -- tokens -------------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
+        try:
+            return list(self.tokenizer.encode(text))
+        except (TypeError, ValueError) as exc:  # text the tokenizer cannot take (a lone surrogate)
+            raise InvalidRequest(f"the tokenizer cannot encode this text: {exc}") from exc
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of `messages` under the tokenizer's chat template, ready for the reply."""
@@ -171,7 +189,10 @@ class HFEngine:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja errors: a message shape the template cannot render
             raise InvalidRequest(f"messages cannot be rendered by the chat template: {exc}") from exc
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        except (TypeError, ValueError) as exc:  # text the tokenizer cannot take (a lone surrogate)
+            raise InvalidRequest(f"the tokenizer cannot encode these messages: {exc}") from exc
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
@@ -581,12 +602,14 @@ class HFEngine:
             logits = logits.expand(p.n, -1)
         rows = list(range(p.n))  # which sequence each batch row carries
         for step in range(p.max_new_tokens):
-            tokens, logprobs = _sample(logits, p, gen)
+            tokens, logprobs, tops = _sample(logits, p, gen)
             keep = []
             for row, (token, logprob) in enumerate(zip(tokens.tolist(), logprobs.tolist(), strict=False)):
                 seq = seqs[rows[row]]
                 seq.output_ids.append(token)
                 seq.logprobs.append(logprob)
+                if tops is not None:
+                    seq.top_logprobs.append(list(zip(tops[0][row], tops[1][row], strict=True)))
                 if want_text:
                     seq.text = self.decode(seq.output_ids)
                 if token in stop_ids:
@@ -636,12 +659,17 @@ class _AllSet:
         return all(e is not None and e.is_set() for e in self.events)
 
 
-def _sample(logits: Any, p: SamplingParams, gen: Any) -> tuple[Any, Any]:
-    """Draw one token per row; return (tokens, their logprobs under the raw distribution)."""
+def _sample(logits: Any, p: SamplingParams, gen: Any) -> tuple[Any, Any, tuple[list[list[float]], list[list[int]]] | None]:
+    """Draw one token per row; return (tokens, their logprobs under the raw distribution, and
+    per row the `p.top_logprobs` best (logprobs, ids) of that distribution, or None)."""
     import torch
 
     logits = logits.float()
     raw = torch.log_softmax(logits, dim=-1)
+    tops = None
+    if p.top_logprobs:
+        best = raw.topk(min(p.top_logprobs, raw.shape[-1]), dim=-1)
+        tops = (best.values.tolist(), best.indices.tolist())
     if p.temperature < 1e-6:
         tokens = logits.argmax(dim=-1)
     else:
@@ -660,7 +688,7 @@ def _sample(logits: Any, p: SamplingParams, gen: Any) -> tuple[Any, Any]:
                 probs < p.min_p * probs.max(dim=-1, keepdim=True).values, float("-inf")
             )
         tokens = torch.multinomial(scores.softmax(dim=-1), 1, generator=gen).squeeze(-1)
-    return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1), tops
 
 
 def _first_stop(text: str, stops: tuple[str, ...]) -> str | None:

@@ -1,0 +1,131 @@
+"""What every JSON body of tandem's HTTP servers (the gateway, the transformers engine) is held to.
+
+Python's JSON reader accepts more than JSON does, and more than a model can take: `NaN` and
+`Infinity` literals, and `\\ud800` escapes that decode to lone surrogates, text that no
+tokenizer can encode and no UTF-8 encoder can write back. `Body` refuses both, anywhere in a
+body, with a 422 naming the field. Error replies echo what the client sent, so they are built
+with `error_response`, which renders any content: a reply that failed to serialize would turn
+a client error into a 500 and close the connection under the next request.
+"""
+
+from __future__ import annotations
+
+import math
+import reprlib
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+#: How much of a bad value an error reply quotes, in characters.
+QUOTE_CHARS = 200
+
+_quote = reprlib.Repr()
+_quote.maxstring = _quote.maxother = QUOTE_CHARS
+_quote.maxlevel = 3
+
+
+class Body(BaseModel):
+    """Base of request bodies: unknown fields are ignored (OpenAI and SGLang clients send many);
+    non-finite numbers and lone surrogates are refused wherever they are."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _json_text_and_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        problem = first_invalid(value, info.field_name or "body")
+        if problem is not None:
+            raise PydanticCustomError("invalid_value", "{problem}", {"problem": problem})
+        return value
+
+
+def first_invalid(value: Any, path: str) -> str | None:
+    """Where `value` holds a lone surrogate or a non-finite number, said in words; else None.
+
+    Iterative, so a deeply nested value cannot exhaust the stack.
+    """
+    todo: list[tuple[str, Any]] = [(path, value)]
+    while todo:
+        where, item = todo.pop()
+        if isinstance(item, str):
+            bad = _surrogate_at(item)
+            if bad is not None:
+                return (f"{where} has a lone surrogate U+{ord(item[bad]):04X} at index {bad}, which is not "
+                        "Unicode text; send valid UTF-8 (a pair escaped as \\ud83d\\ude00, never one half)")
+        elif isinstance(item, float) and not math.isfinite(item):
+            return f"{where} is {item}; JSON numbers must be finite"
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                if isinstance(key, str) and _surrogate_at(key) is not None:
+                    return f"{where} has a key with a lone surrogate, {printable(key)!r}; send valid UTF-8"
+                if isinstance(sub, _CONTAINERS):
+                    todo.append((f"{where}.{key}", sub))
+        elif isinstance(item, list | tuple):
+            # ints, bools and None cannot be wrong: long token-id lists cost no paths
+            todo.extend((f"{where}[{i}]", sub) for i, sub in enumerate(item) if isinstance(sub, _CONTAINERS))
+    return None
+
+
+_CONTAINERS = (str, float, dict, list, tuple)
+
+
+def _surrogate_at(text: str) -> int | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def quote(value: Any) -> str:
+    """A short, printable rendering of a client's value for an error reply."""
+    return printable(_quote.repr(value))
+
+
+def printable(text: str) -> str:
+    """`text` with lone surrogates written as backslash escapes, so it encodes as UTF-8."""
+    return text if _surrogate_at(text) is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def validation_problems(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """pydantic's errors made safe to send: the location, message and type, the input quoted."""
+    out = []
+    for e in errors:
+        loc = [p if isinstance(p, int) else printable(str(p)) for p in e.get("loc", ())]
+        entry: dict[str, Any] = {"loc": loc, "msg": printable(str(e.get("msg", ""))), "type": str(e.get("type", ""))}
+        if "input" in e:
+            entry["input"] = quote(e["input"])
+        out.append(entry)
+    return out
+
+
+def location(problem: dict[str, Any]) -> str:
+    """Where in the body a validation problem is, dotted (`messages.0.content`)."""
+    return ".".join(str(p) for p in problem.get("loc", ()) if p != "body") or "body"
+
+
+def field_of(problem: dict[str, Any]) -> str | None:
+    """The top-level field a validation problem is about: OpenAI's `param`."""
+    fields = [p for p in problem.get("loc", ()) if p != "body"]
+    return str(fields[0]) if fields else None
+
+
+def error_response(status: int, body: dict[str, Any]) -> JSONResponse:
+    """A JSON reply that always serializes: non-finite numbers become strings, lone surrogates escapes."""
+    return JSONResponse(_safe(body), status_code=status)
+
+
+def _safe(value: Any) -> Any:
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {_safe(str(k)): _safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_safe(v) for v in value]
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    return printable(str(value))
