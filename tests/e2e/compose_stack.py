@@ -1,6 +1,6 @@
 """Drives one compose project of the CPU stack (`compose.yaml` + `compose.cpu.yaml`) for the e2e tier.
 
-`ComposeStack` wraps the compose CLI (`docker-compose` 1.29, or `docker compose`) with the
+`ComposeStack` wraps the compose CLI (`docker compose`, v2.24 or newer) with the
 project's name, files and env file, and answers what the tests ask: a service's container,
 health and restart count, its logs, `exec`, and `probe`: a script of this directory run with
 the container's own Python while the test goes on (`Probe` reads its output line by line).
@@ -10,8 +10,8 @@ The stack runs with compose.client.yaml on top, which publishes Redis on a loopb
 (REDIS_PORT): the test process is a tandem client, and a client needs Redis for train jobs.
 compose.yaml itself publishes the gateway only.
 
-Environment: TANDEM_COMPOSE (the compose command, default `docker-compose`, else
-`docker compose`), TANDEM_E2E_KEEP=1 (leave the stack up after the tests, for debugging).
+Environment: TANDEM_COMPOSE (the compose command, default `docker compose`),
+TANDEM_E2E_KEEP=1 (leave the stack up after the tests, for debugging).
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ def free_port() -> int:
 def compose_command() -> list[str]:
     if os.environ.get("TANDEM_COMPOSE"):
         return shlex.split(os.environ["TANDEM_COMPOSE"])
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
     return ["docker", "compose"]
 
 
@@ -75,6 +73,9 @@ class ComposeStack:
     env_file: Path
     gateway_url: str
     redis_url: str
+    redis_password: str
+    engine_admin_key: str
+    dashboard_url: str
     files: tuple[str, ...] = ("compose.yaml", "compose.cpu.yaml", "compose.client.yaml")
     timings: dict[str, float] = field(default_factory=dict)
 

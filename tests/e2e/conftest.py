@@ -27,23 +27,27 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         pytest.skip("no docker engine answers (images/install-docker.sh installs and starts one)")
     subprocess.run(["images/build-base.sh"], cwd=ROOT, check=True, timeout=900)
     workdir = tmp_path_factory.mktemp("compose")
-    gateway_port, redis_port = free_port(), free_port()
+    gateway_port, redis_port, dashboard_port = free_port(), free_port(), free_port()
     env_file = workdir / ".env"
-    password = secrets.token_hex(16)
+    password, admin_key = secrets.token_hex(16), secrets.token_hex(16)
     env_file.write_text(
-        f"REDIS_PASSWORD={password}\nGATEWAY_PORT={gateway_port}\nREDIS_PORT={redis_port}\n"
+        f"REDIS_PASSWORD={password}\nENGINE_ADMIN_KEY={admin_key}\nGATEWAY_PORT={gateway_port}\n"
+        f"REDIS_PORT={redis_port}\nRQ_DASHBOARD_PORT={dashboard_port}\n"
     )
     s = ComposeStack(
         project=f"tandem-e2e-{os.getpid()}",
         env_file=env_file,
         gateway_url=f"http://127.0.0.1:{gateway_port}",
         redis_url=f"redis://:{password}@127.0.0.1:{redis_port}/0",
+        redis_password=password,
+        engine_admin_key=admin_key,
+        dashboard_url=f"http://127.0.0.1:{dashboard_port}",
     )
     failed_before = request.session.testsfailed
     started = False
     try:
         t0 = time.monotonic()
-        s.compose("build", timeout_s=1200)
+        s.compose("--profile", "monitoring", "build", timeout_s=1200)
         s.timings["build_s"] = time.monotonic() - t0
         t0 = time.monotonic()
         s.compose("up", "-d", timeout_s=600)
@@ -66,4 +70,5 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         if os.environ.get("TANDEM_E2E_KEEP") == "1":
             print(f"TANDEM_E2E_KEEP=1: leaving {s.project} up (env file {env_file})")
         else:
-            s.compose("down", "-v", "--remove-orphans", "-t", "30", check=False, timeout_s=300)
+            s.compose("--profile", "monitoring", "down", "-v", "--remove-orphans", "-t", "30", check=False,
+                      timeout_s=300)

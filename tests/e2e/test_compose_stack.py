@@ -6,6 +6,7 @@ what the ones before it left (the run `digits` at version STEPS, ...).
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import time
@@ -285,3 +286,64 @@ def test_restarted_redis_keeps_the_registry_and_queued_jobs(stack: ComposeStack,
     # The inference side survived the Redis restart too: it follows the stream and loads v{STEPS+2}.
     wait_for(lambda: serving(stack, "digits") == STEPS + 2, 90, f"the gateway to serve digits v{STEPS + 2}")
     stack.wait_healthy()
+
+
+ADMIN_PROBE = """
+import json, sys, urllib.error, urllib.request
+def post(path, body, key=None):
+    headers = {"Content-Type": "application/json", **({"Authorization": "Bearer " + key} if key else {})}
+    req = urllib.request.Request("http://engine:30000" + path, json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+key = sys.argv[1]
+print(json.dumps([post("/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"}),
+                  post("/release_memory_occupation", {}),
+                  post("/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"}, key),
+                  post("/update_weights_from_disk", {"model_path": "/adapters"}, key)]))
+"""
+
+
+def process_of(stack: ComposeStack, container: str) -> tuple[str, str]:
+    """The uid and command line of a container's main process (PID 1)."""
+    out = stack.docker("exec", container, "sh", "-c", "awk '/^Uid:/ {print $2}' /proc/1/status; tr '\\0' ' ' < /proc/1/cmdline")
+    uid, cmdline = out.split("\n", 1)
+    return uid.strip(), cmdline
+
+
+def test_nothing_is_open_by_default(stack: ComposeStack) -> None:
+    # Redis runs as the redis user, its password on no command line (`ps` on the host shows those).
+    uid, cmdline = process_of(stack, stack.container("redis"))
+    assert uid != "0" and "redis-server" in cmdline and stack.redis_password not in cmdline, (uid, cmdline)
+    # An image that starts as root, as the official one does, drops to redis the same way.
+    root_run = stack.compose("run", "-d", "--no-deps", "-u", "0", "redis", "--dir", "/tmp", "--appendonly", "no")
+    one_off = root_run.stdout.strip().splitlines()[-1]
+    try:
+        wait_for(lambda: "PONG" in stack.docker("exec", one_off, "redis-cli", "ping"), 30, "the root-started Redis")
+        uid, cmdline = process_of(stack, one_off)
+        assert uid != "0" and stack.redis_password not in cmdline, (uid, cmdline)
+        assert "NOAUTH" in stack.docker("exec", "-e", "REDISCLI_AUTH=", one_off, "redis-cli", "ping")
+    finally:
+        stack.docker("rm", "-f", one_off)
+
+    # The engine's admin routes need the admin key, also from inside the compose network, and
+    # even with it read only from the adapter volume (adapters) and /models (weights).
+    replies = [tuple(r) for r in json.loads(stack.exec("trainer", "python", "-c", ADMIN_PROBE, stack.engine_admin_key))]
+    assert [code for code, _ in replies] == [401, 401, 400, 400], replies
+    assert "'/etc' is outside" in replies[2][1] and "/adapters" in replies[2][1]
+    assert "'/adapters' is outside" in replies[3][1] and "/models" in replies[3][1]
+
+    # Published beyond loopback without GATEWAY_API_KEY, the inference service refuses to start.
+    refused = stack.compose("run", "--rm", "--no-deps", "-e", "TANDEM_GATEWAY__PUBLISHED_HOST=0.0.0.0",
+                            "inference", check=False, timeout_s=120)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "TANDEM_GATEWAY__ALLOW_UNAUTHENTICATED" in refused.stdout + refused.stderr
+
+    # rq-dashboard: an image built once, an unprivileged user, the Redis URL not on its command line.
+    stack.compose("--profile", "monitoring", "up", "-d", "rq-dashboard", timeout_s=300)
+    wait_for(lambda: httpx.get(stack.dashboard_url, timeout=3).status_code == 200, 60, "rq-dashboard to answer")
+    uid, cmdline = process_of(stack, stack.container("rq-dashboard"))
+    assert uid != "0" and "rq-dashboard" in cmdline and stack.redis_password not in cmdline, (uid, cmdline)
+    assert "trainer" in httpx.get(f"{stack.dashboard_url}/0/data/workers.json", timeout=10).text

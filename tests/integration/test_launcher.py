@@ -1,11 +1,21 @@
-"""The launcher supervises a real engine process: restart on death, reload, no orphans left."""
+"""The launcher supervises a real engine process: restart on death, reload, no orphans left.
+
+The engine never outlives the inference service: tests run the service itself
+(`python -m tandem_inference.main`) with a stand-in engine in place of SGLang, a small HTTP
+server that records how it ended, and stop it by SIGTERM, SIGINT and SIGKILL.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -16,6 +26,71 @@ from tandem.settings import EngineSettings, InferenceSettings
 from tandem_inference.launcher import EngineBootError, Launcher
 
 pytestmark = pytest.mark.integration
+
+#: Stands in for `python -m sglang.launch_server ...`: serves GET /health on --port, writes
+#: "started PID" and then the name of the signal that ends it into $STAND_IN_RECORD.
+STAND_IN = """
+import http.server, os, signal, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+record = os.environ["STAND_IN_RECORD"]
+
+def note(line):
+    with open(record, "a") as f:
+        f.write(line + "\\n")
+
+def on_signal(signum, frame):
+    note(signal.Signals(signum).name)
+    sys.exit(0)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+signal.signal(signal.SIGTERM, on_signal)
+signal.signal(signal.SIGINT, on_signal)
+server = http.server.HTTPServer(("127.0.0.1", port), Health)
+note(f"started {os.getpid()}")
+server.serve_forever()
+"""
+
+
+@pytest.fixture
+def stand_in(tmp_path: Path) -> Path:
+    """An executable that takes SGLang's command line (`PY -m sglang.launch_server ...`)."""
+    script = tmp_path / "stand_in_engine.py"
+    script.write_text(STAND_IN)
+    exe = tmp_path / "engine-python"
+    exe.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {script} "$@"\n')  # drops `-m sglang.launch_server`
+    exe.chmod(0o755)
+    return exe
+
+
+def recorded(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def reap() -> Iterator[list[int]]:
+    """Pids a test started indirectly; whatever of them is left is killed afterwards."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def alive(pid: int) -> bool:
@@ -79,3 +154,114 @@ async def test_restarts_are_bounded(tiny_model: Path, tmp_path: Path) -> None:
     finally:
         launcher.stop()
         await http.aclose()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+def test_the_engine_ends_with_the_inference_service(
+    sig: signal.Signals, stand_in: Path, tiny_model: Path, redis_url: str, tmp_path: Path, reap: list[int]
+) -> None:
+    record = tmp_path / "engine.record"
+    gateway = free_port()
+    env = {**os.environ, "STAND_IN_RECORD": str(record), "TANDEM_ENGINE__KIND": "sglang",
+           "TANDEM_ENGINE__SGLANG_PYTHON": str(stand_in), "TANDEM_ENGINE__URL": f"http://127.0.0.1:{free_port()}",
+           "TANDEM_ENGINE__MODEL": str(tiny_model), "TANDEM_ENGINE__BOOT_TIMEOUT_S": "60",
+           "TANDEM_GPUS__MODE": "cpu", "TANDEM_REDIS__URL": redis_url,
+           "TANDEM_STORE__ROOT": str(tmp_path / "adapters"), "TANDEM_GATEWAY__PORT": str(gateway)}
+    with (tmp_path / "service.log").open("wb") as out:
+        service = subprocess.Popen([sys.executable, "-m", "tandem_inference.main"], env=env, stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    reap.append(service.pid)
+    try:
+        wait_until(lambda: recorded(record) or service.poll() is not None, 120, "the engine to start")
+        engine = int(recorded(record)[0].split()[1])
+        reap.append(engine)
+
+        def serving() -> bool:
+            assert service.poll() is None, (tmp_path / "service.log").read_text()[-3000:]
+            try:
+                return httpx.get(f"http://127.0.0.1:{gateway}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(serving, 120, "the gateway to serve")
+        os.kill(service.pid, sig)
+        service.wait(60)
+        wait_until(lambda: not alive(engine), 30, f"the engine to end after the service got {sig.name}")
+        # SIGTERM and SIGINT: the service stopped the engine; SIGKILL: the kernel killed it
+        expected = ["SIGTERM"] if sig != signal.SIGKILL else []
+        assert recorded(record)[1:] == expected, recorded(record)
+        assert not (tmp_path / "logs" / "sglang.pid").exists() or sig == signal.SIGKILL
+    finally:
+        if service.poll() is None:
+            service.kill()
+            service.wait(10)
+
+
+def stand_in_launcher(stand_in: Path, tmp_path: Path, port: int, record: Path) -> tuple[Launcher, httpx.AsyncClient]:
+    settings = InferenceSettings(engine=EngineSettings(kind="sglang", url=f"http://127.0.0.1:{port}",
+                                                       sglang_python=str(stand_in), boot_timeout_s=60))
+    # a helper process in the engine's group stands in for SGLang's scheduler
+    argv = ["sh", "-c", f'sleep 600 & exec {stand_in} -m sglang.launch_server --port {port}']
+    http = httpx.AsyncClient()
+    launcher = Launcher(settings, http, argv=argv, env={**os.environ, "STAND_IN_RECORD": str(record)},
+                        log_path=tmp_path / "engine.log", pid_path=tmp_path / "run" / "engine.pid")
+    return launcher, http
+
+
+def group_members(pgid: int) -> list[int]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,pgid=,stat="], capture_output=True, text=True).stdout
+    return [int(p) for p, g, st in (line.split() for line in out.splitlines()) if int(g) == pgid and not st.startswith("Z")]
+
+
+async def test_an_engine_left_by_a_previous_run_is_killed_before_a_new_one_starts(
+    stand_in: Path, tmp_path: Path, reap: list[int]
+) -> None:
+    port = free_port()
+    previous, http1 = stand_in_launcher(stand_in, tmp_path, port, tmp_path / "previous.record")
+    current, http2 = stand_in_launcher(stand_in, tmp_path, port, tmp_path / "current.record")
+    try:
+        await previous.start()  # and never stopped: as if its service had died without a word
+        group = previous.proc.pid
+        reap.append(group)
+        assert len(group_members(group)) == 2  # the engine and its helper
+        assert json.loads((tmp_path / "run" / "engine.pid").read_text())["pid"] == group
+        await current.start()
+        reap.append(current.proc.pid)
+        assert group_members(group) == [], "the previous engine's process group was left running"
+        assert previous.proc.wait(10) == -signal.SIGKILL
+        assert (await http2.get(f"http://127.0.0.1:{port}/health")).status_code == 200
+        assert json.loads((tmp_path / "run" / "engine.pid").read_text())["pid"] == current.proc.pid
+        current.stop()
+        assert not (tmp_path / "run" / "engine.pid").exists()
+    finally:
+        current.stop()
+        await http1.aclose()
+        await http2.aclose()
+
+
+def test_a_pid_file_naming_another_process_kills_nothing(stand_in: Path, tmp_path: Path, reap: list[int]) -> None:
+    other = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    reap.append(other.pid)
+    launcher, _ = stand_in_launcher(stand_in, tmp_path, free_port(), tmp_path / "record")
+    pid_file = tmp_path / "run" / "engine.pid"
+    pid_file.parent.mkdir()
+    pid_file.write_text(json.dumps({"pid": other.pid, "start_time": 1, "argv": ["python3", "-m", "sglang"]}))
+    launcher.reap_leftover()
+    assert other.poll() is None, "a process that only reuses the recorded pid was killed"
+    assert not pid_file.exists()
+    other.kill()
+    other.wait(10)
+
+
+async def test_a_port_in_use_by_another_process_is_named(stand_in: Path, tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        launcher, http = stand_in_launcher(stand_in, tmp_path, port, tmp_path / "record")
+        try:
+            with pytest.raises(EngineBootError, match=f"port {port} .* in use"):
+                await launcher.start()
+            assert launcher.proc is None
+        finally:
+            await http.aclose()

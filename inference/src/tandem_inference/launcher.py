@@ -6,15 +6,23 @@ command line from settings, starts it, waits until it is healthy, and supervises
 the process dies (or the controller asks, e.g. after an unload that hung), it starts it
 again and calls `on_restart`, so the controller reloads the versions that were serving.
 Restarts are bounded (`max_restarts` within `restart_window_s`).
+
+The engine never outlives the service: `stop()` ends its whole process group; if the service
+itself dies without stopping it (a crash, SIGKILL), the kernel kills the engine
+(PR_SET_PDEATHSIG, set by a small guard that then execs the engine); and anything of an engine
+that a previous run left behind (named by the pid file) is killed before a new one starts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -31,6 +39,57 @@ log = logging.getLogger("tandem.launcher")
 
 class EngineBootError(TandemError):
     """SGLang did not become healthy, or crashed more often than allowed."""
+
+
+#: Runs before the engine's own command, in the engine's process: it asks the kernel to SIGKILL
+#: the engine when the thread that started it ends (the service crashed or was killed), checks
+#: that this thread is still there (it may have died before the request took effect), then
+#: execs the engine, which keeps the request (it survives exec). SGLang's scheduler and
+#: detokenizer ask the same of their parent, the engine, so they follow it. Linux only.
+_GUARD = (
+    "import ctypes, os, signal, sys\n"
+    "if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:\n"  # PR_SET_PDEATHSIG
+    "    sys.exit(f'engine guard: prctl failed (errno {ctypes.get_errno()})')\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('engine guard: the service that started this engine is gone')\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def guarded(argv: list[str]) -> list[str]:
+    """`argv` run through the guard, so that the engine dies with the process that starts it."""
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    return [sys.executable, "-c", _GUARD, str(os.getpid()), *argv]
+
+
+def _shown(argv: list[str]) -> list[str]:
+    """The command line with the admin key replaced by '***', for logs and the pid file."""
+    return [a if prev != "--admin-api-key" else "***" for prev, a in zip(["", *argv], argv, strict=False)]
+
+
+def _start_time(pid: int) -> int | None:
+    """When the process started (clock ticks after boot, /proc/PID/stat field 22); None if gone.
+
+    A pid names one process only together with its start time: pids are reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) is in parentheses and may hold spaces: split after it
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _port_taken(host: str, port: int) -> bool:
+    """Whether something listens on host:port (a bind with SO_REUSEADDR fails only then)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def sglang_argv(settings: InferenceSettings) -> list[str]:
@@ -90,6 +149,7 @@ class Launcher:
         argv: list[str] | None = None,
         env: dict[str, str] | None = None,
         log_path: Path | None = None,
+        pid_path: Path | None = None,
         on_restart: Callable[[], Awaitable[None]] | None = None,
         health_poll_s: float = 0.5,
     ) -> None:
@@ -98,6 +158,7 @@ class Launcher:
         self.argv = argv or sglang_argv(settings)
         self.env = env or sglang_env(settings)
         self.log_path = log_path
+        self.pid_path = pid_path  # names the running engine, for the next run to reap if this one cannot
         self.on_restart = on_restart
         self.health_poll_s = health_poll_s  # pause between /health probes while booting
         self.proc: subprocess.Popen[bytes] | None = None
@@ -112,15 +173,23 @@ class Launcher:
     async def start(self) -> float:
         """Start the engine and wait until it is healthy; returns the boot time in seconds."""
         t0 = time.monotonic()
+        self.reap_leftover()
+        url = urlparse(self.url)
+        host, port = url.hostname or "127.0.0.1", url.port or 30000
+        if _port_taken(host, port):
+            raise EngineBootError(
+                f"port {port} of engine.url {self.url} is in use by a process this launcher did not start; "
+                f"stop it (`fuser {port}/tcp` names it) or set TANDEM_ENGINE__URL to a free port"
+            )
         out = self.log_path.open("ab") if self.log_path else None
-        shown = [a if prev != "--admin-api-key" else "***" for prev, a in zip(["", *self.argv], self.argv, strict=False)]
-        log.info("starting engine: %s", " ".join(shown))
+        log.info("starting engine: %s", " ".join(_shown(self.argv)))
         self.proc = subprocess.Popen(
-            self.argv, env=self.env, stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            guarded(self.argv), env=self.env, stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         if out:
             out.close()
+        self._write_pid()
         await self.wait_healthy(self.settings.engine.boot_timeout_s)
         self.boot_s = time.monotonic() - t0
         log.info("engine healthy in %.1f s (pid %d)", self.boot_s, self.proc.pid)
@@ -141,6 +210,49 @@ class Launcher:
                 pass
             await asyncio.sleep(self.health_poll_s)
         raise EngineBootError(f"engine at {self.url} not healthy after {timeout_s:.0f} s; see {self.log_path}")
+
+    def _write_pid(self) -> None:
+        if self.pid_path is None or self.proc is None:
+            return
+        record = {"pid": self.proc.pid, "start_time": _start_time(self.proc.pid), "argv": _shown(self.argv)}
+        self.pid_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.pid_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.replace(self.pid_path)
+
+    def reap_leftover(self, timeout_s: float = 30.0) -> None:
+        """Kill the engine a previous run of this service left running, as its pid file names it.
+
+        The pid file holds the engine's pid (its process group: it leads one) and start time. The
+        group is killed when its leader is that very process (same start time), or when the
+        leader is gone but members are left (a group id is not reused while the group has
+        members). A pid reused by an unrelated process is left alone.
+        """
+        if self.pid_path is None:
+            return
+        try:
+            record = json.loads(self.pid_path.read_text())
+            pid, started = int(record["pid"]), record["start_time"]
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring unreadable engine pid file %s: %s", self.pid_path, exc)
+            self.pid_path.unlink(missing_ok=True)
+            return
+        now = _start_time(pid)
+        if now is not None and now != started:
+            log.info("pid %d of %s is another process now; nothing to reap", pid, self.pid_path)
+        else:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # the engine and everything it started are gone
+            else:
+                log.warning("killed engine process group %d left by a previous run (%s)", pid, record.get("argv"))
+                deadline = time.monotonic() + timeout_s
+                while _group_alive(pid) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        self.pid_path.unlink(missing_ok=True)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -198,7 +310,21 @@ class Launcher:
             pass
         if self.proc.poll() is None:
             self.proc.wait(10)
+        if self.pid_path is not None:
+            self.pid_path.unlink(missing_ok=True)
 
     def stop(self) -> None:
         self._stopping = True
         self.terminate()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process is in process group `pgid`, read from /proc."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited while we looked
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields 3 (state) and 5 (process group)
+            return True
+    return False

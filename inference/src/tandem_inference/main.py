@@ -13,20 +13,23 @@ supervises it (`tandem_inference.launcher`); with `transformers` the engine runs
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
+from types import FrameType
 
-from tandem.errors import TandemError
-from tandem.settings import InferenceSettings
+from tandem.errors import ConfigError, TandemError
+from tandem.settings import GatewaySettings, InferenceSettings
 
 log = logging.getLogger("tandem.inference")
 
 
 async def serve(settings: InferenceSettings) -> None:
-    """Build every part around one httpx client and serve the gateway until stopped."""
+    """Build every part around the engine's two connection pools and serve the gateway until stopped."""
     import httpx
     import uvicorn
     from transformers import AutoTokenizer
@@ -34,8 +37,8 @@ async def serve(settings: InferenceSettings) -> None:
     from tandem.adapters import AdapterStore
     from tandem.registry import Registry
     from tandem_inference.controller import Controller
-    from tandem_inference.engine_client import EngineClient
-    from tandem_inference.gateway import create_gateway_app
+    from tandem_inference.engine_client import ADMIN_CONNECTIONS, EngineClient, pool_limits
+    from tandem_inference.gateway import MAX_N, create_gateway_app
     from tandem_inference.launcher import Launcher
     from tandem_inference.routing import RoutingTable
     from tandem_inference.sharing import Admission, GpuSharing
@@ -44,34 +47,42 @@ async def serve(settings: InferenceSettings) -> None:
     tokenizer = AutoTokenizer.from_pretrained(settings.engine.model)
     log.info("tokenizer of %s loaded in %.1f s", settings.engine.model, time.monotonic() - t0)
     conn = settings.redis.connect()
-    async with httpx.AsyncClient() as http:
-        engine = EngineClient.from_settings(http, settings.engine)
+    # Rollouts and admin calls (loads, unloads, health) in pools of their own: the controller's
+    # calls never wait behind rollouts. The rollout pool has a connection for every engine call
+    # the gateway admits (n calls per request with gateway.fan_out_n, one without).
+    generate_calls = max(settings.gateway.max_in_flight_sequences, MAX_N)
+    async with (
+        httpx.AsyncClient(limits=pool_limits(generate_calls)) as rollouts,
+        httpx.AsyncClient(limits=pool_limits(ADMIN_CONNECTIONS)) as http,
+    ):
+        engine = EngineClient.from_settings(rollouts, settings.engine, admin_http=http)
         table = RoutingTable(settings.engine.served_model_name)
         store = AdapterStore(settings.store.root)
         launcher = None
-        if settings.engine.kind == "sglang":
-            log_dir = Path(settings.store.root).parent / "logs"
-            log_dir.mkdir(parents=True, exist_ok=True)
-            launcher = Launcher(settings, http, log_path=log_dir / "sglang.log")
-            await launcher.start()
-        controller = Controller(settings, conn, engine, store, table,
-                                restart_engine=launcher.restart if launcher else None)
-        if launcher is not None:
-            launcher.on_restart = controller.reconcile
-        background = []
-        admission = None
-        if launcher is not None:
-            background.append(launcher.supervise)
-        if settings.gpus.mode == "shared":
-            admission = Admission()
-            background.append(GpuSharing(settings, conn, engine, table, admission).run)
-        app = create_gateway_app(settings, engine=engine, table=table, tokenizer=tokenizer,
-                                 registry=Registry(conn), controller=controller,
-                                 metrics=controller.metrics.registry, admission=admission,
-                                 background=background)
-        config = uvicorn.Config(app, host=settings.gateway.host, port=settings.gateway.port,
-                                log_level="info", lifespan="on")
-        try:
+        try:  # the engine stops with this service, whatever ends it (see main() for signals)
+            if settings.engine.kind == "sglang":
+                log_dir = Path(settings.store.root).parent / "logs"
+                log_dir.mkdir(parents=True, exist_ok=True)
+                launcher = Launcher(settings, http, log_path=log_dir / "sglang.log",
+                                    pid_path=log_dir / "sglang.pid")
+                await launcher.start()
+            controller = Controller(settings, conn, engine, store, table,
+                                    restart_engine=launcher.restart if launcher else None)
+            if launcher is not None:
+                launcher.on_restart = controller.reconcile
+            background = []
+            admission = None
+            if launcher is not None:
+                background.append(launcher.supervise)
+            if settings.gpus.mode == "shared":
+                admission = Admission()
+                background.append(GpuSharing(settings, conn, engine, table, admission).run)
+            app = create_gateway_app(settings, engine=engine, table=table, tokenizer=tokenizer,
+                                     registry=Registry(conn), controller=controller,
+                                     metrics=controller.metrics.registry, admission=admission,
+                                     background=background)
+            config = uvicorn.Config(app, host=settings.gateway.host, port=settings.gateway.port,
+                                    log_level="info", lifespan="on")
             await uvicorn.Server(config).serve()
         finally:
             if launcher is not None:
@@ -79,12 +90,50 @@ async def serve(settings: InferenceSettings) -> None:
     conn.close()
 
 
+def check_exposure(settings: GatewaySettings) -> None:
+    """Refuse a gateway reachable beyond loopback without an API key, unless allowed outright.
+
+    In a container the gateway binds 0.0.0.0 and the host publishes its port: `published_host`
+    (compose sets it from GATEWAY_BIND) is then the address that counts.
+    """
+    host = settings.published_host or settings.host
+    has_key = settings.api_key is not None and bool(settings.api_key.get_secret_value())
+    if has_key or settings.allow_unauthenticated or _is_loopback(host):
+        return
+    field = "gateway.published_host" if settings.published_host else "gateway.host"
+    raise ConfigError(
+        f"the gateway would serve {host!r} ({field}) without an API key: set TANDEM_GATEWAY__API_KEY "
+        "(GATEWAY_API_KEY in the compose .env), bind to 127.0.0.1, or set "
+        "TANDEM_GATEWAY__ALLOW_UNAUTHENTICATED=true to serve anyone who can reach it"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve beyond loopback
+
+
+def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
     settings = InferenceSettings()
     log.info("settings: %s", json.dumps(settings.redacted(), sort_keys=True))
+    # NOTE: uvicorn (0.54) shuts down gracefully on SIGTERM, then restores the handler it found and
+    # raises the signal again. With the default handler that kills the process on the spot, so no
+    # `finally` after serve() would run and the engine would be left running. This handler turns
+    # SIGTERM into SystemExit, which unwinds serve() and stops the engine, also when SIGTERM comes
+    # before uvicorn has started (while the engine boots). SIGINT already unwinds (KeyboardInterrupt).
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
+        check_exposure(settings.gateway)
         asyncio.run(serve(settings))
     except KeyboardInterrupt:
         pass

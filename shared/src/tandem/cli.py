@@ -4,6 +4,9 @@
     tandem settings trainer|inference|client            resolved settings, secrets redacted
     tandem settings --markdown                          the configuration reference (docs/configuration.md)
     tandem status [RUN]                                 runs, versions, what serves
+
+Expected failures (Redis away, a port taken, an unknown run) print one line that says what
+to do, and the command exits with 1.
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ import logging
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from tandem.settings import SERVICES, ClientSettings, settings_markdown
+from pydantic import ValidationError
+
+from tandem.errors import BackendUnavailable, ConfigError, TandemError
+from tandem.settings import LOCAL_STACK_ENV, SERVICES, ClientSettings, redact_url, settings_markdown
 
 TINY_MODEL = ".tandem/models/tiny"
 
@@ -26,7 +31,13 @@ def ensure_tiny_model(path: str) -> None:
     """Build the tiny model with the trainer package (which has torch) if it is missing."""
     if (Path(path) / "config.json").exists():
         return
-    subprocess.run([sys.executable, "-m", "tandem_trainer.tiny_model", path], check=True)
+    try:
+        subprocess.run([sys.executable, "-m", "tandem_trainer.tiny_model", path], check=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise ConfigError(
+            f"could not build the tiny model at {path} ({exc}); is tandem-trainer installed (`make install`)? "
+            "or pass --model PATH"
+        ) from exc
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -36,28 +47,42 @@ def cmd_up(args: argparse.Namespace) -> int:
         ensure_tiny_model(args.model)
     stack = Stack(StackConfig(state_dir=Path(args.state_dir), model=args.model, gateway_port=args.gateway_port,
                               redis_port=args.redis_port))
-    stack.start()
-    print(f"tandem is up: gateway {stack.gateway_url}, redis {stack.redis_url}, logs in {stack.logs}")
-    print("Ctrl-C stops every service.")
-    stopping = False
-
-    def _stop(*_: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # both stop the stack, even where a shell ignored SIGINT (`&`)
+        signal.signal(sig, _interrupt)
     try:
-        while not stopping:
-            for svc in stack.services:
-                if svc.proc is not None and svc.proc.poll() is not None:
-                    print(f"{svc.name} exited with code {svc.proc.returncode}; see {svc.log_path}", file=sys.stderr)
-                    stopping = True
-            time.sleep(0.5)
+        stack.start()
+        client_env = stack.state / "client.env"
+        if client_env == Path(LOCAL_STACK_ENV).resolve():
+            found = f"tandem.Client() and `tandem status` run from this directory use both ({LOCAL_STACK_ENV})"
+        else:
+            found = f"{_shown_path(client_env)} has both: `set -a; . {_shown_path(client_env)}; set +a` exports them"
+        print(f"tandem is up (logs in {_shown_path(stack.logs)}):\n"
+              f"  gateway  {stack.gateway_url}\n"
+              f"  redis    {stack.redis_url}\n"
+              f"{found};\n"
+              f"elsewhere: Client({stack.gateway_url!r}, {stack.redis_url!r}).\n"
+              "A service that dies is started again. Ctrl-C stops every service.", flush=True)
+        stack.supervise(lambda: False)
+    except KeyboardInterrupt:
+        pass
     finally:
-        print("stopping ...")
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the stop short
+            signal.signal(sig, signal.SIG_IGN)
+        if stack.services:
+            print("stopping ...", file=sys.stderr)
         stack.stop()
     return 0
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _shown_path(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def cmd_settings(args: argparse.Namespace) -> int:
@@ -74,8 +99,17 @@ def cmd_settings(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from tandem.registry import Registry
 
-    reg = Registry(ClientSettings().redis.connect())
-    for name in [args.run] if args.run else reg.list_runs():
+    settings = ClientSettings()
+    try:
+        reg = Registry(settings.redis.connect())
+    except BackendUnavailable as exc:
+        raise BackendUnavailable(
+            f"{exc} (`tandem up` writes its Redis URL to {LOCAL_STACK_ENV}, read from this directory)"
+        ) from exc
+    names = [args.run] if args.run else reg.list_runs()
+    if not names:
+        print(f"no runs yet in Redis at {redact_url(settings.redis.url)}")
+    for name in names:
         spec = reg.get_run(name)
         print(f"{name}: base {spec.base_model}, latest v{reg.latest_version(name)}, serving v{reg.serving(name)}")
     return 0
@@ -101,7 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("run", nargs="?")
     status.set_defaults(func=cmd_status)
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except TandemError as exc:
+        print(f"tandem {args.cmd}: {exc}", file=sys.stderr)
+    except ValidationError as exc:  # settings from the environment that do not parse
+        print(f"tandem {args.cmd}: invalid settings: {exc}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

