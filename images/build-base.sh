@@ -1,19 +1,33 @@
 #!/usr/bin/env bash
-# Prepare what the CPU images build from, without a container registry:
+# Prepare what the images build from, without a container registry:
 #   1. images/local/ (git-ignored): the build host's CA bundle (containers here reach PyPI only
 #      with it) and a torch wheel from this host's pip (the CPU build when pip finds one on
 #      local disk; without a wheel the images take TORCH_SPEC from PyPI);
-#   2. the base image, Debian bookworm made with debootstrap and imported into docker.
+#   2. the base image, made with debootstrap and imported into docker: Debian bookworm (Python
+#      3.11) for the CPU images, or with SUITE=noble Ubuntu 24.04 (Python 3.12) for the GPU images.
 # Idempotent: each part is skipped when present.
-#   images/build-base.sh [TAG]      TAG defaults to tandem-base:bookworm
-# Env: DEBIAN_MIRROR (default http://deb.debian.org/debian), FORCE=1 remakes the base,
-#      TORCH_SPEC (default torch==2.13.0), PIP (default: .venv/bin/pip, else pip3).
+#   images/build-base.sh [TAG]                        TAG defaults to tandem-base:bookworm
+#   SUITE=noble images/build-base.sh tandem-base:noble  # what `make images STACK=gpu` runs
+# Env: SUITE (bookworm or noble), DEBIAN_MIRROR (default http://deb.debian.org/debian; for noble
+#      UBUNTU_MIRROR, default http://archive.ubuntu.com/ubuntu, checked with the keyring of the
+#      `ubuntu-keyring` package), FORCE=1 remakes the base, TORCH_SPEC (default torch==2.13.0;
+#      empty: fetch no wheel), PIP (default: .venv/bin/pip, else pip3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-tag="${1:-tandem-base:bookworm}"
+suite="${SUITE:-bookworm}"
+tag="${1:-tandem-base:$suite}"
 mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
-torch_spec="${TORCH_SPEC:-torch==2.13.0}"
+debootstrap_args=(--variant=minbase)
+if [[ "$suite" == noble ]]; then
+  # Ubuntu: its own mirror and keyring, main and universe (python3-venv); older
+  # debootstrap releases know noble only through the script all Ubuntu suites share.
+  mirror="${UBUNTU_MIRROR:-http://archive.ubuntu.com/ubuntu}"
+  keyring=/usr/share/keyrings/ubuntu-archive-keyring.gpg
+  [[ -s "$keyring" ]] || { echo "build-base: $keyring missing: install the ubuntu-keyring package" >&2; exit 1; }
+  debootstrap_args+=(--keyring="$keyring" --components=main,universe)
+fi
+torch_spec="${TORCH_SPEC-torch==2.13.0}"   # set and empty: no wheel (the GPU images never use one)
 local_dir=images/local
 
 # 1. local build inputs ----------------------------------------------------------
@@ -24,7 +38,7 @@ for ca in /etc/ssl/certs/ca-certificates.crt /etc/pki/tls/certs/ca-bundle.crt; d
     break
   fi
 done
-if ! compgen -G "$local_dir/wheels/torch-*.whl" >/dev/null; then
+if [[ -n "$torch_spec" ]] && ! compgen -G "$local_dir/wheels/torch-*.whl" >/dev/null; then
   pip="${PIP:-}"
   [[ -n "$pip" ]] || { [[ -x .venv/bin/pip ]] && pip=.venv/bin/pip; } || pip=pip3
   echo "build-base: fetching a $torch_spec wheel with $pip (local disk first)"
@@ -43,8 +57,10 @@ command -v debootstrap >/dev/null || { echo "build-base: debootstrap missing (im
 root="$(mktemp -d /tmp/tandem-base.XXXXXX)"
 trap 'rm -rf "$root"' EXIT
 t0=$SECONDS
-echo "build-base: debootstrap bookworm into $root"
-debootstrap --variant=minbase bookworm "$root" "$mirror" >"$root.log" 2>&1 || { tail -20 "$root.log" >&2; exit 1; }
+echo "build-base: debootstrap $suite into $root"
+script=()
+[[ "$suite" == noble && ! -e /usr/share/debootstrap/scripts/noble ]] && script=(/usr/share/debootstrap/scripts/gutsy)
+debootstrap "${debootstrap_args[@]}" "$suite" "$root" "$mirror" "${script[@]}" >"$root.log" 2>&1 || { tail -20 "$root.log" >&2; exit 1; }
 rm -f "$root.log"
 # Keep the image small: no apt lists or caches.
 rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/archives/*.deb

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# CI helper: make `docker compose` (v2) available beside docker-compose 1.29, so the e2e tier
-# runs with both CLIs. Debian bookworm ships only 1.29; Debian trixie's docker-compose package
-# is v2 (a static Go plugin; seen running on bookworm): this finds it in trixie's Packages index,
-# checks the download against the index's sha256 (a check against corruption; the index itself
-# is not signature-checked) and installs the plugin for the current user. Idempotent.
+# CI helper: make `docker compose` (v2, which tandem's compose files need: 2.24 or newer for
+# `!reset`) available. Debian bookworm ships only docker-compose 1.29; Debian trixie's
+# docker-compose package is v2 (a static Go plugin; seen running on bookworm): this finds it
+# in trixie's Packages index, checks the download against the index's sha256 (a check against
+# corruption; the index itself is not signature-checked) and installs the plugin for the
+# current user. Idempotent.
 #   images/install-compose-v2.sh      # then: docker compose version
 set -euo pipefail
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# CI helper: make a docker engine answer. Installs docker.io, docker-compose (1.29) and
-# debootstrap from Debian/Ubuntu when they are missing, and starts dockerd in the background
-# when no engine answers; waits until it does. Needs root. Idempotent.
+# CI helper: make a docker engine answer. Installs docker.io and debootstrap from Debian/Ubuntu
+# when they are missing, and starts dockerd in the background when no engine answers; waits
+# until it does. Needs root. Idempotent. Docker Compose v2: images/install-compose-v2.sh.
 #   images/install-docker.sh        # dockerd's log: /tmp/dockerd.log (DOCKERD_LOG)
 set -euo pipefail
 
@@ -9,7 +9,6 @@ log="${DOCKERD_LOG:-/tmp/dockerd.log}"
 need=()
 command -v docker >/dev/null || need+=(docker.io)
 command -v dockerd >/dev/null || need+=(docker.io)
-command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 || need+=(docker-compose)
 command -v debootstrap >/dev/null || need+=(debootstrap)
 if ((${#need[@]})); then
   echo "install-docker: apt-get install ${need[*]}"

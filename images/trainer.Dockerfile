@@ -1,44 +1,56 @@
 # tandem trainer, GPU: the rq worker training LoRA with Unsloth (peft as the fallback) on CUDA.
+# Its environment (/opt/trainer) is installed with --require-hashes from images/locks/trainer.txt
+# on a plain Ubuntu 24.04 base with Python 3.12. CUDA's user space comes from the NVIDIA wheels
+# torch depends on; the driver comes from the host through the NVIDIA Container Toolkit.
 #
-#   docker build -f images/trainer.Dockerfile -t tandem-trainer:dev \
-#     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04 .
+#   make images STACK=gpu                      # the base (images/build-base.sh) and both GPU images
+#   docker build -f images/trainer.Dockerfile -t tandem-trainer:dev .
+#   docker run --rm tandem-trainer:dev tandem-doctor       # the environment against its lock
 #
-# torch and Unsloth are pinned here (TORCH_SPEC, UNSLOTH_SPEC); PyPI's torch wheels are CUDA
-# builds. NOTE: not yet built here (no registry on the CPU build machine).
-ARG BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
+# BASE_IMAGE: the local debootstrap base by default; any Debian/Ubuntu image whose python3 is 3.12
+# and whose glibc is 2.34 or newer fits the lock (e.g. ubuntu:24.04, an nvidia/cuda *-ubuntu24.04 image).
+ARG BASE_IMAGE=tandem-base:noble
 
-FROM ${BASE_IMAGE} AS os
+# Local inputs, normalised so that the next stage can COPY them whether or not they exist.
+FROM ${BASE_IMAGE} AS local
+COPY images/local/ /local/
+RUN touch /local/ca-certificates.crt
+
+FROM ${BASE_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive LANG=C.UTF-8 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    VIRTUAL_ENV=/opt/tandem PATH=/opt/tandem/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
-# python3-dev and a compiler: Triton (used by Unsloth) compiles small helpers at run time.
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt
+# Python 3.12 with its headers and a C compiler: Triton (used by Unsloth) compiles small helpers
+# at run time. The build host's CA bundle replaces the image's when there is one (containers
+# here reach PyPI only with it).
+COPY --from=local /local/ca-certificates.crt /tmp/host-ca.crt
 RUN apt-get update -qq \
- && apt-get install -y -qq --no-install-recommends python3 python3-venv python3-dev build-essential git ca-certificates >/dev/null \
- && rm -rf /var/lib/apt/lists/* \
- && python3 -c "import sys; assert sys.version_info >= (3, 11), 'tandem needs Python >= 3.11; use a newer BASE_IMAGE'" \
+ && apt-get install -y -qq --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev ca-certificates >/dev/null \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb \
+ && if [ -s /tmp/host-ca.crt ]; then cp /tmp/host-ca.crt /etc/ssl/certs/ca-certificates.crt; fi && rm /tmp/host-ca.crt \
+ && python3 -c "import sys; v = sys.version.split()[0]; assert sys.version_info[:2] == (3, 12), 'the lock is for Python 3.12; BASE_IMAGE has ' + v" \
  && (id tandem >/dev/null 2>&1 || useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin tandem) \
  && mkdir -p /adapters /cache && chown tandem:tandem /adapters /cache
 
-FROM os AS deps
-ARG TORCH_SPEC=torch==2.11.0
-ARG UNSLOTH_SPEC=unsloth==2026.10.9
-COPY shared/pyproject.toml /tmp/pyproject/shared.toml
-COPY trainer/pyproject.toml /tmp/pyproject/trainer.toml
-RUN python3 -m venv /opt/tandem \
- && pip install -q --upgrade pip setuptools wheel \
- && pip install -q "${TORCH_SPEC}" \
- && python3 -c 'import sys, tomllib; [print(d) for f in sys.argv[1:] for d in tomllib.load(open(f, "rb"))["project"]["dependencies"] if not d.startswith("tandem")]' \
-      /tmp/pyproject/shared.toml /tmp/pyproject/trainer.toml > /tmp/requirements.txt \
- && pip install -q -r /tmp/requirements.txt "${UNSLOTH_SPEC}" "${TORCH_SPEC}"
-
-FROM os
-COPY --from=deps /opt/tandem /opt/tandem
+# The environment: one layer, every file checked against the lock's sha256, wheels only.
+# --no-deps: the lock is the whole environment (it leaves out what images/locks/trainer.overrides says).
+COPY images/locks/trainer.txt /opt/locks/trainer.txt
+RUN python3 -m venv /opt/trainer \
+ && /opt/trainer/bin/pip install -q --no-deps --require-hashes --only-binary :all: -r /opt/locks/trainer.txt
 COPY shared /src/shared
 COPY trainer /src/trainer
-RUN pip install -q --no-deps --no-build-isolation /src/shared /src/trainer && rm -rf /src \
- && python -c "import tandem_trainer.main"
-ENV TANDEM_STORE__ROOT=/adapters TANDEM_WORKER_NAME=trainer HF_HOME=/cache/huggingface \
-    TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_PROGRESS_BARS=1
+RUN /opt/trainer/bin/pip install -q --no-deps --no-build-isolation /src/shared /src/trainer && rm -rf /src
+
+# TANDEM_HEALTHCHECK is what HEALTHCHECK runs (and what tandem-doctor prints): healthy while this
+# worker's liveness key (refreshed every 2 s, TTL 8 s) is in Redis.
+ENV VIRTUAL_ENV=/opt/trainer PATH=/opt/trainer/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    TANDEM_STORE__ROOT=/adapters TANDEM_WORKER_NAME=trainer HF_HOME=/cache/huggingface \
+    TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_PROGRESS_BARS=1 \
+    TANDEM_HEALTHCHECK="python -c \"from tandem import keys; from tandem.settings import TrainerSettings as S; s = S(); raise SystemExit(0 if s.redis.connect().exists(keys.trainer_alive(s.worker_name or '')) else 1)\""
+USER tandem
+WORKDIR /home/tandem
+# The build fails unless the environment is exactly its lock, imports, and runs unprivileged.
+RUN tandem-doctor
 # Labels last: a new VERSION/REVISION rebuilds no other layer.
 ARG BASE_IMAGE
 ARG VERSION=dev
@@ -48,9 +60,6 @@ LABEL org.opencontainers.image.title="tandem-trainer" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.revision="${REVISION}" \
       org.opencontainers.image.base.name="${BASE_IMAGE}"
-USER tandem
-WORKDIR /home/tandem
-# Healthy while this worker's liveness key (refreshed every 2 s, TTL 8 s) is in Redis.
 HEALTHCHECK --interval=15s --timeout=10s --start-period=10m --retries=3 \
-  CMD ["python", "-c", "from tandem import keys; from tandem.settings import TrainerSettings as S; s = S(); raise SystemExit(0 if s.redis.connect().exists(keys.trainer_alive(s.worker_name or '')) else 1)"]
+  CMD ["sh", "-c", "eval \"$TANDEM_HEALTHCHECK\""]
 CMD ["tandem-trainer"]
