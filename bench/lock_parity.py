@@ -1,6 +1,6 @@
 """Environments identical to the GPU images' lock files on a machine that cannot download.
 
-A lent GPU machine has no network and already holds many packages (torch, the NVIDIA CUDA
+An offline GPU host has no network and already holds many packages (torch, the NVIDIA CUDA
 wheels, triton, ...). To run the GPU check on the images' own bits there, every package of each
 lock (images/locks/<env>.txt) is either staged as the exact wheel (its sha256 among the lock's
 hashes) or shown identical to the copy the machine already has: every file the wheel's RECORD
@@ -12,7 +12,7 @@ line). Three steps:
     python3 bench/lock_parity.py inventory --out $OUT/inventory.json.gz
     # here: the wheels of every lock, hash-checked (pip download --require-hashes), against it
     python bench/lock_parity.py compare --wheels DIR --inventory inventory.json.gz --report parity.md --stage-list stage.txt
-    # here: the wheels to stage, packed into folders of at most 58 MiB for the device calls
+    # here: the wheels to stage, packed into folders of at most 58 MiB to copy over one at a time
     python bench/lock_parity.py pack --wheels DIR --stage-list stage.txt --prefix .lstage
 
 `bench/gpu_env.sh` installs the staged wheels into one folder per environment on the machine.
@@ -171,8 +171,8 @@ def compare_one(pin: tuple[str, set[str]], name: str, wheel: Path | None, machin
 
 
 def compare(wheels: Path, inventory_path: Path, report: Path, stage_list: Path, staged_path: Path | None = None) -> int:
-    """The parity table. With `staged_path` (what was carried: `<wheel> <envs>` lines), a wheel that
-    needed staging but was not carried is reported as a difference, not as staged."""
+    """The parity table. With `staged_path` (what was copied over: `<wheel> <envs>` lines), a wheel that
+    needed staging but was not copied is reported as a difference, not as staged."""
     with gzip.open(inventory_path, "rt") as f:
         inv = json.load(f)
     index = wheel_index(wheels)
@@ -194,7 +194,7 @@ def compare(wheels: Path, inventory_path: Path, report: Path, stage_list: Path, 
                     how = "not-staged"
                     counts["stage"] -= 1
                     counts[how] = counts.get(how, 0) + 1
-                    detail = f"**absent**: {wheel.name} ({wheel.stat().st_size / 2**20:.1f} MiB) was not carried; " + detail
+                    detail = f"**absent**: {wheel.name} ({wheel.stat().st_size / 2**20:.1f} MiB) was not copied over; " + detail
                 else:
                     stage.setdefault(wheel.name, set()).add(env)
                     detail = f"staged: {wheel.name} ({wheel.stat().st_size / 2**20:.1f} MiB, sha256 in the lock); " + detail
@@ -259,12 +259,12 @@ def main() -> int:
     b.add_argument("--inventory", type=Path, required=True)
     b.add_argument("--report", type=Path, required=True)
     b.add_argument("--stage-list", type=Path, required=True)
-    b.add_argument("--staged", type=Path, default=None, help="what was carried (.lstage0/envs.txt)")
+    b.add_argument("--staged", type=Path, default=None, help="what was copied over (.lstage0/envs.txt)")
     c = sub.add_parser("pack")
     c.add_argument("--wheels", type=Path, required=True)
     c.add_argument("--stage-list", type=Path, required=True)
     c.add_argument("--prefix", default=".lstage")
-    c.add_argument("--limit-mib", type=int, default=LIMIT // 2**20, help="size of a folder: one device call carries it")
+    c.add_argument("--limit-mib", type=int, default=LIMIT // 2**20, help="size of a folder: one copy to the host")
     args = p.parse_args()
     if args.cmd == "inventory":
         inventory(args.out)
