@@ -197,6 +197,44 @@ def test_the_engine_ends_with_the_inference_service(
             service.wait(10)
 
 
+def test_a_service_whose_engine_cannot_be_restarted_exits(
+    stand_in: Path, tiny_model: Path, redis_url: str, tmp_path: Path, reap: list[int]
+) -> None:
+    record = tmp_path / "engine.record"
+    gateway = free_port()
+    env = {**os.environ, "STAND_IN_RECORD": str(record), "TANDEM_ENGINE__KIND": "sglang",
+           "TANDEM_ENGINE__SGLANG_PYTHON": str(stand_in), "TANDEM_ENGINE__URL": f"http://127.0.0.1:{free_port()}",
+           "TANDEM_ENGINE__MODEL": str(tiny_model), "TANDEM_ENGINE__BOOT_TIMEOUT_S": "60",
+           "TANDEM_ENGINE__MAX_RESTARTS": "0", "TANDEM_GPUS__MODE": "cpu", "TANDEM_REDIS__URL": redis_url,
+           "TANDEM_STORE__ROOT": str(tmp_path / "adapters"), "TANDEM_GATEWAY__PORT": str(gateway)}
+    log = tmp_path / "service.log"
+    with log.open("wb") as out:
+        service = subprocess.Popen([sys.executable, "-m", "tandem_inference.main"], env=env, stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    reap.append(service.pid)
+    try:
+        wait_until(lambda: recorded(record) or service.poll() is not None, 120, "the engine to start")
+        engine = int(recorded(record)[0].split()[1])
+        reap.append(engine)
+
+        def serving() -> bool:
+            assert service.poll() is None, log.read_text()[-3000:]
+            try:
+                return httpx.get(f"http://127.0.0.1:{gateway}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(serving, 120, "the gateway to serve")
+        os.kill(engine, signal.SIGKILL)  # and no restart is allowed
+        wait_until(lambda: service.poll() is not None, 60, "the service to exit once its engine is gone for good")
+        assert service.returncode != 0
+        assert "giving up" in log.read_text()
+    finally:
+        if service.poll() is None:
+            service.kill()
+            service.wait(10)
+
+
 def stand_in_launcher(stand_in: Path, tmp_path: Path, port: int, record: Path) -> tuple[Launcher, httpx.AsyncClient]:
     settings = InferenceSettings(engine=EngineSettings(kind="sglang", url=f"http://127.0.0.1:{port}",
                                                        sglang_python=str(stand_in), boot_timeout_s=60))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -63,6 +66,29 @@ def test_the_stacks_redis_has_a_password_that_stays_private(tmp_path: Path) -> N
         assert f"TANDEM_GATEWAY_URL={stack.gateway_url}" in (state / "client.env").read_text()
     again = RedisOnly(StackConfig(state_dir=state, gateway_port=0))
     assert again.secrets == stack.secrets  # kept across runs: the URL only changes with the port
+
+
+class RedisUp(RedisOnly):
+    """`tandem up` with only its Redis, which stops once it has said where everything is."""
+
+    def supervise(self, should_stop: Callable[[], bool], poll_s: float = 0.2) -> None:
+        return None
+
+
+def test_tandem_up_does_not_print_the_redis_password(
+    no_tandem_env: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("tandem.stack.Stack", RedisUp)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert tandem(["up", "--model", "unused", "--gateway-port", "0"]) == 0
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    out = capsys.readouterr().out
+    password = json.loads((no_tandem_env / ".tandem" / "stack" / "secrets.json").read_text())["redis_password"]
+    assert password not in out
+    assert "redis://:***@127.0.0.1:" in out and ".tandem/stack/client.env" in out
 
 
 def test_every_service_gets_the_engine_admin_key(tmp_path: Path) -> None:

@@ -230,6 +230,18 @@ def _no_data(h: Hostile, name: str) -> tuple[str, str]:
     return raw_job(h.conn, f"job-{name}", {"description": "a hash with no job in it"}), ""
 
 
+def _arguments_not_a_list(h: Hostile, name: str) -> tuple[str, str]:
+    data = zlib.compress(json.dumps([TRAIN_FUNC, None, 5, {}]).encode())
+    return raw_job(h.conn, f"job-{name}", {"data": data}), ""
+
+
+def _keywords_not_a_mapping(h: Hostile, name: str) -> tuple[str, str]:
+    run = h.create_run(f"run-{name}")
+    payload = make_job(f"job-{name}", run=run).model_dump(mode="json")
+    data = zlib.compress(json.dumps([TRAIN_FUNC, None, [payload], []]).encode())
+    return raw_job(h.conn, f"job-{name}", {"data": data}), run
+
+
 BAD_SHAPES = {
     "no_arguments": _no_arguments,
     "two_arguments": _two_arguments,
@@ -239,6 +251,8 @@ BAD_SHAPES = {
     "garbage_data": _garbage_data,
     "garbage_fields": _garbage_fields,
     "hash_without_data": _no_data,
+    "arguments_not_a_list": _arguments_not_a_list,
+    "keywords_not_a_mapping": _keywords_not_a_mapping,
 }
 
 

@@ -72,6 +72,40 @@ def test_anything_but_one_payload_is_refused(args: list, kwargs: dict) -> None:
     assert refusal is not None and "takes one argument, the payload" in refusal
 
 
+@pytest.mark.parametrize(("args", "kwargs"), [(5, {}), (None, {}), ("x", {}), ({"payload": PAYLOAD}, {}),
+                                              ([PAYLOAD], []), ([PAYLOAD], None), ([PAYLOAD], "payload"),
+                                              ([], ["payload"])])
+def test_arguments_of_the_wrong_type_are_refused_not_raised(args: object, kwargs: object) -> None:
+    job = restored({"data": zlib.compress(json.dumps([TRAIN_FUNC, None, args, kwargs]).encode())})
+    refusal = job.refusal()
+    assert refusal is not None and "takes one argument, the payload" in refusal
+    assert f"got {type(args).__name__} " in refusal and f" and {type(kwargs).__name__} " in refusal
+    with pytest.raises(JobRefused):
+        job.func  # noqa: B018
+    job.payload()
+    job.named_run()
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                    max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON | st.lists(JSON, max_size=2), JSON | st.dictionaries(st.sampled_from(["payload", "x"]), JSON))
+def test_any_arguments_either_are_one_payload_or_are_refused(args: object, kwargs: object) -> None:
+    job = restored({"data": zlib.compress(json.dumps([TRAIN_FUNC, None, args, kwargs]).encode())})
+    refusal = job.refusal()  # never raises, whatever the data holds
+    if refusal is None:
+        one_positional = isinstance(args, list) and len(args) == 1 and kwargs == {}
+        assert one_positional or (args == [] and isinstance(kwargs, dict) and list(kwargs) == ["payload"])
+    else:
+        with pytest.raises(JobRefused):
+            job.func  # noqa: B018
+    job.payload()
+    job.named_run()
+
+
 def test_a_hash_rq_cannot_read_is_refused_not_raised() -> None:
     data = zlib.compress(json.dumps([TRAIN_FUNC, None, [PAYLOAD], {}]).encode())
     job = restored({"data": data, "created_at": b"yesterday", "origin": b"tandem-train"})

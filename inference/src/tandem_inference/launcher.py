@@ -5,7 +5,8 @@ pins conflict); they meet only over HTTP. The launcher builds the `sglang.launch
 command line from settings, starts it, waits until it is healthy, and supervises it: when
 the process dies (or the controller asks, e.g. after an unload that hung), it starts it
 again and calls `on_restart`, so the controller reloads the versions that were serving.
-Restarts are bounded (`max_restarts` within `restart_window_s`).
+Restarts are bounded (`max_restarts` within `restart_window_s`); past that bound, or when a
+restart fails to boot, the service stops itself so that whatever runs it starts it afresh.
 
 The engine never outlives the service: `stop()` ends its whole process group; if the service
 itself dies without stopping it (a crash, SIGKILL), the kernel kills the engine
@@ -173,10 +174,10 @@ class Launcher:
     async def start(self) -> float:
         """Start the engine and wait until it is healthy; returns the boot time in seconds."""
         t0 = time.monotonic()
-        self.reap_leftover()
+        await asyncio.to_thread(self.reap_leftover)  # waits up to 30 s for a leftover to die
         url = urlparse(self.url)
         host, port = url.hostname or "127.0.0.1", url.port or 30000
-        if _port_taken(host, port):
+        if await asyncio.to_thread(_port_taken, host, port):
             raise EngineBootError(
                 f"port {port} of engine.url {self.url} is in use by a process this launcher did not start; "
                 f"stop it (`fuser {port}/tcp` names it) or set TANDEM_ENGINE__URL to a free port"
@@ -279,11 +280,21 @@ class Launcher:
             await self.on_restart()
 
     async def supervise(self, poll_s: float = 1.0) -> None:
-        """Run until stopped: restart the engine whenever its process dies."""
+        """Run until stopped: restart the engine whenever its process dies.
+
+        When the engine cannot be brought back (restarts used up, a boot that fails), the
+        service has nothing left to serve: it sends itself SIGTERM, so its normal shutdown
+        runs (stopping the engine) and whatever runs it (compose, `tandem up`) starts it again.
+        """
         while not self._stopping:
             if not self.alive() and not self._stopping:
                 code = self.proc.returncode if self.proc else None
-                await self.restart(f"process exited with code {code}")
+                try:
+                    await self.restart(f"process exited with code {code}")
+                except EngineBootError as exc:
+                    log.error("engine supervision gave up, stopping the service: %s", exc)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
             await asyncio.sleep(poll_s)
 
     def terminate(self, timeout_s: float = 30.0) -> None:

@@ -58,9 +58,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             found = f"{_shown_path(client_env)} has both: `set -a; . {_shown_path(client_env)}; set +a` exports them"
         print(f"tandem is up (logs in {_shown_path(stack.logs)}):\n"
               f"  gateway  {stack.gateway_url}\n"
-              f"  redis    {stack.redis_url}\n"
+              f"  redis    {redact_url(stack.redis_url)} (the full URL, with its password, is in "
+              f"{_shown_path(client_env)})\n"
               f"{found};\n"
-              f"elsewhere: Client({stack.gateway_url!r}, {stack.redis_url!r}).\n"
+              f"elsewhere: Client(gateway_url, redis_url) with the URLs from {_shown_path(client_env)}.\n"
               "A service that dies is started again. Ctrl-C stops every service.", flush=True)
         stack.supervise(lambda: False)
     except KeyboardInterrupt:

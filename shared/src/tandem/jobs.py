@@ -11,6 +11,7 @@ resolves no name but `TRAIN_FUNC` and refuses everything else before anything ru
 
 from __future__ import annotations
 
+import reprlib
 import time
 import uuid
 from typing import Any
@@ -160,6 +161,10 @@ class GuardedJob(Job):
             return f"webhooks are not allowed ({', '.join(w.url for w in self.webhooks)}): {how}, with no webhooks"
         if self.repeats_left:
             return f"repeats are not allowed ({self.repeats_left} asked): {how}, once"
+        if not isinstance(args, list | tuple) or not isinstance(kwargs, dict):
+            return (f"{TRAIN_FUNC} takes one argument, the payload, with positional arguments as a list and "
+                    f"keywords as a mapping; got {type(args).__name__} {reprlib.repr(args)} and "
+                    f"{type(kwargs).__name__} {reprlib.repr(kwargs)}: {how}")
         if not (len(args) == 1 and not kwargs) and not (not args and list(kwargs) == ["payload"]):
             return f"{TRAIN_FUNC} takes one argument, the payload; got {len(args)} positional and keywords {sorted(kwargs)}"
         return None
