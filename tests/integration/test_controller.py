@@ -53,9 +53,11 @@ def publish(
     *,
     rank: int = 4,
     config_patch: dict | None = None,
+    config_text: str | None = None,
     register: bool = True,
 ) -> Manifest:
-    """Build a LoRA whose B matrices are nonzero (so it changes outputs), publish and register it."""
+    """Build a LoRA whose B matrices are nonzero (so it changes outputs), publish and register it;
+    `config_text` replaces its adapter_config.json whole."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -73,6 +75,8 @@ def publish(
         if config_patch:
             cfg_path = staged / "adapter" / "adapter_config.json"
             cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **config_patch}))
+        if config_text is not None:
+            (staged / "adapter" / "adapter_config.json").write_text(config_text)
         manifest = store.publish(
             staged,
             Manifest(
@@ -273,6 +277,8 @@ def flip_a_byte(store: AdapterStore, run: str, version: int) -> None:
         ("outside_store", "outside the adapter store"),
         ("other_version_path", "not the version's adapter directory"),
         ("engine_refuses", "DoRA adapters are not supported"),
+        ("config_not_an_object", "adapter_config.json is not a JSON object"),
+        ("rank_pattern_not_a_mapping", "adapter_config.json: rank_pattern is not a mapping"),
     ],
 )
 async def test_bad_versions_are_rejected_and_the_previous_keeps_serving(
@@ -295,6 +301,10 @@ async def test_bad_versions_are_rejected_and_the_previous_keeps_serving(
         manifest = publish(store, registry, tiny_model, run, 2, rank=16)
     elif case == "engine_refuses":
         manifest = publish(store, registry, tiny_model, run, 2, config_patch={"use_dora": True})
+    elif case == "config_not_an_object":
+        manifest = publish(store, registry, tiny_model, run, 2, config_text='[{"r": 4}]')
+    elif case == "rank_pattern_not_a_mapping":
+        manifest = publish(store, registry, tiny_model, run, 2, config_patch={"rank_pattern": [4]})
     else:
         manifest = publish(store, registry, tiny_model, run, 2)
     if case == "bad_checksum":
@@ -735,3 +745,46 @@ async def test_a_timed_out_load_is_sent_again_once_the_engine_restarted(
     assert hung and controller.table.serving(run) == 1
     await engine.unload_adapter(f"{run}-v1")  # what an engine restart does to its adapters
     await wait_until(lambda: controller.table.serving(run) == 2, timeout_s=20, what="v2 loaded after the restart")
+
+
+async def test_an_engine_that_refuses_loads_with_503_is_not_asked_again_at_once(
+    run: str,
+    settings: InferenceSettings,
+    redis_conn: redis.Redis,
+    store: AdapterStore,
+    tiny_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine healthy by /health that answers 503 to a load: the controller pauses before it
+    starts over, so it neither spins nor uses up a name for the version each time round."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    import tandem_inference.controller as controller_module
+
+    monkeypatch.setattr(controller_module, "RESTART_PAUSE_S", 60.0)  # no second try within the test
+    loads: list[str] = []
+    app = FastAPI()
+    app.get("/health")(lambda: {"status": "ok"})
+    app.get("/v1/models")(lambda: {"object": "list", "data": []})
+    app.get("/server_info")(lambda: {"max_lora_rank": MAX_RANK})
+
+    @app.post("/load_lora_adapter")
+    async def load(body: dict) -> JSONResponse:
+        loads.append(body["lora_name"])
+        return JSONResponse({"error": {"message": "the engine is busy"}}, status_code=503)
+
+    publish(store, Registry(redis_conn), tiny_model, run, 1)
+    with serve_app(app) as url:
+        async with httpx.AsyncClient() as http:
+            engine = EngineClient(http, url, max_attempts=1)
+            controller = Controller(settings, redis_conn, engine, store, RoutingTable("base"))
+            controller.start()
+            try:
+                await wait_until(lambda: loads, what="the first load")
+                await asyncio.sleep(0.5)  # a controller that does not pause asks hundreds of times here
+            finally:
+                await controller.stop()
+    assert loads == [f"{run}-v1"]
+    assert int(redis_conn.hget(keys.run_load_attempts(run), "1")) == 1  # one name used up, not hundreds
+    assert controller.table.serving(run) == 0

@@ -88,6 +88,29 @@ def test_weights_outside_the_roots_are_refused(client: httpx.Client, tiny_model:
     assert str(tiny_model) in message and str(roots[1]) in message
 
 
+@pytest.mark.parametrize(("route", "field", "message"), [
+    ("/load_lora_adapter", "lora_path", "error_message"),
+    ("/update_weights_from_disk", "model_path", "message"),
+])
+def test_a_path_with_a_nul_byte_is_refused_and_the_engine_keeps_answering(
+        client: httpx.Client, roots: tuple[Path, Path], route: str, field: str, message: str) -> None:
+    bad = f"{roots[0]}/run\u0000/v000001"
+    r = client.post(route, json={"lora_name": "a", field: bad})
+    assert r.status_code == 400, r.text
+    assert field in r.json()[message] and repr(bad) in r.json()[message]
+    assert client.get("/health").status_code == 200
+
+
+def test_a_symlink_loop_in_the_root_is_refused(client: httpx.Client, roots: tuple[Path, Path]) -> None:
+    looped = roots[0] / "looped"
+    looped.mkdir()
+    (looped / "adapter_model.safetensors").symlink_to("adapter_model.safetensors")
+    for path in (looped, looped / "adapter_model.safetensors"):
+        r = client.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": str(path)})
+        assert r.status_code == 400 and str(path) in r.json()["error_message"], r.text
+    assert client.get("/health").status_code == 200
+
+
 async def test_without_a_key_admin_routes_answer_loopback_only(tiny_model: Path) -> None:
     app = create_engine_app(EngineSettings(model=str(tiny_model), device="cpu"))
     body = {"lora_name": "a", "lora_path": "/x"}

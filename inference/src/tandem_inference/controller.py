@@ -191,9 +191,11 @@ class Controller:
                 await self.wait_for_engine()
                 await self.reconcile()
                 await self.follow()
-            except EngineUnavailable as exc:
-                log.warning("engine unavailable (%s); waiting for it, then reconciling", exc)
+            except EngineUnavailable as exc:  # down, or healthy by /health yet answering 503
+                log.warning("engine unavailable (%s); waiting %.0f s and for its health, then reconciling",
+                            exc, RESTART_PAUSE_S)
                 self._forget_pending("the engine went away")
+                await asyncio.sleep(RESTART_PAUSE_S)
             except (redis.RedisError, BackendUnavailable) as exc:
                 log.warning("redis unavailable (%s); starting over in %.0f s", exc, RESTART_PAUSE_S)
                 await asyncio.sleep(RESTART_PAUSE_S)
@@ -540,7 +542,18 @@ class Controller:
             raise
         except (OSError, ValueError) as exc:
             raise AdapterRejected(f"{run} v{version}: unreadable adapter_config.json: {exc}") from exc
-        raw = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
+        if not isinstance(config, dict):
+            raise AdapterRejected(
+                f"{run} v{version}: adapter_config.json is not a JSON object (got {type(config).__name__}); "
+                "save the adapter with peft's save_pretrained"
+            )
+        pattern = config.get("rank_pattern") or {}
+        if not isinstance(pattern, dict):
+            raise AdapterRejected(
+                f"{run} v{version}: adapter_config.json: rank_pattern is not a mapping of module to rank "
+                f"({pattern!r:.80}); save the adapter with peft's save_pretrained"
+            )
+        raw = [config.get("r"), *pattern.values()]
         ranks = [r for r in raw if isinstance(r, int) and r >= 1]
         if len(ranks) != len(raw):
             raise AdapterRejected(f"{run} v{version}: adapter_config.json has no valid LoRA rank 'r' ({raw})")

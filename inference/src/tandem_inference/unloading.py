@@ -104,8 +104,8 @@ class Unloader:
         state.next_try = time.monotonic() + pause
         self.unloads.labels(state.run, "failed").inc()
         log.warning("unload of %s failed (%s); attempt %d, retrying in %.0f s", name, exc, state.failures, pause)
-        # NOTE: SGLang 0.5.x unload can hang after n>1 sampling (#36894) or on a leaked use
-        # count (#34205); a restart of the engine (which reloads what serves) is the way out.
+        # NOTE: SGLang 0.5.x unload can hang after n>1 sampling (sglang#36894) or on a leaked
+        # use count (sglang#34205); a restart of the engine (which reloads what serves) is the way out.
         if self.restart_engine is not None and state.failures >= UNLOAD_FAILURES_BEFORE_RESTART:
             try:
                 await self.restart_engine(f"unload of {name} failed {state.failures} times")
