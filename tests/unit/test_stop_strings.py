@@ -6,7 +6,7 @@ from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from tandem_inference.gateway import Output
-from tandem_inference.stops import cut_at_stop, sendable
+from tandem_inference.stops import cut_at_stop, first_stop, sendable
 
 texts = st.text(alphabet="ab e8w\n", max_size=12)
 stop_lists = st.lists(st.text(alphabet="ab e8w\n", min_size=1, max_size=4), min_size=1, max_size=3)
@@ -26,6 +26,20 @@ def test_only_what_may_begin_a_stop_string_is_held_back(text: str, stops: list[s
     assume(cut_at_stop(text, stops) == text)  # a running text: no stop string is whole yet
     held = text[len(sendable(text, stops)) :]
     assert held == "" or any(s.startswith(held) for s in stops)
+
+
+@given(texts, stop_lists)
+@example("xab", ["ab", "a"])
+def test_the_text_is_cut_where_the_first_stop_string_begins(text: str, stops: list[str]) -> None:
+    hit = first_stop(text, stops)
+    if hit is None:
+        assert cut_at_stop(text, stops) == text
+        assert not any(s in text for s in stops)
+        return
+    at, stop = hit
+    assert text.find(stop) == at
+    assert cut_at_stop(text, stops) == text[:at]
+    assert all((text.find(s), s) >= hit for s in stops if s in text)  # of two at one place, the first sorted
 
 
 def test_half_decoded_characters_wait_for_the_rest() -> None:

@@ -1,4 +1,4 @@
-"""What every JSON body of tandem's HTTP servers (the gateway, the transformers engine) is held to.
+"""What tandem's HTTP servers (the gateway, the transformers engine) share, and every JSON body is held to.
 
 Python's JSON reader accepts more than JSON does, and more than a model can take: `NaN` and
 `Infinity` literals, and `\\ud800` escapes that decode to lone surrogates, text that no
@@ -6,20 +6,30 @@ tokenizer can encode and no UTF-8 encoder can write back. `Body` refuses both, a
 body, with a 422 naming the field. Error replies echo what the client sent, so they are built
 with `error_response`, which renders any content: a reply that failed to serialize would turn
 a client error into a 500 and close the connection under the next request.
+
+Both servers also speak OpenAI's rules on logprobs (`ChatLogprobs`, `by_text`), stop work for a
+client that left (`client_left`) and trust loopback where no key is set (`is_loopback`).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import reprlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 #: How much of a bad value an error reply quotes, in characters.
 QUOTE_CHARS = 200
+#: Most validation problems one 422 lists (a long list of bad token ids has one per id).
+MAX_PROBLEMS = 20
+#: Most alternatives per token a request may ask for (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
 
 _quote = reprlib.Repr()
 _quote.maxstring = _quote.maxother = QUOTE_CHARS
@@ -39,6 +49,29 @@ class Body(BaseModel):
         if problem is not None:
             raise PydanticCustomError("invalid_value", "{problem}", {"problem": problem})
         return value
+
+
+class ChatLogprobs(Body):
+    """OpenAI's chat rule: `top_logprobs` (alternatives per token) needs `logprobs: true`.
+
+    A mixin of chat bodies, which declare both fields where they belong in the body (so that
+    their validation problems come in the body's order).
+    """
+
+    if TYPE_CHECKING:
+        logprobs: bool
+        top_logprobs: int | None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatLogprobs:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true; set both, or drop top_logprobs")
+        return self
+
+    @property
+    def top_logprobs_num(self) -> int:
+        """How many alternatives per token the reply lists (0: none)."""
+        return (self.top_logprobs or 0) if self.logprobs else 0
 
 
 def first_invalid(value: Any, path: str) -> str | None:
@@ -101,6 +134,16 @@ def validation_problems(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def invalid_request(exc: RequestValidationError) -> tuple[str, str | None, list[dict[str, Any]]]:
+    """A 422's message, the field it names first (OpenAI's `param`) and its problems, safe to send.
+
+    Lists at most MAX_PROBLEMS problems; the message names the first five.
+    """
+    problems = validation_problems(list(exc.errors())[:MAX_PROBLEMS])
+    where = "; ".join(f"{location(p)}: {p['msg']}" for p in problems[:5])
+    return f"invalid request: {where}", field_of(problems[0]) if problems else None, problems
+
+
 def location(problem: dict[str, Any]) -> str:
     """Where in the body a validation problem is, dotted (`messages.0.content`)."""
     return ".".join(str(p) for p in problem.get("loc", ()) if p != "body") or "body"
@@ -129,3 +172,27 @@ def _safe(value: Any) -> Any:
     if value is None or isinstance(value, bool | int | float):
         return value
     return printable(str(value))
+
+
+def by_text(alternatives: list[tuple[str, float]]) -> dict[str, float]:
+    """OpenAI's completions shape, {token: logprob}; of tokens that read the same, the likeliest."""
+    out: dict[str, float] = {}
+    for text, logprob in alternatives:
+        out.setdefault(text, logprob)
+    return out
+
+
+async def client_left(request: Request) -> None:
+    """Return when the client of `request` is gone (its body is read: only the disconnect comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address, or `localhost`) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve beyond loopback

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import json
 import logging
 import secrets
@@ -36,11 +35,20 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import Field, model_validator
+from pydantic import Field
 from starlette.exceptions import HTTPException
 
 from tandem.settings import EngineSettings
-from tandem_inference.bodies import Body, error_response, field_of, location, validation_problems
+from tandem_inference.bodies import (
+    MAX_TOP_LOGPROBS,
+    Body,
+    ChatLogprobs,
+    by_text,
+    client_left,
+    error_response,
+    invalid_request,
+    is_loopback,
+)
 from tandem_inference.errors import (
     AdapterLoadFailed,
     AdapterNotLoaded,
@@ -50,7 +58,7 @@ from tandem_inference.errors import (
     InvalidRequest,
     WeightsLoadFailed,
 )
-from tandem_inference.hf_engine import MAX_TOP_LOGPROBS, HFEngine, SamplingParams, Sequence
+from tandem_inference.hf_engine import HFEngine, SamplingParams, Sequence
 from tandem_inference.stops import sendable
 
 log = logging.getLogger("tandem_inference.engine_server")
@@ -64,7 +72,6 @@ _STATUS = {
     EngineBusy: 503,
 }
 _TAGS = {"weights", "kv_cache", "cuda_graph"}
-_MAX_PROBLEMS = 20  # most validation problems one 422 lists (a long list of bad ids has one per id)
 
 
 class _Body(Body):
@@ -120,21 +127,11 @@ class _OpenAIBody(_Body):
         return 0
 
 
-class ChatBody(_OpenAIBody):
+class ChatBody(ChatLogprobs, _OpenAIBody):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-
-    @model_validator(mode="after")
-    def _top_needs_logprobs(self) -> ChatBody:
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true; set both, or drop top_logprobs")
-        return self
-
-    @property
-    def top_logprobs_num(self) -> int:
-        return (self.top_logprobs or 0) if self.logprobs else 0
 
 
 class CompletionBody(_OpenAIBody):
@@ -233,7 +230,7 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
         key = settings.admin_api_key.get_secret_value() if settings.admin_api_key is not None else ""
         if not key:
             peer = request.client.host if request.client else ""
-            if not _is_loopback(peer):
+            if not is_loopback(peer):
                 raise HTTPException(
                     403, f"admin route called from {peer or 'an unknown address'}; without an admin key "
                     "(TANDEM_ENGINE__ADMIN_API_KEY) the engine answers admin routes on loopback only",
@@ -681,26 +678,16 @@ def create_engine_app(settings: EngineSettings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = validation_problems(list(exc.errors())[:_MAX_PROBLEMS])
-        where = "; ".join(f"{location(p)}: {p['msg']}" for p in problems[:5])
-        param = field_of(problems[0]) if problems else None
-        return error_response(422, {**_error_body(f"invalid request: {where}", 422, param), "detail": problems})
+        message, param, problems = invalid_request(exc)
+        return error_response(422, {**_error_body(message, 422, param), "detail": problems})
 
     return app
 
 
 async def _on_disconnect(request: Request, then: Callable[[], None]) -> None:
-    """Call `then` once the client of `request` is gone (its body is read: only the disconnect comes)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    """Call `then` once the client of `request` is gone."""
+    await client_left(request)
     then()
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _confine(path: str, roots: list[Path] | None, field: str, setting: str, error: type[EngineError]) -> None:
@@ -719,12 +706,16 @@ def _confine(path: str, roots: list[Path] | None, field: str, setting: str, erro
 
     where = f"{[str(r) for r in roots]} ({setting})"
     target = Path(path)
-    if not target.is_absolute() or not inside(target):
-        raise error(f"{field} {path!r} is outside the engine's roots {where}; load from inside them")
-    if target.is_dir():
-        for entry in target.iterdir():
-            if not inside(entry):
-                raise error(f"{field} {path!r}: {entry.name} leads outside the engine's roots {where}")
+    try:
+        if not target.is_absolute() or not inside(target):
+            raise error(f"{field} {path!r} is outside the engine's roots {where}; load from inside them")
+        if target.is_dir():
+            for entry in target.iterdir():
+                if not inside(entry):
+                    raise error(f"{field} {path!r}: {entry.name} leads outside the engine's roots {where}")
+    except (OSError, ValueError, RuntimeError) as exc:  # a NUL byte, a symlink loop, no permission
+        raise error(f"{field} {path!r} cannot be checked against the engine's roots {where}: {exc}; "
+                    "give a readable path without NUL bytes or symlink loops") from exc
 
 
 def _status(exc: Exception) -> int:
@@ -789,16 +780,8 @@ def _logprobs(eng: HFEngine, s: Sequence, start: int, chat: bool, top: bool) -> 
     for tok in tokens:
         offsets.append(at)
         at += len(tok)
-    tops = [_by_text(alts) for alts in alternatives] if top else None
+    tops = [by_text(alts) for alts in alternatives] if top else None
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _by_text(alternatives: list[tuple[str, float]]) -> dict[str, float]:
-    """OpenAI's completions shape, {token: logprob}; of tokens that read the same, the likeliest."""
-    out: dict[str, float] = {}
-    for text, logprob in alternatives:
-        out.setdefault(text, logprob)
-    return out
 
 
 async def _openai_stream(

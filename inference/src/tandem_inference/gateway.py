@@ -45,14 +45,22 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from pydantic import Field, model_validator
+from pydantic import Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.errors import BackendUnavailable, TandemError
 from tandem.registry import Registry
 from tandem.runs import RUN_NAME
 from tandem.settings import InferenceSettings
-from tandem_inference.bodies import Body, error_response, field_of, location, validation_problems
+from tandem_inference.bodies import (
+    MAX_TOP_LOGPROBS,
+    Body,
+    ChatLogprobs,
+    by_text,
+    client_left,
+    error_response,
+    invalid_request,
+)
 from tandem_inference.capacity import Capacity, Permit
 from tandem_inference.controller import Controller
 from tandem_inference.engine_client import EngineClient
@@ -69,8 +77,6 @@ _GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
 # requests -------------------------------------------------------------------
-MAX_TOP_LOGPROBS = 20
-"""Most alternatives per token a request may ask for (OpenAI's limit)."""
 MAX_MODEL_CHARS = 256
 """Longest `model` accepted: a run name (63), `@v` and a version fit many times over."""
 
@@ -109,22 +115,12 @@ class _Sampling(_Body):
         return 0
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(ChatLogprobs, _Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     """Alternatives per token in `logprobs.content[].top_logprobs`; needs `logprobs: true`."""
-
-    @model_validator(mode="after")
-    def _top_needs_logprobs(self) -> ChatRequest:
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true; set both, or drop top_logprobs")
-        return self
-
-    @property
-    def top_logprobs_num(self) -> int:
-        return self.top_logprobs or 0 if self.logprobs else 0
 
 
 class CompletionRequest(_Sampling):
@@ -218,14 +214,6 @@ class Output:
         return len(ids) >= len(self.token_ids) and ids[: len(self.token_ids)] == self.token_ids
 
 
-def _by_text(alternatives: list[tuple[str, float]]) -> dict[str, float]:
-    """OpenAI's completions shape, {token: logprob}; of tokens that read the same, the likeliest."""
-    out: dict[str, float] = {}
-    for text, logprob in alternatives:
-        out.setdefault(text, logprob)
-    return out
-
-
 def _alternatives(entry: Any) -> TopLogprobs | None:
     """One position of SGLang's `output_top_logprobs` ([[logprob, id, text or null], ...] or null)."""
     if not isinstance(entry, list):
@@ -298,10 +286,6 @@ class _MetricsMiddleware:
 
 
 # errors ---------------------------------------------------------------------
-MAX_PROBLEMS = 20
-"""Most validation problems one 422 lists (a long list of bad token ids has one per id)."""
-
-
 def _error(status: int, message: str, kind: str, *, param: str | None = None, **extra: Any) -> JSONResponse:
     """An OpenAI-shaped error reply, `{"error": {message, type, param, code}}`, that always serializes."""
     body = {"error": {"message": message, "type": kind, "param": param, "code": status, **extra}}
@@ -330,10 +314,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = validation_problems(list(exc.errors())[:MAX_PROBLEMS])
-        words = "; ".join(f"{location(p)}: {p['msg']}" for p in problems[:5])
-        return _error(422, f"invalid request: {words}", "invalid_request_error",
-                      param=field_of(problems[0]) if problems else None, detail=problems)
+        message, param, problems = invalid_request(exc)
+        return _error(422, message, "invalid_request_error", param=param, detail=problems)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -539,7 +521,7 @@ class Gateway:
             pos += len(t)
         top = None
         if any(t is not None for t in out.top_logprobs):  # asked for: OpenAI's {token: logprob} per position
-            top = [_by_text(self._alternatives(out, i)) for i in range(start, len(out.logprobs))]
+            top = [by_text(self._alternatives(out, i)) for i in range(start, len(out.logprobs))]
         return {"tokens": tokens, "token_logprobs": out.logprobs[start:], "top_logprobs": top,
                 "text_offset": offsets}
 
@@ -690,17 +672,11 @@ class _ClientLeft(Exception):
     """The client closed its connection before its response started."""
 
 
-async def _disconnected(request: Request) -> None:
-    """Return when the client of `request` is gone (its body is read: only the disconnect comes)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, _T]) -> _T:
     """`work`'s result, unless the client leaves first: then `work` is cancelled (its engine calls
     closed, its version and room released) and _ClientLeft raised."""
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = asyncio.ensure_future(client_left(request))
     try:
         await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:

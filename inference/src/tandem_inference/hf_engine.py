@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem_inference.bodies import MAX_TOP_LOGPROBS
 from tandem_inference.errors import (
     AdapterLoadFailed,
     AdapterNotLoaded,
@@ -43,12 +44,12 @@ from tandem_inference.errors import (
     EngineUnavailable,
     InvalidRequest,
 )
+from tandem_inference.stops import first_stop
 
 log = logging.getLogger("tandem_inference.hf_engine")
 
 _NOT_LOADED = "Got LoRA adapter that has never been loaded"  # SGLang's wording, which clients match
 MAX_BATCH_ROWS = 64  # most rows one batch may hold: n of one request, or coalesced requests
-MAX_TOP_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's limit)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
@@ -614,9 +615,9 @@ class HFEngine:
                     seq.text = self.decode(seq.output_ids)
                 if token in stop_ids:
                     seq.finish_reason, seq.matched = "stop", token
-                elif p.stop and (hit := _first_stop(seq.text, p.stop)) is not None:
-                    seq.text = seq.text[: seq.text.index(hit)]
-                    seq.finish_reason, seq.matched = "stop", hit
+                elif p.stop and (hit := first_stop(seq.text, p.stop)) is not None:
+                    seq.text = seq.text[: hit[0]]
+                    seq.finish_reason, seq.matched = "stop", hit[1]
                 elif step == p.max_new_tokens - 1:
                     seq.finish_reason = "length"
                 elif cancel is not None and cancel.is_set():
@@ -689,11 +690,6 @@ def _sample(logits: Any, p: SamplingParams, gen: Any) -> tuple[Any, Any, tuple[l
             )
         tokens = torch.multinomial(scores.softmax(dim=-1), 1, generator=gen).squeeze(-1)
     return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1), tops
-
-
-def _first_stop(text: str, stops: tuple[str, ...]) -> str | None:
-    found = [(text.find(s), s) for s in stops if s in text]
-    return min(found)[1] if found else None
 
 
 def _eos_ids(tokenizer: Any, model: Any) -> set[int]:

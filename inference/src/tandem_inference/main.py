@@ -13,7 +13,6 @@ supervises it (`tandem_inference.launcher`); with `transformers` the engine runs
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import signal
@@ -24,6 +23,7 @@ from types import FrameType
 
 from tandem.errors import ConfigError, TandemError
 from tandem.settings import GatewaySettings, InferenceSettings
+from tandem_inference.bodies import is_loopback
 
 log = logging.getLogger("tandem.inference")
 
@@ -98,7 +98,7 @@ def check_exposure(settings: GatewaySettings) -> None:
     """
     host = settings.published_host or settings.host
     has_key = settings.api_key is not None and bool(settings.api_key.get_secret_value())
-    if has_key or settings.allow_unauthenticated or _is_loopback(host):
+    if has_key or settings.allow_unauthenticated or is_loopback(host):
         return
     field = "gateway.published_host" if settings.published_host else "gateway.host"
     raise ConfigError(
@@ -106,15 +106,6 @@ def check_exposure(settings: GatewaySettings) -> None:
         "(GATEWAY_API_KEY in the compose .env), bind to 127.0.0.1, or set "
         "TANDEM_GATEWAY__ALLOW_UNAUTHENTICATED=true to serve anyone who can reach it"
     )
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve beyond loopback
 
 
 def _exit_on_signal(signum: int, frame: FrameType | None) -> None:

@@ -33,7 +33,16 @@ def sendable(text: str, stops: Sequence[str]) -> str:
     return text[:cut]
 
 
+def first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """Where the first stop string in `text` begins, and which one it is; None if none is there.
+
+    Of stop strings that begin at the same place, the first in sort order.
+    """
+    found = [(at, stop) for stop in stops if stop and (at := text.find(stop)) != -1]
+    return min(found) if found else None
+
+
 def cut_at_stop(text: str, stops: Sequence[str]) -> str:
     """`text` up to the first place where any stop string begins (all of it if none does)."""
-    found = [i for i in (text.find(s) for s in stops if s) if i != -1]
-    return text[: min(found)] if found else text
+    hit = first_stop(text, stops)
+    return text if hit is None else text[: hit[0]]
