@@ -25,7 +25,8 @@ from pydantic import BaseModel, Field, ValidationError
 from redis.typing import EncodableT, FieldT
 
 from tandem import keys
-from tandem.errors import BackendUnavailable, MalformedEvent
+from tandem.connection import translated
+from tandem.errors import MalformedEvent
 
 log = logging.getLogger("tandem.events")
 
@@ -145,20 +146,16 @@ class EventStream:
 
     def append(self, event: Event) -> str:
         """Append an event; returns its entry id."""
-        try:
-            # xadd takes dict[FieldT, EncodableT] and dict is invariant, so build one of that type.
-            fields: dict[FieldT, EncodableT] = {k: v for k, v in event.fields().items()}
+        # xadd takes dict[FieldT, EncodableT] and dict is invariant, so build one of that type.
+        fields: dict[FieldT, EncodableT] = {k: v for k, v in event.fields().items()}
+        with translated(self.conn, f"append {event.kind} to {keys.EVENTS}"):
             entry_id = self.conn.xadd(keys.EVENTS, fields, maxlen=MAX_LEN, approximate=True)
-        except redis.RedisError as exc:
-            raise BackendUnavailable(f"cannot append {event.kind} to {keys.EVENTS}: {exc}") from exc
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     def last_id(self) -> str:
         """Id of the newest entry, or '0-0' for an empty stream; read after it to see only new events."""
-        try:
+        with translated(self.conn, f"read {keys.EVENTS}"):
             newest = self.conn.xrevrange(keys.EVENTS, count=1)
-        except redis.RedisError as exc:
-            raise BackendUnavailable(f"cannot read {keys.EVENTS}: {exc}") from exc
         if not newest:
             return "0-0"
         entry_id = newest[0][0]
@@ -169,10 +166,8 @@ class EventStream:
 
         Malformed entries are logged and left out of `events`; read on from the page's `last_id`.
         """
-        try:
+        with translated(self.conn, f"read {keys.EVENTS}"):
             resp = self.conn.xread({keys.EVENTS: after}, count=count, block=block_ms)
-        except redis.RedisError as exc:
-            raise BackendUnavailable(f"cannot read {keys.EVENTS}: {exc}") from exc
         if not resp:
             return EventPage([], after)
         if not isinstance(resp, list):
@@ -181,10 +176,8 @@ class EventStream:
 
     def history(self, *, run: str | None = None, count: int = 1000) -> list[Event]:
         """Newest `count` events, oldest first, optionally for one run (malformed entries left out)."""
-        try:
+        with translated(self.conn, f"read {keys.EVENTS}"):
             entries = self.conn.xrevrange(keys.EVENTS, count=count)
-        except redis.RedisError as exc:
-            raise BackendUnavailable(f"cannot read {keys.EVENTS}: {exc}") from exc
         events = EventPage.parse("0-0", list(reversed(entries or [])))
         return [e for e in events if run is None or e.run == run]
 
@@ -209,14 +202,10 @@ class Cursor:
         self.key = keys.cursor(consumer)
 
     def get(self) -> str:
-        try:
+        with translated(self.conn, f"read the cursor {self.key}"):
             raw = self.conn.get(self.key)
-        except redis.RedisError as exc:
-            raise BackendUnavailable(f"cannot read the cursor {self.key}: {exc}") from exc
         return _text(raw) if raw else "0-0"
 
     def commit(self, entry_id: str) -> None:
-        try:
+        with translated(self.conn, f"write the cursor {self.key}"):
             self.conn.set(self.key, entry_id)
-        except redis.RedisError as exc:
-            raise BackendUnavailable(f"cannot write the cursor {self.key}: {exc}") from exc
