@@ -463,12 +463,13 @@ class Gateway:
         """The engine outputs of n samples, in order: one call, or n calls with gateway.fan_out_n."""
         if n == 1 or not self.settings.gateway.fan_out_n:
             return await self.engine.generate_n(input_ids, params, n, adapter)
-        results = await asyncio.gather(*(self.engine.generate(input_ids, params, adapter) for _ in range(n)),
-                                       return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return results  # type: ignore[return-value]
+        calls = [asyncio.ensure_future(self.engine.generate(input_ids, params, adapter)) for _ in range(n)]
+        try:
+            return list(await asyncio.gather(*calls))
+        finally:  # one sample failed (or the client left): the others stop too
+            for call in calls:
+                call.cancel()
+            await asyncio.shield(asyncio.gather(*calls, return_exceptions=True))
 
     def _engine_stream(self, input_ids: list[int], params: dict[str, Any], adapter: str | None,
                        n: int) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
