@@ -23,7 +23,7 @@ from rq import Callback, Queue
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 from rq.webhook import Webhook
-from test_worker import RedisServer, WorkerProcess, make_job, start_workers, stop_workers, wait_for
+from workers import RedisServer, WorkerProcess, make_job, start_workers, stop_workers, wait_for
 
 from tandem import keys
 from tandem.events import EventKind, EventStream

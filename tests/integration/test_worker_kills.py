@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from rq.job import JobStatus
-from test_worker import RedisServer, start_workers, status, stop_workers, wait_for
+from workers import RedisServer, start_workers, status, stop_workers, wait_for
 
 from tandem import Client, LoraConfig
 from tandem.adapters import AdapterStore

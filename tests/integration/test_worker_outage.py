@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
-from test_worker import RUN, RedisServer, make_job, start_workers, stop_workers, wait_for
+from workers import RUN, RedisServer, make_job, start_workers, stop_workers, wait_for
 
 from tandem.adapters import AdapterStore
 from tandem.events import EventKind, EventStream

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
-from test_worker import RUN, WorkerProcess, make_job, start_workers, status, stop_workers, wait_for
+from workers import RUN, make_job, status, wait_for
 
 from tandem import keys
 from tandem.events import EventKind, EventStream
@@ -25,15 +24,6 @@ from tandem.runs import LoraConfig, RunSpec
 pytestmark = pytest.mark.integration
 
 INTERMEDIATE = f"rq:queue:{keys.TRAIN_QUEUE}:intermediate"
-
-
-@pytest.fixture
-def workers(redis_url: str, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
-    root = tmp_path / "adapters"
-    root.mkdir()
-    start, started = start_workers(redis_url, root, tmp_path)
-    yield start
-    stop_workers(started)
 
 
 @pytest.fixture
