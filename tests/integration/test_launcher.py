@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -156,58 +157,17 @@ async def test_restarts_are_bounded(tiny_model: Path, tmp_path: Path) -> None:
         await http.aclose()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
-def test_the_engine_ends_with_the_inference_service(
-    sig: signal.Signals, stand_in: Path, tiny_model: Path, redis_url: str, tmp_path: Path, reap: list[int]
-) -> None:
-    record = tmp_path / "engine.record"
-    gateway = free_port()
+@contextmanager
+def serving_service(stand_in: Path, tiny_model: Path, redis_url: str, tmp_path: Path, reap: list[int],
+                    **extra_env: str) -> Iterator[tuple[subprocess.Popen[bytes], int, Path]]:
+    """The inference service (`python -m tandem_inference.main`) with the stand-in as its engine,
+    once its gateway serves: (the service, the engine's pid, the engine's record). Killed after."""
+    record, log, gateway = tmp_path / "engine.record", tmp_path / "service.log", free_port()
     env = {**os.environ, "STAND_IN_RECORD": str(record), "TANDEM_ENGINE__KIND": "sglang",
            "TANDEM_ENGINE__SGLANG_PYTHON": str(stand_in), "TANDEM_ENGINE__URL": f"http://127.0.0.1:{free_port()}",
            "TANDEM_ENGINE__MODEL": str(tiny_model), "TANDEM_ENGINE__BOOT_TIMEOUT_S": "60",
            "TANDEM_GPUS__MODE": "cpu", "TANDEM_REDIS__URL": redis_url,
-           "TANDEM_STORE__ROOT": str(tmp_path / "adapters"), "TANDEM_GATEWAY__PORT": str(gateway)}
-    with (tmp_path / "service.log").open("wb") as out:
-        service = subprocess.Popen([sys.executable, "-m", "tandem_inference.main"], env=env, stdout=out,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
-    reap.append(service.pid)
-    try:
-        wait_until(lambda: recorded(record) or service.poll() is not None, 120, "the engine to start")
-        engine = int(recorded(record)[0].split()[1])
-        reap.append(engine)
-
-        def serving() -> bool:
-            assert service.poll() is None, (tmp_path / "service.log").read_text()[-3000:]
-            try:
-                return httpx.get(f"http://127.0.0.1:{gateway}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(serving, 120, "the gateway to serve")
-        os.kill(service.pid, sig)
-        service.wait(60)
-        wait_until(lambda: not alive(engine), 30, f"the engine to end after the service got {sig.name}")
-        # SIGTERM and SIGINT: the service stopped the engine; SIGKILL: the kernel killed it
-        expected = ["SIGTERM"] if sig != signal.SIGKILL else []
-        assert recorded(record)[1:] == expected, recorded(record)
-        assert not (tmp_path / "logs" / "sglang.pid").exists() or sig == signal.SIGKILL
-    finally:
-        if service.poll() is None:
-            service.kill()
-            service.wait(10)
-
-
-def test_a_service_whose_engine_cannot_be_restarted_exits(
-    stand_in: Path, tiny_model: Path, redis_url: str, tmp_path: Path, reap: list[int]
-) -> None:
-    record = tmp_path / "engine.record"
-    gateway = free_port()
-    env = {**os.environ, "STAND_IN_RECORD": str(record), "TANDEM_ENGINE__KIND": "sglang",
-           "TANDEM_ENGINE__SGLANG_PYTHON": str(stand_in), "TANDEM_ENGINE__URL": f"http://127.0.0.1:{free_port()}",
-           "TANDEM_ENGINE__MODEL": str(tiny_model), "TANDEM_ENGINE__BOOT_TIMEOUT_S": "60",
-           "TANDEM_ENGINE__MAX_RESTARTS": "0", "TANDEM_GPUS__MODE": "cpu", "TANDEM_REDIS__URL": redis_url,
-           "TANDEM_STORE__ROOT": str(tmp_path / "adapters"), "TANDEM_GATEWAY__PORT": str(gateway)}
-    log = tmp_path / "service.log"
+           "TANDEM_STORE__ROOT": str(tmp_path / "adapters"), "TANDEM_GATEWAY__PORT": str(gateway), **extra_env}
     with log.open("wb") as out:
         service = subprocess.Popen([sys.executable, "-m", "tandem_inference.main"], env=env, stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)
@@ -225,14 +185,36 @@ def test_a_service_whose_engine_cannot_be_restarted_exits(
                 return False
 
         wait_until(serving, 120, "the gateway to serve")
-        os.kill(engine, signal.SIGKILL)  # and no restart is allowed
-        wait_until(lambda: service.poll() is not None, 60, "the service to exit once its engine is gone for good")
-        assert service.returncode != 0
-        assert "giving up" in log.read_text()
+        yield service, engine, record
     finally:
         if service.poll() is None:
             service.kill()
             service.wait(10)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+def test_the_engine_ends_with_the_inference_service(
+    sig: signal.Signals, stand_in: Path, tiny_model: Path, redis_url: str, tmp_path: Path, reap: list[int]
+) -> None:
+    with serving_service(stand_in, tiny_model, redis_url, tmp_path, reap) as (service, engine, record):
+        os.kill(service.pid, sig)
+        service.wait(60)
+        wait_until(lambda: not alive(engine), 30, f"the engine to end after the service got {sig.name}")
+        # SIGTERM and SIGINT: the service stopped the engine; SIGKILL: the kernel killed it
+        expected = ["SIGTERM"] if sig != signal.SIGKILL else []
+        assert recorded(record)[1:] == expected, recorded(record)
+        assert not (tmp_path / "logs" / "sglang.pid").exists() or sig == signal.SIGKILL
+
+
+def test_a_service_whose_engine_cannot_be_restarted_exits(
+    stand_in: Path, tiny_model: Path, redis_url: str, tmp_path: Path, reap: list[int]
+) -> None:
+    with serving_service(stand_in, tiny_model, redis_url, tmp_path, reap,
+                         TANDEM_ENGINE__MAX_RESTARTS="0") as (service, engine, _):
+        os.kill(engine, signal.SIGKILL)  # and no restart is allowed
+        wait_until(lambda: service.poll() is not None, 60, "the service to exit once its engine is gone for good")
+        assert service.returncode != 0
+        assert "giving up" in (tmp_path / "service.log").read_text()
 
 
 def stand_in_launcher(stand_in: Path, tmp_path: Path, port: int, record: Path) -> tuple[Launcher, httpx.AsyncClient]:
