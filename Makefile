@@ -123,9 +123,11 @@ ps: ## the container stack's services and health
 e2e: install ## the CPU container stack end to end with faults (docker; ~2 min warm, ~6 min cold)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/e2e $(PYTEST_ARGS)
 
-lint: install ## ruff, mypy (strict on the light package) and actionlint (.github/workflows)
+lint: install ## ruff, mypy --strict on the three packages, and actionlint (.github/workflows)
 	$(VENV)/bin/ruff check shared trainer inference tests bench examples
 	$(VENV)/bin/mypy --strict shared/src/tandem
+	$(VENV)/bin/mypy --strict inference/src/tandem_inference
+	$(VENV)/bin/mypy --strict trainer/src/tandem_trainer
 	$(VENV)/bin/actionlint
 
 clean: ## remove local state (.tandem) and bench results

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from tandem import Client
-from tandem.stack import Service, Stack, StackConfig
+from tandem.dev.stack import Service, Stack, StackConfig
 
 #: Model shapes for GPU runs: the tiny model, and transformer bodies of Qwen2.5 models with
 #: random weights (the vocabulary stays the tiny BPE's 512 tokens, so embeddings are small).
@@ -56,7 +56,7 @@ class BenchStack(Stack):
     def plan(self) -> list[Service]:
         services = [s for s in super().plan() if s.name == "redis"]
         if self.engine_kind == "transformers":
-            services.append(Service("engine", [self.tandem_python, "-m", "tandem_inference.engine_server"],
+            services.append(Service("engine", [self.tandem_python, "-m", "tandem_inference.engine"],
                                     ready=lambda: self._http_ok(f"{self.engine_url}/health")))
         services.append(Service("inference", [self.tandem_python, "-m", "tandem_inference.main"],
                                 ready=lambda: self._http_ok(f"{self.gateway_url}/ready")))

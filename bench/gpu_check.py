@@ -31,9 +31,10 @@ from pathlib import Path
 
 from benchlib import SGLANG_FLAGS, SHAPES, BenchStack
 
-from tandem import Client, LoraConfig, OptimizerConfig, toy
+from tandem import Client, LoraConfig, OptimizerConfig
+from tandem.dev import toy
+from tandem.dev.stack import StackConfig
 from tandem.events import EventKind
-from tandem.stack import StackConfig
 
 PROMPTS = ["Write some numbers.", "Count for me.", "Say something.", "What is the answer?"]
 

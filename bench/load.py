@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 from benchlib import Ctx, goal, md_table, plt, summary
 
+from tandem.dev.toy import PROMPTS
 from tandem.settings import GatewaySettings
-from tandem.toy import PROMPTS
 
 N = 8
 SMALL = {"prompt": "1 2 3", "max_tokens": 4, "temperature": 0}

@@ -19,7 +19,8 @@ from benchlib import Ctx, goal, md_table, plt
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from tandem import LoraConfig, OptimizerConfig, toy
+from tandem import LoraConfig, OptimizerConfig
+from tandem.dev import toy
 
 MODES = {"sync": 0, "async-1": 1, "async-2": 2}
 

@@ -23,34 +23,20 @@ from pathlib import Path
 import httpx
 
 from tandem.settings import EngineSettings, InferenceSettings
-from tandem_inference.launcher import Launcher
+from tandem_inference.sglang_launcher import Launcher
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def make_adapter(model: Path, out: Path, *, r: int, targets: list[str]) -> Path:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model)
-    peft_model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, use_rslora=False))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    peft_model.save_pretrained(str(out))
-    return out
-
-
 async def record(args: argparse.Namespace) -> list[dict]:
-    from tandem_trainer.tiny_model import build_tiny_model
+    from tandem_trainer.tiny_model import build_random_adapter, build_tiny_model
 
     out = Path(args.out)
     model = build_tiny_model(out / "model")
-    good = make_adapter(model, out / "adapters" / "good", r=8, targets=["q_proj", "v_proj"])
-    big = make_adapter(model, out / "adapters" / "rank32", r=32, targets=["q_proj", "v_proj"])
-    mlp = make_adapter(model, out / "adapters" / "mlp", r=8, targets=["gate_proj"])
+    adapters = out / "adapters"
+    good = build_random_adapter(model, adapters / "good", rank=8, scale=0.05, target_modules=["q_proj", "v_proj"])
+    big = build_random_adapter(model, adapters / "rank32", rank=32, scale=0.05, target_modules=["q_proj", "v_proj"])
+    mlp = build_random_adapter(model, adapters / "mlp", rank=8, scale=0.05, target_modules=["gate_proj"])
     port = 30000  # SGLang derives more ports above its own; keep it low
     settings = InferenceSettings(engine=EngineSettings(
         kind="sglang", url=f"http://127.0.0.1:{port}", model=str(model), sglang_python=args.sglang_python,
@@ -64,7 +50,7 @@ async def record(args: argparse.Namespace) -> list[dict]:
         else:
             env = {**os.environ, "TANDEM_ENGINE__PORT": str(port), "TANDEM_ENGINE__MODEL": str(model),
                    "TANDEM_ENGINE__MAX_LORA_RANK": "16", "TANDEM_ENGINE__LORA_TARGET_MODULES": json.dumps(ATTENTION)}
-            launcher = Launcher(settings, http, argv=[sys.executable, "-m", "tandem_inference.engine_server"],
+            launcher = Launcher(settings, http, argv=[sys.executable, "-m", "tandem_inference.engine"],
                                 env=env, log_path=out / "engine.log")
         boot_s = await launcher.start()
         try:

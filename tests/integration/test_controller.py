@@ -1,7 +1,8 @@
 """The controller against a real redis-server, the real transformers engine and real adapters.
 
-Adapters are made the way the trainer makes them: a peft LoRA on the tiny model saved into a
-store staging directory, published with a manifest, registered, announced with adapter_ready.
+Adapters are made the way the trainer makes them (tests/helpers/adapters.py): a peft LoRA on the
+tiny model saved into a store staging directory, published with a manifest, registered, announced
+with adapter_ready.
 """
 
 from __future__ import annotations
@@ -9,22 +10,20 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
-import torch
-from loopback import serve_app
+from helpers.adapters import announce, publish
+from helpers.loopback import serve_app
 from prometheus_client import generate_latest
 
 from tandem import keys
-from tandem.adapters import AdapterStore, Manifest
+from tandem.adapters import AdapterStore
 from tandem.events import Cursor, Event, EventKind, EventStream
 from tandem.registry import Registry
-from tandem.runs import RunSpec
 from tandem.settings import (
     ControllerSettings,
     EngineSettings,
@@ -33,8 +32,9 @@ from tandem.settings import (
     StoreSettings,
 )
 from tandem_inference.controller import Controller
-from tandem_inference.engine_client import CallKind, EngineClient
-from tandem_inference.engine_server import create_engine_app
+from tandem_inference.engine.server import create_engine_app
+from tandem_inference.engine_calls import CallKind
+from tandem_inference.engine_client import EngineClient
 from tandem_inference.errors import EngineTimeout, ModelNotFound
 from tandem_inference.routing import RoutingTable
 
@@ -43,76 +43,7 @@ pytestmark = pytest.mark.integration
 MAX_RANK = 8
 
 
-# the trainer's side, done by hand ---------------------------------------------------------
-def publish(
-    store: AdapterStore,
-    registry: Registry,
-    tiny_model: Path,
-    run: str,
-    version: int,
-    *,
-    rank: int = 4,
-    config_patch: dict | None = None,
-    config_text: str | None = None,
-    register: bool = True,
-) -> Manifest:
-    """Build a LoRA whose B matrices are nonzero (so it changes outputs), publish and register it;
-    `config_text` replaces its adapter_config.json whole."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(tiny_model),
-        LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"]),
-    )
-    gen = torch.Generator().manual_seed(version)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-    with store.staging(run, version) as staged:
-        model.save_pretrained(staged / "adapter")
-        if config_patch:
-            cfg_path = staged / "adapter" / "adapter_config.json"
-            cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **config_patch}))
-        if config_text is not None:
-            (staged / "adapter" / "adapter_config.json").write_text(config_text)
-        manifest = store.publish(
-            staged,
-            Manifest(
-                run=run,
-                version=version,
-                parent=version - 1,
-                step=version,
-                job_id=f"job-{run}-{version}",
-                base_model=str(tiny_model),
-                lora_rank=rank,
-            ),
-        )
-    if register:
-        registry.register_version(manifest)
-    return manifest
-
-
-def announce(events: EventStream, store: AdapterStore, manifest: Manifest, *, path: str | None = None) -> str:
-    rel = str(store.adapter_dir(manifest.run, manifest.version).relative_to(store.root))
-    return events.append(
-        Event(
-            kind=EventKind.ADAPTER_READY,
-            run=manifest.run,
-            version=manifest.version,
-            job_id=manifest.job_id,
-            data={
-                "path": path if path is not None else rel,
-                "step": manifest.step,
-                "parent": manifest.parent,
-                "metrics": {},
-                "published_at": manifest.created_at,
-            },
-        )
-    )
-
-
+# waiting and looking ----------------------------------------------------------------------
 async def wait_until(
     pred: Callable[[], bool] | Callable[[], Awaitable[bool]], timeout_s: float = 30.0, what: str = "condition"
 ) -> None:
@@ -149,14 +80,6 @@ def engine_url(tiny_model: Path) -> Iterator[str]:
     )
     with serve_app(create_engine_app(settings)) as url:
         yield url
-
-
-@pytest.fixture
-def run(redis_conn: redis.Redis, tiny_model: Path) -> str:
-    """A fresh run name (the engine is shared by the module, so names must not repeat)."""
-    name = f"r{uuid.uuid4().hex[:8]}"
-    Registry(redis_conn).create_run(RunSpec(name=name, base_model=str(tiny_model)))
-    return name
 
 
 @pytest.fixture
@@ -726,9 +649,9 @@ async def test_a_timed_out_load_is_sent_again_once_the_engine_restarted(
 ) -> None:
     """A load that timed out is not sent again while it may still complete in the engine, but an
     engine that restarted runs none of the earlier loads: the version is loaded anew."""
-    import tandem_inference.controller as controller_module
+    import tandem_inference.adapter_loading as adapter_loading
 
-    monkeypatch.setattr(controller_module, "PENDING_LOAD_TIMEOUTS", 10_000)  # never retried by waiting
+    monkeypatch.setattr(adapter_loading, "PENDING_LOAD_TIMEOUTS", 10_000)  # never retried by waiting
     settings.controller.reconcile_s = 0.2
     controller, registry, events = await serving_v1(start, redis_conn, store, tiny_model, run)
     real_load, hung = engine.load_adapter, []

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from loopback import serve_app
+from helpers.loopback import serve_app
 
 from tandem.settings import EngineSettings, InferenceSettings, StoreSettings
-from tandem_inference.engine_server import create_engine_app
+from tandem_inference.engine.server import create_engine_app
+from tandem_trainer.tiny_model import build_random_adapter
 
 pytestmark = pytest.mark.integration
 
@@ -20,12 +21,7 @@ KEY = "sesame"
 @pytest.fixture(scope="module")
 def adapter(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real adapter of the tiny model, outside any root the engines below allow."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path_factory.mktemp("elsewhere") / "adapter"
-    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), LoraConfig(r=4)).save_pretrained(out)
-    return out
+    return build_random_adapter(tiny_model, tmp_path_factory.mktemp("elsewhere") / "adapter", rank=4)
 
 
 @pytest.fixture(scope="module")

@@ -11,33 +11,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from loopback import serve_app
+from helpers.loopback import serve_app
 
 from tandem.settings import EngineSettings
-from tandem_inference.engine_server import create_engine_app
+from tandem_inference.engine.server import create_engine_app
+from tandem_trainer.tiny_model import build_random_adapter
 
 pytestmark = pytest.mark.integration
 
 KEY = "sesame"
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def make_adapter(base: Path, out: Path, *, r: int = 8, seed: int = 0) -> Path:
-    """A LoRA adapter on the tiny model whose B matrices are nonzero, so it changes the output."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS)
-    )
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-    model.save_pretrained(out)
-    return out
 
 
 def sse_events(response: httpx.Response) -> list:
@@ -50,9 +32,9 @@ def sse_events(response: httpx.Response) -> list:
 @pytest.fixture(scope="module")
 def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("adapters")
-    make_adapter(tiny_model, root / "v1", seed=1)
-    make_adapter(tiny_model, root / "v2", seed=2)
-    make_adapter(tiny_model, root / "r32", r=32)
+    build_random_adapter(tiny_model, root / "v1", seed=1)
+    build_random_adapter(tiny_model, root / "v2", seed=2)
+    build_random_adapter(tiny_model, root / "r32", rank=32)
     return root
 
 
@@ -348,6 +330,28 @@ def test_load_errors_leave_the_serving_adapter_alone(
     assert gen(client, "run-v1")["output_ids"] == before
 
 
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ("[1, 2]", "adapter_config.json is not a JSON object"),
+        ({"r": "eight"}, "adapter_config.json has no valid LoRA rank 'r'"),
+        ({"rank_pattern": ["q_proj"]}, "adapter_config.json: rank_pattern is not a mapping"),
+        ({"target_modules": 5}, "target_modules 5 is not a list of module names"),
+    ],
+)
+def test_malformed_adapter_configs_are_a_400_naming_the_problem(
+    client: httpx.Client, adapters: Path, tmp_path: Path, change: str | dict, expected: str
+) -> None:
+    bad = shutil.copytree(adapters / "v1", tmp_path / "bad")
+    config = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(change if isinstance(change, str) else json.dumps({**config, **change}))
+    response = load(client, "x", bad)
+    assert response.status_code == 400, response.text
+    body = response.json()
+    assert body["success"] is False and expected in body["error_message"], body
+    assert body["loaded_adapters"] == {}
+
+
 def test_unload(client: httpx.Client, adapters: Path) -> None:
     unknown = client.post("/unload_lora_adapter", json={"lora_name": "ghost"})
     assert unknown.status_code == 400 and "not loaded" in unknown.json()["error_message"]
@@ -400,6 +404,7 @@ def test_admin_routes_need_the_key(url: str) -> None:
         for path, body in [
             ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/x"}),
             ("/unload_lora_adapter", {"lora_name": "a"}),
+            ("/update_weights_from_disk", {"model_path": "/x"}),
             ("/flush_cache", None),
             ("/release_memory_occupation", None),
             ("/resume_memory_occupation", None),
@@ -410,6 +415,18 @@ def test_admin_routes_need_the_key(url: str) -> None:
         assert wrong.status_code == 401
         assert anon.post("/flush_cache", headers={"x-api-key": KEY}).status_code == 200
         assert anon.get("/v1/models").status_code == 200  # reading and generating need no admin key
+
+
+def test_every_admin_route_refuses_without_the_key_before_reading_the_body(url: str) -> None:
+    from tandem_inference.engine import routes_admin
+
+    paths = {route.path for route in routes_admin.router.routes}
+    assert paths == {"/load_lora_adapter", "/unload_lora_adapter", "/update_weights_from_disk", "/flush_cache",
+                     "/release_memory_occupation", "/resume_memory_occupation"}
+    with httpx.Client(base_url=url, timeout=30) as anon:
+        for path in sorted(paths):
+            response = anon.post(path, json={"unexpected": [1]})  # a body none of them accepts whole
+            assert response.status_code == 401, (path, response.text)
 
 
 def test_release_and_resume(client: httpx.Client) -> None:

@@ -114,3 +114,46 @@ def test_a_stored_run_spec_that_does_not_parse_is_validation_failed(redis_conn, 
     redis_conn.set("tandem:run:bad", raw)
     with pytest.raises(ValidationFailed, match="tandem:run:bad"):
         Registry(redis_conn).get_run("bad")
+
+
+def test_the_controller_status_and_load_attempts_go_through_the_registry(redis_conn) -> None:
+    reg = Registry(redis_conn)
+    assert [reg.next_load_attempt("r", 3) for _ in range(3)] == [0, 1, 2]
+    assert reg.next_load_attempt("r", 4) == 0 and reg.next_load_attempt("other", 3) == 0
+    reg.set_loaded("r", [2, 3])
+    assert reg.loaded("r") == [2, 3] and reg.loaded("never") == []
+
+
+def test_events_since_a_time_pages_forward_and_skips_what_does_not_parse(redis_conn) -> None:
+    stream = EventStream(redis_conn)
+    redis_conn.xadd("tandem:events", {"kind": "adapter_ready", "run": "old", "ts": "1"}, id="1000-0")
+    redis_conn.xadd("tandem:events", {"junk": "1"}, id="2000-0")
+    for version in range(1, 6):
+        stream.append(Event(kind=EventKind.ADAPTER_READY, run="r", version=version))
+    assert [e.run for e in stream.since(0.0, page=2)] == ["old", "r", "r", "r", "r", "r"]
+    assert [e.version for e in stream.since(1.5, page=2)] == [1, 2, 3, 4, 5]
+    assert list(stream.since(time.time() + 3600)) == []
+
+
+STORED_GARBAGE = {
+    "serving not a number": ("tandem:run:r:serving", "set", "three", lambda reg: reg.serving("r")),
+    "job version not a number": ("tandem:run:r:jobs", "hset", "three", lambda reg: reg.version_of_job("r", "j")),
+    "manifest not JSON": ("tandem:run:r:versions", "zadd", "{not json", lambda reg: reg.manifest("r", 1)),
+    "manifests with one not a manifest": ("tandem:run:r:versions", "zadd", '{"run": "r"}', lambda reg: reg.manifests("r")),
+    "loaded not a list of versions": ("tandem:run:r:loaded", "set", '{"a": 1}', lambda reg: reg.loaded("r")),
+}
+
+
+@pytest.mark.parametrize(("key", "how", "raw", "call"), STORED_GARBAGE.values(), ids=STORED_GARBAGE.keys())
+def test_a_stored_value_that_does_not_parse_is_validation_failed_naming_its_key(redis_conn, key, how, raw,
+                                                                                call) -> None:
+    from tandem.errors import ValidationFailed
+
+    if how == "set":
+        redis_conn.set(key, raw)
+    elif how == "hset":
+        redis_conn.hset(key, "j", raw)
+    else:
+        redis_conn.zadd(key, {raw: 1})
+    with pytest.raises(ValidationFailed, match=key):
+        call(Registry(redis_conn))

@@ -18,29 +18,22 @@ import json
 import math
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import requests
 import schemathesis
+from helpers.servers import BASE, Servers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from servers import BASE, Servers, engine_and_gateway
 
 pytestmark = pytest.mark.integration
 
-LIMIT = 4  # max_tokens on both servers: every generated reply is short
+MAX_TOKENS = 4  # on both servers (the `servers` fixture): every generated reply is short
 SKIPPED = {"POST /release_memory_occupation"}
 GENERATION = {"/v1/chat/completions", "/v1/completions", "/generate"}
 FUZZ = settings(max_examples=200, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-
-
-@pytest.fixture(scope="module")
-def servers(tiny_model: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    with engine_and_gateway(tiny_model, redis_url, tmp_path_factory.mktemp("store"), limit=LIMIT) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

@@ -1,16 +1,15 @@
 """The gateway served on loopback with its controller, the real engine, redis and real adapters.
 
 Clients are the `openai` package (what users point at tandem) and plain httpx for the
-error shapes. Versions are published the way the trainer does it (see test_controller).
+error shapes. Versions are published the way the trainer does it (tests/helpers/adapters.py).
 """
 
 from __future__ import annotations
 
 import json
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,26 +17,17 @@ import httpx
 import openai
 import pytest
 import redis
-from loopback import free_port, serve_app
-from test_controller import announce, publish
+from helpers.adapters import announce, publish
+from helpers.loopback import free_port, serve_app
+from helpers.servers import gateway, inference_settings
+from helpers.waiting import wait_until
 
 from tandem.adapters import AdapterStore
 from tandem.events import EventStream
 from tandem.registry import Registry
 from tandem.runs import RunSpec
-from tandem.settings import (
-    ControllerSettings,
-    EngineSettings,
-    GatewaySettings,
-    InferenceSettings,
-    RedisSettings,
-    StoreSettings,
-)
-from tandem_inference.controller import Controller
-from tandem_inference.engine_client import EngineClient
-from tandem_inference.engine_server import create_engine_app
-from tandem_inference.gateway import create_gateway_app
-from tandem_inference.routing import RoutingTable
+from tandem.settings import EngineSettings, InferenceSettings
+from tandem_inference.engine.server import create_engine_app
 
 pytestmark = pytest.mark.integration
 
@@ -52,81 +42,9 @@ def engine_url(tiny_model: Path) -> Iterator[str]:
         yield url
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model)
-
-
-def inference_settings(
-    redis_url: str, root: Path, engine_url: str, tiny_model: Path, api_key: str | None = None
-) -> InferenceSettings:
-    return InferenceSettings(
-        redis=RedisSettings(url=redis_url),
-        store=StoreSettings(root=root),
-        engine=EngineSettings(url=engine_url, model=str(tiny_model), max_new_tokens_limit=LIMIT),
-        controller=ControllerSettings(block_ms=50, keep_versions=2),
-        gateway=GatewaySettings(api_key=api_key),
-    )
-
-
-@contextmanager
-def gateway(settings: InferenceSettings, tokenizer: Any, *, with_controller: bool = True) -> Iterator[str]:
-    """Serve the gateway (and its controller) like main does; yields its URL once ready."""
-    conn = redis.Redis.from_url(settings.redis.url)
-    http = httpx.AsyncClient()
-    engine = EngineClient.from_settings(http, settings.engine)
-    table = RoutingTable(settings.engine.served_model_name)
-    settings.store.root.mkdir(parents=True, exist_ok=True)
-    controller = (
-        Controller(settings, conn, engine, AdapterStore(settings.store.root), table)
-        if with_controller
-        else None
-    )
-    app = create_gateway_app(
-        settings,
-        engine=engine,
-        table=table,
-        tokenizer=tokenizer,
-        registry=Registry(conn),
-        controller=controller,
-    )
-    inner = app.router.lifespan_context
-
-    @asynccontextmanager
-    async def lifespan(a: Any) -> Any:  # the process owns the httpx client: close it in its loop
-        async with inner(a):
-            yield
-        await http.aclose()
-
-    app.router.lifespan_context = lifespan
-    with serve_app(app) as url:
-        if controller is not None:
-            wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200, what="gateway ready")
-        yield url
-    conn.close()
-
-
-def wait_until(pred: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
-@pytest.fixture
-def run(redis_conn: redis.Redis, tiny_model: Path) -> str:
-    name = f"g{uuid.uuid4().hex[:8]}"
-    Registry(redis_conn).create_run(RunSpec(name=name, base_model=str(tiny_model)))
-    return name
-
-
 @pytest.fixture
 def settings(redis_url: str, tmp_path: Path, engine_url: str, tiny_model: Path) -> InferenceSettings:
-    return inference_settings(redis_url, tmp_path / "store", engine_url, tiny_model)
+    return inference_settings(redis_url, tmp_path / "store", engine_url, tiny_model, limit=LIMIT)
 
 
 @pytest.fixture
@@ -418,10 +336,30 @@ def test_engine_refusals_are_400_and_an_unreachable_engine_503(
         assert httpx.get(f"{dead_url}/health").status_code == 200
 
 
+def test_serving_the_gateway_app_starts_no_controller(
+    settings: InferenceSettings, tokenizer: Any, redis_conn: redis.Redis
+) -> None:
+    """The inference service (tandem_inference.main) starts and stops the controller; the gateway
+    app only reads it (for /ready and /metrics), so serving the app alone leaves it unstarted."""
+    from tandem_inference.controller import Controller
+    from tandem_inference.engine_client import EngineClient
+    from tandem_inference.gateway.app import create_gateway_app
+    from tandem_inference.routing import RoutingTable
+
+    engine = EngineClient.from_settings(httpx.AsyncClient(), settings.engine)
+    table = RoutingTable(settings.engine.served_model_name)
+    controller = Controller(settings, redis_conn, engine, AdapterStore(settings.store.root), table)
+    app = create_gateway_app(settings, engine=engine, table=table, tokenizer=tokenizer, registry=Registry(redis_conn),
+                             controller=controller)
+    with serve_app(app) as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert controller.status()["reconciled"] is False and controller._task is None
+
+
 def test_api_key_is_required_when_set(
     redis_url: str, tmp_path: Path, engine_url: str, tiny_model: Path, tokenizer: Any, redis_conn: redis.Redis
 ) -> None:
-    settings = inference_settings(redis_url, tmp_path / "store", engine_url, tiny_model, api_key="s3cret")
+    settings = inference_settings(redis_url, tmp_path / "store", engine_url, tiny_model, limit=LIMIT, api_key="s3cret")
     with gateway(settings, tokenizer) as url:
         body = {"model": "base", "prompt": "x", "max_tokens": 2}
         assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401

@@ -8,23 +8,22 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
-import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, asynccontextmanager, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import redis
-from loopback import serve_app
+from helpers.loopback import serve_app
+from helpers.servers import gateway, inference_settings
+from helpers.waiting import wait_until
 
-from tandem.registry import Registry
-from tandem.settings import EngineSettings, GatewaySettings, InferenceSettings, RedisSettings, StoreSettings
-from tandem_inference.engine_client import ADMIN_CONNECTIONS, EngineClient, pool_limits
-from tandem_inference.engine_server import create_engine_app
-from tandem_inference.gateway import MAX_N, create_gateway_app
-from tandem_inference.routing import RoutingTable
+from tandem.settings import EngineSettings
+from tandem_inference.engine.server import create_engine_app
+from tandem_inference.engine_calls import ADMIN_CONNECTIONS, pool_limits
+from tandem_inference.engine_client import EngineClient
 
 pytestmark = pytest.mark.integration
 
@@ -40,59 +39,16 @@ def engine_url(tiny_model: Path) -> Iterator[str]:
         yield url
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model)
-
-
-def settings_for(redis_url: str, tmp_path: Path, engine_url: str, tiny_model: Path, **gateway: Any) -> InferenceSettings:
-    return InferenceSettings(
-        redis=RedisSettings(url=redis_url), store=StoreSettings(root=tmp_path / "store"),
-        engine=EngineSettings(url=engine_url, model=str(tiny_model), max_new_tokens_limit=LIMIT),
-        gateway=GatewaySettings(**gateway),
-    )
-
-
-@contextmanager
-def gateway(settings: InferenceSettings, tokenizer: Any) -> Iterator[str]:
-    """The gateway with its engine pools as main builds them (no controller: routes the base model)."""
-    conn = redis.Redis.from_url(settings.redis.url)
-    rollouts = httpx.AsyncClient(limits=pool_limits(max(settings.gateway.max_in_flight_sequences, MAX_N)))
-    admin = httpx.AsyncClient(limits=pool_limits(ADMIN_CONNECTIONS))
-    engine = EngineClient.from_settings(rollouts, settings.engine, admin_http=admin)
-    app = create_gateway_app(settings, engine=engine, table=RoutingTable(settings.engine.served_model_name),
-                             tokenizer=tokenizer, registry=Registry(conn))
-    inner = app.router.lifespan_context
-
-    @asynccontextmanager
-    async def lifespan(a: Any) -> Any:
-        async with inner(a):
-            yield
-        await rollouts.aclose()
-        await admin.aclose()
-
-    app.router.lifespan_context = lifespan
-    with serve_app(app) as url:
-        yield url
-    conn.close()
-
-
 @pytest.fixture
 def make_gateway(redis_url: str, redis_conn: redis.Redis, tmp_path: Path, engine_url: str, tiny_model: Path,
                  tokenizer: Any) -> Iterator[Callable[..., str]]:
     """Start a gateway with these gateway settings; it stops at the end of the test."""
+    def start(**gw: Any) -> str:
+        settings = inference_settings(redis_url, tmp_path / "store", engine_url, tiny_model, limit=LIMIT, **gw)
+        return stack.enter_context(gateway(settings, tokenizer, with_controller=False))
+
     with ExitStack() as stack:
-        yield lambda **gw: stack.enter_context(
-            gateway(settings_for(redis_url, tmp_path, engine_url, tiny_model, **gw), tokenizer))
-
-
-def wait_until(pred: Callable[[], Any], timeout_s: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.05)
+        yield start
 
 
 def metric(url: str, name: str, labels: str = "") -> float:

@@ -19,12 +19,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.gpu]
 def test_auto_picks_unsloth_and_publishes_a_plain_lora(redis_conn, redis_url: str, tiny_model: Path, tmp_path: Path) -> None:
     if importlib.util.find_spec("unsloth") is None:
         pytest.skip("unsloth is not installed in this environment")
-    from tandem_trainer.backend import select_backend
-    from tandem_trainer.trainer import Trainer
+    from tandem_trainer.backends.select import select_backend
+    from tandem_trainer.job import Trainer
 
     settings = TrainerSettings(redis=RedisSettings(url=redis_url), store=StoreSettings(root=tmp_path),
                                backend=TrainerBackendSettings(kind="auto"))
-    backend = select_backend(settings)
+    backend = select_backend(settings.backend)
     assert backend.name == "unsloth"
     Registry(redis_conn).create_run(RunSpec(name="g", base_model=str(tiny_model), lora=LoraConfig(r=8, alpha=16)))
     traj = {"prompt_ids": [1, 2, 3], "completion_ids": [18, 19, 20], "rollout_logprobs": [-6.0, -6.0, -6.0]}

@@ -2,62 +2,34 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
-import torch
+from helpers.adapters import publish
+from helpers.bench import bench_module
 
-from tandem.adapters import AdapterStore, Manifest
+from tandem.adapters import AdapterStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "hotload.py"
 RUN = "hl"
-
-
-def load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("hotload_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def publish_adapters(store: AdapterStore, model: Path, count: int) -> None:
-    """Published versions as the trainer leaves them: LoRA with nonzero B, so each changes outputs."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    peft_model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(model), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
-    )
-    for version in range(1, count + 1):
-        gen = torch.Generator().manual_seed(version)
-        with torch.no_grad():
-            for name, param in peft_model.named_parameters():
-                if "lora_B" in name:
-                    param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-        with store.staging(RUN, version) as staged:
-            peft_model.save_pretrained(staged / "adapter")
-            store.publish(staged, Manifest(run=RUN, version=version, parent=version - 1, step=version,
-                                           job_id=f"job-{version}", base_model=str(model), lora_rank=8))
 
 
 def test_quick_run_measures_all_three_and_the_merge_changes_the_served_weights(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     store = AdapterStore(tmp_path / "adapters")
-    publish_adapters(store, tiny_model, 2)
+    for version in (1, 2):  # published as the trainer leaves them (nonzero B: each changes outputs)
+        publish(store, None, tiny_model, RUN, version, rank=8)
     messages: list[str] = []
     ctx = SimpleNamespace(
         out=tmp_path / "out", quick=True, model=str(tiny_model), engine="transformers",
         tandem_python=sys.executable, sglang_python="python3", engine_env={"TANDEM_LOG_LEVEL": "INFO"},
         store_root=store.root, run_name=RUN, progress=messages.append,
     )
-    result = load_bench().run(ctx)
+    result = bench_module("hotload").run(ctx)
 
     assert {"name", "title", "summary", "rows", "goals", "table", "plots"} <= set(result)
     assert result["name"] == "hotload" and result["plots"] == ["hotload.png"]
@@ -85,3 +57,15 @@ def test_quick_run_measures_all_three_and_the_merge_changes_the_served_weights(
     assert goal["met"] is (goal["value"] >= 100) and goal["at_most"] is False and "transformers" in goal["note"]
     assert "(a) hot-load" in result["table"] and "(b) restart" in result["table"] and "(c) merge" in result["table"]
     assert any("restart 1/1" in m for m in messages) and any("merge 1/1" in m for m in messages)
+
+
+def test_without_published_versions_random_adapters_are_made(tiny_model: Path, tmp_path: Path) -> None:
+    messages: list[str] = []
+    ctx = SimpleNamespace(out=tmp_path, model=str(tiny_model), tandem_python=sys.executable, sglang_python="python3",
+                          store_root=tmp_path / "empty-store", run_name=RUN, progress=messages.append)
+    made = bench_module("hotload_adapters").adapters(ctx, 5)
+
+    assert [p.name for p in made] == ["v000001", "v000002"]  # at most two
+    assert all((p / "adapter_model.safetensors").is_file() for p in made)
+    assert bench_module("hotload_adapters").rank(made[0]) == 16
+    assert any("making 2 random LoRA adapters (r=16)" in m for m in messages)

@@ -14,17 +14,18 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
-from loopback import free_port
+from helpers.loopback import free_port
+from helpers.waiting import wait_until
 
 from tandem.settings import EngineSettings, InferenceSettings
-from tandem_inference.launcher import EngineBootError, Launcher
+from tandem_inference.errors import EngineBootError
+from tandem_inference.sglang_launcher import Launcher
 
 pytestmark = pytest.mark.integration
 
@@ -74,14 +75,6 @@ def recorded(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-def wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.1)
-
-
 @pytest.fixture
 def reap() -> Iterator[list[int]]:
     """Pids a test started indirectly; whatever of them is left is killed afterwards."""
@@ -110,7 +103,7 @@ def engine_launcher(tiny_model: Path, tmp_path: Path, **engine: object) -> tuple
     env = {**os.environ, "TANDEM_ENGINE__PORT": str(port), "TANDEM_ENGINE__MODEL": str(tiny_model),
            "OMP_NUM_THREADS": "1"}
     # a helper process in the engine's group stands in for SGLang's scheduler
-    argv = ["sh", "-c", f"sleep 600 & exec {sys.executable} -m tandem_inference.engine_server"]
+    argv = ["sh", "-c", f"sleep 600 & exec {sys.executable} -m tandem_inference.engine"]
     http = httpx.AsyncClient()
     return Launcher(settings, http, argv=argv, env=env, log_path=tmp_path / "engine.log"), http
 

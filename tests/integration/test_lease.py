@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from tandem.lease import GpuLease, LeaseState, LeaseTimeout
+from tandem.errors import LeaseTimeout, ValidationFailed
+from tandem.lease import GpuLease, LeaseState
 
 pytestmark = pytest.mark.integration
 
@@ -51,3 +52,9 @@ def test_acquire_times_out_and_gives_the_request_back(redis_conn) -> None:
     with pytest.raises(LeaseTimeout, match="did not release the GPU"):
         lease.acquire(wait_s=0.2)
     assert lease.state() is None
+
+
+def test_a_lease_state_that_is_not_one_is_validation_failed_naming_the_key(redis_conn) -> None:
+    redis_conn.hset("tandem:gpu:lease", "state", "bogus")
+    with pytest.raises(ValidationFailed, match="tandem:gpu:lease"):
+        GpuLease(redis_conn).state()

@@ -1,7 +1,7 @@
 """The whole loop on the local stack: rollouts -> GRPO -> versioned adapter -> hot-load -> better rollouts.
 
 Real processes: redis-server, the transformers engine, the inference service (controller +
-gateway) and the trainer worker, started by `tandem.stack.Stack` exactly as `tandem up` does.
+gateway) and the trainer worker, started by `tandem.dev.stack.Stack` exactly as `tandem up` does.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem import Client, LoraConfig, OptimizerConfig, toy
-from tandem.stack import Stack, StackConfig
+from tandem import Client, LoraConfig, OptimizerConfig
+from tandem.dev import toy
+from tandem.dev.stack import Stack, StackConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tandem import Client, LoraConfig
-from tandem.stack import Stack, StackConfig
+from tandem.dev.stack import Stack, StackConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

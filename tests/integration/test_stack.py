@@ -14,9 +14,9 @@ import pytest
 import redis
 
 from tandem import Client
-from tandem.cli import main as tandem
+from tandem.dev.cli import main as tandem
+from tandem.dev.stack import Service, Stack, StackConfig
 from tandem.errors import ConfigError
-from tandem.stack import Service, Stack, StackConfig
 
 pytestmark = pytest.mark.integration
 
@@ -78,7 +78,7 @@ class RedisUp(RedisOnly):
 def test_tandem_up_does_not_print_the_redis_password(
     no_tandem_env: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("tandem.stack.Stack", RedisUp)
+    monkeypatch.setattr("tandem.dev.stack.Stack", RedisUp)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         assert tandem(["up", "--model", "unused", "--gateway-port", "0"]) == 0
@@ -162,3 +162,21 @@ def test_status_and_client_find_the_stack_that_tandem_up_started(
             client.close()
         assert tandem(["status", "ghost"]) == 1
         assert capsys.readouterr().err.strip() == "tandem status: unknown run 'ghost'; known runs: []"
+
+
+@pytest.mark.parametrize("blocked", ["logs", "redis", "secrets.json/x"])
+def test_a_state_directory_that_cannot_be_written_is_one_line_naming_it(
+    no_tandem_env: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, blocked: str
+) -> None:
+    state = no_tandem_env / "state"
+    (state / blocked).parent.mkdir(parents=True, exist_ok=True)
+    (state / blocked).write_text("a file where the stack wants a directory")
+    monkeypatch.setattr("tandem.dev.stack.Stack", RedisUp)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert tandem(["up", "--model", "unused", "--gateway-port", "0", "--state-dir", str(state)]) == 1
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(state / blocked.split("/")[0]) in err, err

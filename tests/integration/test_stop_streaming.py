@@ -11,26 +11,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from helpers.servers import BASE, Servers
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from servers import BASE, Servers, engine_and_gateway
 
 pytestmark = pytest.mark.integration
 
 MAX_TOKENS = 16
 PROMPTS = ["Count to ten:", "The digits are", "Once upon a time"]
 SURFACES = ["gateway_chat", "gateway_text", "engine_chat", "engine_text", "engine_native"]
-
-
-@pytest.fixture(scope="module")
-def servers(tiny_model: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    with engine_and_gateway(tiny_model, redis_url, tmp_path_factory.mktemp("store"), limit=MAX_TOKENS) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

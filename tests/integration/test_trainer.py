@@ -17,12 +17,13 @@ import torch
 from tandem import keys
 from tandem.adapters import AdapterStore
 from tandem.events import EventKind, EventStream
+from tandem.jobs import TrainJob
 from tandem.registry import Registry
 from tandem.runs import LoraConfig, LossConfig, OptimizerConfig, RunSpec
 from tandem.settings import TrainerSettings
-from tandem_trainer.errors import JobRejected, LockTimeout
-from tandem_trainer.peft_backend import PeftBackend
-from tandem_trainer.trainer import Trainer
+from tandem_trainer.backends.peft import PeftBackend
+from tandem_trainer.errors import CheckpointError, JobRejected, LockTimeout
+from tandem_trainer.job import Trainer
 
 pytestmark = pytest.mark.integration
 
@@ -118,6 +119,23 @@ def test_first_job_publishes_v1(trainer: Trainer, run: RunSpec, store: AdapterSt
     assert event.data["step"] == 1 and event.data["parent"] == 0
     assert event.data["metrics"]["loss"] == pytest.approx(result.metrics["loss"])
     assert event.data["published_at"] == pytest.approx(result.published_at)
+
+
+def test_a_train_job_object_trains_as_it_is(trainer: Trainer, run: RunSpec) -> None:
+    job = TrainJob.model_validate(make_job())
+    result = trainer.train(job)
+    assert (result.job_id, result.version, result.reused) == ("job-1", 1, False)
+    assert trainer.train(job).reused
+
+
+def test_an_adapter_that_cannot_be_written_is_a_checkpoint_error(trainer: Trainer, backend: PeftBackend,
+                                                                 run: RunSpec, tmp_path: Path) -> None:
+    trainer.train(make_job())  # an adapter is active
+    gone = tmp_path / "no-such-dir"
+    with pytest.raises(CheckpointError, match="no-such-dir"):
+        backend.save_adapter(gone)
+    with pytest.raises(CheckpointError, match="no-such-dir"):
+        backend.save_state(gone, trainer_state={})
 
 
 def test_published_adapter_loads_in_plain_peft(trainer: Trainer, run: RunSpec, store: AdapterStore) -> None:
@@ -234,7 +252,7 @@ def test_a_version_deleted_by_hand_is_skipped_by_the_next_job(trainer: Trainer, 
 
 
 def test_a_lock_whose_set_went_through_unanswered_is_ours(settings, redis_conn, run) -> None:
-    from tandem_trainer.trainer import RunLock
+    from tandem_trainer.run_lock import RunLock
 
     lock = RunLock(redis_conn, RUN, "me#1", holder_alive=lambda owner: True)
     redis_conn.set(keys.run_lock(RUN), lock.value, px=600_000)  # a SET NX whose reply a dropped connection lost

@@ -11,21 +11,21 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from loopback import serve_app
+from helpers.loopback import serve_app
 
 from tandem.settings import EngineSettings
-from tandem_inference.engine_server import create_engine_app
+from tandem_inference.engine.server import create_engine_app
+from tandem_trainer.tiny_model import build_random_adapter
 
 pytestmark = pytest.mark.integration
 
 KEY = "sesame"
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Checkpoints beside the tiny model: other values, a merged adapter, and mismatched ones."""
-    from peft import LoraConfig, get_peft_model
+    from peft import PeftModel
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -38,13 +38,8 @@ def checkpoints(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> d
             param.add_(torch.randn(param.shape, generator=gen) * 0.2)
     other.save_pretrained(root / "other")
 
-    lora = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS)
-    tuned = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), lora)
-    with torch.no_grad():
-        for name, param in tuned.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-    tuned.save_pretrained(root / "adapter")
+    adapter = build_random_adapter(tiny_model, root / "adapter", seed=3)
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), adapter)
     tuned.merge_and_unload().save_pretrained(root / "merged")
 
     config = AutoConfig.from_pretrained(tiny_model)
@@ -56,6 +51,9 @@ def checkpoints(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     name = "model.layers.0.mlp.up_proj.weight"
     tensors[name] = tensors[name][:-1].contiguous()
     save_file(tensors, root / "cut" / "model.safetensors", metadata={"format": "pt"})
+
+    shutil.copytree(tiny_model, root / "scalar")
+    (root / "scalar" / "config.json").write_text("7")
     return {"base": tiny_model, **{p.name: p for p in root.iterdir()}}
 
 
@@ -127,6 +125,7 @@ def test_merged_adapter_as_base_answers_like_the_adapter(client: httpx.Client, c
         ("adapter", "no config.json"),
         ("wider", "intermediate_size=256"),
         ("cut", "tensor 'model.layers.0.mlp.up_proj.weight' has shape (127, 64), the serving model's has (128, 64)"),
+        ("scalar", "config.json is not a JSON object"),
     ],
 )
 def test_refused_checkpoints_get_400_naming_the_problem_and_the_old_weights_serve(

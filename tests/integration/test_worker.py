@@ -6,9 +6,10 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.jobs import RUN, make_job, status
+from helpers.workers import wait_for
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
-from workers import RUN, make_job, status, wait_for
 
 from tandem.adapters import AdapterStore
 from tandem.events import EventKind, EventStream

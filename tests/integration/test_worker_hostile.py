@@ -19,11 +19,13 @@ from typing import Any
 
 import pytest
 import redis
+from helpers.jobs import make_job
+from helpers.redis_server import RedisServer
+from helpers.workers import WorkerProcess, start_workers, stop_workers, wait_for
 from rq import Callback, Queue
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 from rq.webhook import Webhook
-from workers import RedisServer, WorkerProcess, make_job, start_workers, stop_workers, wait_for
 
 from tandem import keys
 from tandem.events import EventKind, EventStream

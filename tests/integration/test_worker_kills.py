@@ -14,14 +14,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.jobs import status
+from helpers.redis_server import RedisServer
+from helpers.workers import start_workers, stop_workers, wait_for
 from rq.job import JobStatus
-from workers import RedisServer, start_workers, status, stop_workers, wait_for
 
 from tandem import Client, LoraConfig
 from tandem.adapters import AdapterStore
+from tandem.dev.stack import Service, Stack, StackConfig
 from tandem.events import EventKind
 from tandem.registry import Registry
-from tandem.stack import Service, Stack, StackConfig
 from tandem.trajectories import TrajectoryGroup
 from tandem_trainer.failpoints import POINTS
 

@@ -11,9 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.jobs import RUN, make_job
+from helpers.redis_server import RedisServer
+from helpers.workers import start_workers, stop_workers, wait_for
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
-from workers import RUN, RedisServer, make_job, start_workers, stop_workers, wait_for
 
 from tandem.adapters import AdapterStore
 from tandem.events import EventKind, EventStream

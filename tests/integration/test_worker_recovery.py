@@ -11,9 +11,10 @@ import signal
 from pathlib import Path
 
 import pytest
+from helpers.jobs import RUN, make_job, status
+from helpers.workers import wait_for
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
-from workers import RUN, make_job, status, wait_for
 
 from tandem import keys
 from tandem.events import EventKind, EventStream

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.adapters import AdapterStore, Manifest
+from tandem.adapters import AdapterStore, Manifest, read_adapter_config
 from tandem.errors import AdapterRejected, VersionExists
 
 
@@ -181,3 +181,32 @@ def test_manifest_paths_that_leave_the_version_are_refused(tmp_path: Path, rel: 
     path.write_text(json.dumps(manifest))
     with pytest.raises(AdapterRejected, match="leaves"):
         store.check("r", 1)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (None, "no adapter_config.json in"),
+        ("{not json", "adapter_config.json is unreadable"),
+        ("[1]", "adapter_config.json is not a JSON object"),
+        ('{"r": 8, "rank_pattern": [4]}', "adapter_config.json: rank_pattern is not a mapping"),
+        ('{"r": "8"}', "adapter_config.json has no valid LoRA rank 'r'"),
+        ('{"r": 8, "rank_pattern": {"q_proj": 0}}', "adapter_config.json has no valid LoRA rank 'r'"),
+    ],
+)
+def test_read_adapter_config_names_the_file_and_what_is_wrong(tmp_path: Path, text: str | None, expected: str) -> None:
+    if text is not None:
+        (tmp_path / "adapter_config.json").write_text(text)
+    with pytest.raises(AdapterRejected, match=expected) as caught:
+        read_adapter_config(tmp_path)
+    assert str(tmp_path) in str(caught.value)
+
+
+def test_read_adapter_config_returns_the_config_and_the_store_reads_through_it(tmp_path: Path) -> None:
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8, "rank_pattern": {"q_proj": 4}, "x": 1}))
+    assert read_adapter_config(tmp_path) == {"r": 8, "rank_pattern": {"q_proj": 4}, "x": 1}
+    store = AdapterStore(tmp_path / "store")
+    publish(store)
+    (store.adapter_dir("r", 1) / "adapter_config.json").write_text("[]")
+    with pytest.raises(AdapterRejected, match="not a JSON object"):
+        store.adapter_config("r", 1)

@@ -8,32 +8,32 @@ import pytest
 import torch
 
 from tandem.errors import ConfigError
-from tandem.settings import TrainerSettings
-from tandem_trainer.backend import resolve_device, select_backend, unsloth_problem
-from tandem_trainer.errors import BackendNotAvailable
-from tandem_trainer.peft_backend import PeftBackend
+from tandem.settings import TrainerBackendSettings
+from tandem_trainer.backends.peft import PeftBackend
+from tandem_trainer.backends.select import resolve_device, select_backend, unsloth_problem
+from tandem_trainer.errors import TrainingBackendMissing
 
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 
 
 @needs_no_gpu
 def test_auto_picks_peft_on_cpu() -> None:
-    backend = select_backend(TrainerSettings(backend={"kind": "auto", "device": "auto"}))
+    backend = select_backend(TrainerBackendSettings(kind="auto", device="auto"))
     assert isinstance(backend, PeftBackend) and backend.device.type == "cpu"
     assert backend.active is None
 
 
 @needs_no_gpu
 def test_explicit_unsloth_without_cuda_is_a_config_error() -> None:
-    with pytest.raises(BackendNotAvailable) as info:
-        select_backend(TrainerSettings(backend={"kind": "unsloth", "device": "auto"}))
+    with pytest.raises(TrainingBackendMissing) as info:
+        select_backend(TrainerBackendSettings(kind="unsloth", device="auto"))
     assert isinstance(info.value, ConfigError)
     assert "unsloth" in str(info.value) and "CUDA" in str(info.value) and "peft" in str(info.value)
 
 
 @needs_no_gpu
 def test_cuda_without_a_gpu_is_a_config_error() -> None:
-    with pytest.raises(BackendNotAvailable, match="TANDEM_BACKEND__DEVICE"):
+    with pytest.raises(TrainingBackendMissing, match="TANDEM_BACKEND__DEVICE"):
         resolve_device("cuda")
     assert resolve_device("auto") == "cpu"
 
@@ -57,6 +57,6 @@ def test_unsloth_needs_cuda_and_the_package() -> None:
     ],
 )
 def test_master_weights_are_kept_only_when_the_adapter_loses_bits(trained, saved, rounds) -> None:
-    from tandem_trainer.peft_backend import _rounds
+    from tandem_trainer.backends.peft import _rounds
 
     assert _rounds(trained, saved) is rounds

@@ -13,11 +13,10 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from loopback import free_port
+from helpers.loopback import free_port
 
-from tandem import Client
-from tandem.client import Completion, Run
-from tandem.errors import GatewayError, TandemError, ValidationFailed
+from tandem import Client, Completion, Run
+from tandem.errors import ConfigError, GatewayError, TandemError, ValidationFailed
 from tandem.runs import RunSpec, same_base_model
 
 pytestmark = pytest.mark.unit
@@ -51,6 +50,12 @@ ODD_ANSWERS = {
                                          "tandem": {"prompt_token_ids": [1], "completion_token_ids": [[2]],
                                                     "completion_logprobs": [[-0.1]], "version": 0}}),
     "200 with choices not a list": (200, {"choices": 3, "tandem": {}}),
+    "200 with token ids not numbers": (200, {"choices": [{"message": {"content": "x"}}],
+                                             "tandem": {"prompt_token_ids": [1], "completion_token_ids": [["a"]],
+                                                        "completion_logprobs": [[-0.1]], "version": 0}}),
+    "200 with a version not a number": (200, {"choices": [{"message": {"content": "x"}}],
+                                              "tandem": {"prompt_token_ids": [1], "completion_token_ids": [[2]],
+                                                         "completion_logprobs": [[-0.1]], "version": "new"}}),
     "400 with error a string": (400, {"error": "bad request"}),
     "404 with a list": (404, ["nope"]),
     "500 not JSON": (500, "Internal Server Error"),
@@ -101,7 +106,8 @@ def test_a_bad_run_is_validation_failed(kwargs: dict[str, Any]) -> None:
 
 
 def completion(n_tokens: int = 1) -> Completion:
-    return Completion(text="x", prompt_ids=[1], completion_ids=[2] * n_tokens, logprobs=[-0.1] * n_tokens, version=0)
+    return Completion(text="x", prompt_ids=[1], completion_ids=[2] * n_tokens, rollout_logprobs=[-0.1] * n_tokens,
+                      version=0)
 
 
 BAD_GROUPS: dict[str, tuple[list[Completion], list[float], str | None]] = {
@@ -164,3 +170,12 @@ def test_the_request_body_is_json() -> None:
     out = chat(client_with(handler))
     assert [c.text for c in out] == ["a", "b"] and out[1].completion_ids == [3] and out[0].version == 4
     assert seen[0]["model"] == "r" and seen[0]["n"] == 2
+
+
+@pytest.mark.parametrize("url", ["localhost:6379", "http://127.0.0.1:6379/0", "redis://:pw@127.0.0.1:port/0"])
+def test_a_redis_url_that_cannot_work_is_config_error_naming_it_without_its_password(url: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Client(GATEWAY, url)
+    message = str(info.value)
+    assert "TANDEM_REDIS__URL" in message and ":pw@" not in message
+    assert url.replace(":pw@", ":***@") in message

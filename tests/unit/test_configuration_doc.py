@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandem.settings import settings_markdown
+from tandem.dev.settings_reference import settings_markdown
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 

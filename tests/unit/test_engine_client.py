@@ -9,13 +9,18 @@ import httpx
 import pytest
 
 from tandem.settings import EngineSettings
-from tandem_inference import engine_client
-from tandem_inference.engine_client import CallKind, EngineClient, should_retry
+from tandem_inference import engine_calls
+from tandem_inference.engine_calls import CallKind, should_retry
+from tandem_inference.engine_client import EngineClient
 from tandem_inference.errors import (
-    AdapterLoadError,
+    AdapterLoadFailed,
+    AdapterLoadRefused,
+    EngineClientError,
+    EngineError,
     EngineResponseError,
     EngineTimeout,
     EngineUnavailable,
+    EngineUnreachable,
 )
 
 BASE = "http://engine.test:30000"
@@ -23,7 +28,7 @@ BASE = "http://engine.test:30000"
 
 @pytest.fixture(autouse=True)
 def _no_retry_pause(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_client, "RETRY_PAUSE_S", 0.0)
+    monkeypatch.setattr(engine_calls, "RETRY_PAUSE_S", 0.0)
 
 
 def make_client(handler: Callable[[httpx.Request], httpx.Response], **kw) -> EngineClient:
@@ -106,13 +111,13 @@ async def test_generate_errors_carry_the_engine_message_and_url(
 
 
 @pytest.mark.parametrize("status", [400, 200])
-async def test_load_refusal_is_adapter_load_error_with_the_engine_message(status: int) -> None:
+async def test_load_refusal_is_adapter_load_refused_with_the_engine_message(status: int) -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(
             status, json={"success": False, "error_message": "rank 128 > max 64", "loaded_adapters": {}}
         )
 
-    with pytest.raises(AdapterLoadError) as info:
+    with pytest.raises(AdapterLoadRefused) as info:
         await make_client(handler).load_adapter("digits-v4", "/store/digits/v000004/adapter")
     assert info.value.adapter == "digits-v4"
     assert info.value.engine_message == "rank 128 > max 64"
@@ -138,13 +143,13 @@ async def test_engine_503_and_connection_errors_are_engine_unavailable() -> None
     def busy(request: httpx.Request) -> httpx.Response:
         return httpx.Response(503, json={"error": {"message": "memory released"}})
 
-    with pytest.raises(EngineUnavailable, match="memory released"):
+    with pytest.raises(EngineUnreachable, match="memory released"):
         await make_client(busy).generate([1], {})
 
     def refused(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("connection refused", request=request)
 
-    with pytest.raises(EngineUnavailable, match="engine.test:30000/unload_lora_adapter") as info:
+    with pytest.raises(EngineUnreachable, match="engine.test:30000/unload_lora_adapter") as info:
         await make_client(refused).unload_adapter("digits-v1")
     assert "digits-v1" in str(info.value)
     assert not isinstance(info.value, EngineTimeout)
@@ -180,8 +185,8 @@ async def test_each_call_kind_uses_its_own_timeout() -> None:
         "/generate": 301,
         "/load_lora_adapter": 61,
         "/unload_lora_adapter": 31,
-        "/health": engine_client.INFO_TIMEOUT_S,
-        "/v1/models": engine_client.INFO_TIMEOUT_S,
+        "/health": engine_calls.INFO_TIMEOUT_S,
+        "/v1/models": engine_calls.INFO_TIMEOUT_S,
     }
 
 
@@ -221,12 +226,12 @@ async def test_idempotent_calls_retry_connection_errors_a_bounded_number_of_time
         calls.append(request.url.path)
         raise httpx.ConnectError("refused", request=request)
 
-    with pytest.raises(EngineUnavailable):
+    with pytest.raises(EngineUnreachable):
         await make_client(down).generate([1], {})
-    assert len(calls) == engine_client.MAX_ATTEMPTS
+    assert len(calls) == engine_calls.MAX_ATTEMPTS
 
     calls.clear()
-    with pytest.raises(EngineUnavailable):
+    with pytest.raises(EngineUnreachable):
         await make_client(down).load_adapter("r-v1", "/p")
     assert calls == ["/load_lora_adapter"]
 
@@ -374,3 +379,11 @@ async def test_generation_and_admin_calls_use_separate_pools() -> None:
     await client.loaded_adapters()
     assert used == [("rollouts", "/generate"), ("admin", "/load_lora_adapter"), ("admin", "/health"),
                     ("admin", "/v1/models")]
+
+
+def test_the_clients_errors_are_a_branch_apart_from_the_engine_servers() -> None:
+    """What the client raises is never mistaken for what the transformers engine raises, and back."""
+    for client_error in (EngineUnreachable, EngineTimeout, EngineResponseError, AdapterLoadRefused):
+        assert issubclass(client_error, EngineClientError) and not issubclass(client_error, EngineError)
+    for server_error in (EngineUnavailable, AdapterLoadFailed):
+        assert not issubclass(server_error, EngineClientError)

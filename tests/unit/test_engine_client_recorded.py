@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from tandem_inference.engine_client import EngineClient
-from tandem_inference.errors import AdapterLoadError, EngineError, EngineResponseError, EngineTimeout
-from tandem_inference.gateway import Output
+from tandem_inference.errors import AdapterLoadRefused, EngineClientError, EngineResponseError, EngineTimeout
+from tandem_inference.gateway.outputs import Output
 
 RECORDED = json.loads((Path(__file__).parents[1] / "fixtures" / "sglang-0.5.12.json").read_text())
 BY_NAME = {e["name"]: e for e in RECORDED["exchanges"]}
@@ -59,7 +59,7 @@ async def test_a_load_returns_its_latency() -> None:
 )
 async def test_refused_loads_carry_sglangs_message(name: str, fragment: str) -> None:
     client = await client_for(name)
-    with pytest.raises(AdapterLoadError) as info:
+    with pytest.raises(AdapterLoadRefused) as info:
         await client.load_adapter("x", "/tmp/x")
     assert fragment in info.value.engine_message
     assert info.value.status_code == 400
@@ -120,4 +120,4 @@ async def test_memory_release_and_resume_answer_empty_200s() -> None:
 
 def test_the_recording_is_the_pinned_version() -> None:
     assert RECORDED["sglang"] == "0.5.12"
-    assert issubclass(EngineTimeout, EngineError)
+    assert issubclass(EngineTimeout, EngineClientError)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from tandem_inference.gateway import ChatRequest, CompletionRequest, Output
+from tandem_inference.gateway.outputs import Output, usage
+from tandem_inference.gateway.schemas import ChatRequest, CompletionRequest
 
 
 def chunk(
@@ -86,8 +87,6 @@ def test_request_models() -> None:
 
 def test_cached_prompt_tokens_reach_the_usage() -> None:
     """SGLang's meta_info.cached_tokens becomes OpenAI's usage.prompt_tokens_details.cached_tokens."""
-    from tandem_inference.gateway import _usage
-
     first, second = Output(), Output()
     c1 = chunk("a", [4], 1, finish="length")
     c1["meta_info"]["cached_tokens"] = 0
@@ -95,7 +94,7 @@ def test_cached_prompt_tokens_reach_the_usage() -> None:
     c2["meta_info"]["cached_tokens"] = 7
     first.update(c1)
     second.update(c2)
-    usage = _usage([1] * 8, [first, second])
-    assert usage["prompt_tokens_details"] == {"cached_tokens": 7}
-    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (8, 2)
-    assert _usage([1, 2], [Output()])["prompt_tokens_details"] == {"cached_tokens": 0}
+    both = usage([1] * 8, [first, second])
+    assert both["prompt_tokens_details"] == {"cached_tokens": 7}
+    assert (both["prompt_tokens"], both["completion_tokens"]) == (8, 2)
+    assert usage([1, 2], [Output()])["prompt_tokens_details"] == {"cached_tokens": 0}

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandem_inference.engine.runtime import HFEngine
+from tandem_inference.engine.sampling import SamplingParams
 from tandem_inference.errors import (
     AdapterLoadFailed,
     AdapterNotLoaded,
@@ -18,27 +20,9 @@ from tandem_inference.errors import (
     EngineUnavailable,
     InvalidRequest,
 )
-from tandem_inference.hf_engine import HFEngine, SamplingParams
+from tandem_trainer.tiny_model import build_random_adapter
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = "What is the sum of 12 and 30?"
-
-
-def make_adapter(base: Path, out: Path, *, r: int = 8, seed: int = 0, scale: float = 0.5) -> Path:
-    """A LoRA adapter on the tiny model whose B matrices are nonzero, so it changes the output."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS)
-    )
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * scale)
-    model.save_pretrained(out)
-    return out
 
 
 def edit_config(src: Path, dst: Path, **changes) -> Path:
@@ -53,7 +37,7 @@ def teacher_forced(engine: HFEngine, prompt: list[int], output: list[int]) -> li
     """Logprobs of `output` after `prompt` from one plain forward pass (what the trainer computes)."""
     with torch.inference_mode():
         ids = torch.tensor([prompt + output])
-        logits = engine._hf(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        logits = engine.model.hf(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
         return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None]).squeeze(-1).tolist()
 
 
@@ -64,7 +48,7 @@ def engine(tiny_model: Path) -> HFEngine:
 
 @pytest.fixture(scope="module")
 def adapter_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_adapter(tiny_model, tmp_path_factory.mktemp("adapters") / "a")
+    return build_random_adapter(tiny_model, tmp_path_factory.mktemp("adapters") / "a")
 
 
 @pytest.fixture
@@ -74,12 +58,12 @@ def loaded(engine: HFEngine, adapter_dir: Path):
     yield engine
     for name in engine.adapters:
         engine.unload_adapter(name)
-    assert engine._peft is None
+    assert engine.lora.peft is None
 
 
 def sample(engine: HFEngine, adapter: str | None = None, **kw) -> list[list[int]]:
     params = SamplingParams(**{"max_new_tokens": 16, "seed": 7, "ignore_eos": True, **kw})
-    return [s.output_ids for s in engine.generate(engine.encode(PROMPT), params, adapter)]
+    return [s.output_ids for s in engine.generate(engine.model.encode(PROMPT), params, adapter)]
 
 
 def test_seeded_sampling_is_reproducible_and_unseeded_is_not(engine: HFEngine) -> None:
@@ -90,10 +74,10 @@ def test_seeded_sampling_is_reproducible_and_unseeded_is_not(engine: HFEngine) -
 
 
 def test_greedy_equals_argmax_of_teacher_forced_pass(engine: HFEngine) -> None:
-    prompt = engine.encode(PROMPT)
+    prompt = engine.model.encode(PROMPT)
     out = engine.generate(prompt, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))[0]
     with torch.inference_mode():
-        logits = engine._hf(input_ids=torch.tensor([prompt + out.output_ids])).logits[0]
+        logits = engine.model.hf(input_ids=torch.tensor([prompt + out.output_ids])).logits[0]
     assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == out.output_ids
     assert out.finish_reason == "length" and out.prompt_tokens == len(prompt)
 
@@ -101,11 +85,11 @@ def test_greedy_equals_argmax_of_teacher_forced_pass(engine: HFEngine) -> None:
 @pytest.mark.parametrize("kw", [{}, {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.01}])
 def test_logprobs_match_teacher_forced_recomputation(loaded: HFEngine, kw: dict) -> None:
     """The trainer recomputes these: raw (temperature 1, unfiltered) logprobs of sampled tokens."""
-    prompt = loaded.encode(PROMPT)
+    prompt = loaded.model.encode(PROMPT)
     params = SamplingParams(max_new_tokens=20, n=3, seed=3, **kw)
     for adapter in (None, "a"):
         for seq in loaded.generate(prompt, params, adapter):
-            with loaded._use(adapter):
+            with loaded.lora.activated(adapter):
                 expected = teacher_forced(loaded, prompt, seq.output_ids)
             assert len(seq.logprobs) == len(seq.output_ids) > 0
             assert max(abs(a - b) for a, b in zip(seq.logprobs, expected, strict=False)) < 1e-4
@@ -114,17 +98,17 @@ def test_logprobs_match_teacher_forced_recomputation(loaded: HFEngine, kw: dict)
 def test_adapter_changes_the_distribution_and_base_is_untouched(loaded: HFEngine) -> None:
     base = sample(loaded, temperature=0)
     assert sample(loaded, "a", temperature=0) != base
-    prompt = loaded.encode(PROMPT)
-    with loaded._use("a"):
+    prompt = loaded.model.encode(PROMPT)
+    with loaded.lora.activated("a"):
         with_adapter = teacher_forced(loaded, prompt, base[0])
-    with loaded._use(None):
+    with loaded.lora.activated(None):
         without = teacher_forced(loaded, prompt, base[0])
     assert max(abs(a - b) for a, b in zip(with_adapter, without, strict=False)) > 0.1
     assert sample(loaded, None, temperature=0) == base
 
 
 def test_n_samples_are_one_batch_of_distinct_sequences(engine: HFEngine) -> None:
-    seqs = engine.generate(engine.encode(PROMPT), SamplingParams(max_new_tokens=24, n=8, seed=1))
+    seqs = engine.generate(engine.model.encode(PROMPT), SamplingParams(max_new_tokens=24, n=8, seed=1))
     assert len(seqs) == 8
     assert len({tuple(s.output_ids) for s in seqs}) > 1
     assert all(s.finish_reason in ("stop", "length") for s in seqs)
@@ -132,7 +116,7 @@ def test_n_samples_are_one_batch_of_distinct_sequences(engine: HFEngine) -> None
 
 
 def test_stop_token_ids_and_stop_strings_end_a_sequence(engine: HFEngine) -> None:
-    prompt = engine.encode(PROMPT)
+    prompt = engine.model.encode(PROMPT)
     free = engine.generate(prompt, SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True))[0]
     token = free.output_ids[5]
     by_id = engine.generate(
@@ -153,11 +137,11 @@ def test_stop_token_ids_and_stop_strings_end_a_sequence(engine: HFEngine) -> Non
 
 
 def test_eos_ends_a_sequence_unless_ignored(engine: HFEngine) -> None:
-    prompt = engine.encode(PROMPT)
+    prompt = engine.model.encode(PROMPT)
     seqs = engine.generate(prompt, SamplingParams(max_new_tokens=200, n=16, seed=0))
     stopped = [s for s in seqs if s.finish_reason == "stop"]
     assert stopped, "the tiny model should emit an eos token within 200 tokens in 16 samples"
-    assert all(s.matched in engine.eos_ids and s.output_ids[-1] == s.matched for s in stopped)
+    assert all(s.matched in engine.model.eos_ids and s.output_ids[-1] == s.matched for s in stopped)
     ignored = engine.generate(prompt, SamplingParams(max_new_tokens=50, n=4, seed=0, ignore_eos=True))
     assert all(s.finish_reason == "length" and len(s.output_ids) == 50 for s in ignored)
 
@@ -181,7 +165,7 @@ def test_bad_requests_are_refused_with_the_value_named(engine: HFEngine, ids, pa
 
 def test_unknown_adapter_is_refused_like_sglang(engine: HFEngine) -> None:
     with pytest.raises(AdapterNotLoaded, match="Got LoRA adapter that has never been loaded"):
-        engine.generate(engine.encode(PROMPT), SamplingParams(max_new_tokens=2), "nope")
+        engine.generate(engine.model.encode(PROMPT), SamplingParams(max_new_tokens=2), "nope")
     with pytest.raises(AdapterNotLoaded, match="not loaded"):
         engine.unload_adapter("nope")
 
@@ -199,7 +183,7 @@ def test_failed_loads_change_nothing(
         ("b", tmp_path / "missing", "is not a local directory"),
         ("b", no_config, "no adapter_config.json"),
         ("b", no_weights, "no adapter_model.safetensors"),
-        ("b", make_adapter(tiny_model, tmp_path / "r32", r=32), "r=32 exceeds max_lora_rank=16"),
+        ("b", build_random_adapter(tiny_model, tmp_path / "r32", rank=32), "r=32 exceeds max_lora_rank=16"),
         (
             "b",
             edit_config(adapter_dir, tmp_path / "t", target_modules=["q_proj", "qkv_proj"]),
@@ -224,16 +208,16 @@ def test_failed_first_load_leaves_the_plain_base_model(
     before = sample(engine)
     with pytest.raises(AdapterLoadFailed, match="peft could not load it"):
         engine.load_adapter("b", edit_config(adapter_dir, tmp_path / "drop", lora_dropout="x"))
-    assert engine._peft is None and engine.adapters == {}
+    assert engine.lora.peft is None and engine.adapters == {}
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    assert not any(isinstance(m, BaseTunerLayer) for m in engine._hf.modules())
+    assert not any(isinstance(m, BaseTunerLayer) for m in engine.model.hf.modules())
     assert sample(engine) == before
 
 
 def test_adapter_limit_then_unload_frees_a_slot(loaded: HFEngine, tiny_model: Path, tmp_path: Path) -> None:
     for i in (1, 2):
-        loaded.load_adapter(f"a{i}", make_adapter(tiny_model, tmp_path / str(i), seed=i))
+        loaded.load_adapter(f"a{i}", build_random_adapter(tiny_model, tmp_path / str(i), seed=i))
     assert sample(loaded, "a1") != sample(loaded, "a2")
     with pytest.raises(AdapterLoadFailed, match="3 adapters are loaded already"):
         loaded.load_adapter("a3", tmp_path / "1")
@@ -248,25 +232,25 @@ def test_unloading_the_last_adapter_restores_the_base_model(engine: HFEngine, ad
         engine.load_adapter("a", adapter_dir)
         assert sample(engine, "a") != before
         engine.unload_adapter("a")
-        assert engine._peft is None
+        assert engine.lora.peft is None
         assert sample(engine) == before
 
 
 def test_unload_waits_for_in_flight_requests(loaded: HFEngine) -> None:
     done = threading.Event()
-    with loaded.lease("a"):
+    with loaded.in_flight("a"):
         worker = threading.Thread(target=lambda: (loaded.unload_adapter("a"), done.set()))
         worker.start()
         time.sleep(0.2)
         assert not done.is_set()
         with pytest.raises(AdapterNotLoaded):  # unregistered at once: new requests are refused
-            loaded.generate(loaded.encode(PROMPT), SamplingParams(max_new_tokens=2), "a")
+            loaded.generate(loaded.model.encode(PROMPT), SamplingParams(max_new_tokens=2), "a")
     worker.join(5)
     assert done.is_set() and loaded.adapters == {}
 
 
 def test_unload_timeout_keeps_the_adapter(loaded: HFEngine) -> None:
-    with loaded.lease("a"), pytest.raises(EngineBusy, match="still used by 1 request"):
+    with loaded.in_flight("a"), pytest.raises(EngineBusy, match="still used by 1 request"):
         loaded.unload_adapter("a", timeout_s=0.1)
     assert "a" in loaded.adapters
     assert sample(loaded, "a")
@@ -283,14 +267,14 @@ def test_release_refuses_generation_until_resume(engine: HFEngine) -> None:
 
 
 def test_release_waits_for_in_flight_requests(engine: HFEngine) -> None:
-    with engine.lease(None), pytest.raises(EngineBusy, match="still running"):
+    with engine.in_flight(None), pytest.raises(EngineBusy, match="still running"):
         engine.release(timeout_s=0.1)
     assert not engine.released
 
 
 def test_identical_unseeded_requests_waiting_for_the_model_run_as_one_batch(loaded: HFEngine) -> None:
     """Clients fan a group out as n identical requests; waiting twins share one batched run."""
-    prompt = loaded.encode(PROMPT)
+    prompt = loaded.model.encode(PROMPT)
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     results: dict[int, list] = {}
 
@@ -298,13 +282,13 @@ def test_identical_unseeded_requests_waiting_for_the_model_run_as_one_batch(load
         results[i] = loaded.generate(prompt, SamplingParams(max_new_tokens=10, ignore_eos=True, n=n), adapter)
 
     jobs = [(i, 1, "a") for i in range(6)] + [(6, 2, "a"), (7, 1, None)]
-    with loaded._model_lock:  # the model is busy: every request queues up
+    with loaded.model_lock:  # the model is busy: every request queues up
         before = loaded.batches_run
         threads = [threading.Thread(target=request, args=job) for job in jobs]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 10
-        while sum(len(q) for q in loaded._pending.values()) < len(jobs) and time.monotonic() < deadline:
+        while loaded.coalescer.waiting() < len(jobs) and time.monotonic() < deadline:
             time.sleep(0.01)
     for t in threads:
         t.join(10)
@@ -313,7 +297,7 @@ def test_identical_unseeded_requests_waiting_for_the_model_run_as_one_batch(load
     samples = [s for i in range(7) for s in results[i]]
     assert len({tuple(s.output_ids) for s in samples}) > 1  # independent samples, not copies
     for seq in samples:
-        with loaded._use("a"):
+        with loaded.lora.activated("a"):
             expected = teacher_forced(loaded, prompt, seq.output_ids)
         assert max(abs(a - b) for a, b in zip(seq.logprobs, expected, strict=False)) < 1e-4
-    assert not loaded._pending and params.n == 1
+    assert loaded.coalescer.waiting() == 0 and params.n == 1

@@ -1,24 +1,19 @@
-"""bench/hotload.py's report from given measurements: p50s, ratios, the goal, failures named."""
+"""bench/hotload_report.py: the hot-load report from given rows: p50s, ratios, the goal, failures named."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from helpers.bench import bench_module
 
 pytestmark = pytest.mark.unit
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "hotload.py"
 
 
 @pytest.fixture(scope="module")
 def hotload():
-    spec = importlib.util.spec_from_file_location("hotload_bench_report", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("hotload_report")
 
 
 def hot(i: int, load: float, first: float, warmup: bool = False) -> dict:

@@ -10,8 +10,8 @@ import tandem
 
 
 def test_every_tandem_module_imports_without_heavy_dependencies() -> None:
-    modules = [f"tandem.{m.name}" for m in pkgutil.iter_modules(tandem.__path__)]
-    assert "tandem.client" in modules and "tandem.settings" in modules
+    modules = [m.name for m in pkgutil.walk_packages(tandem.__path__, "tandem.")]
+    assert "tandem.client" in modules and "tandem.settings" in modules and "tandem.dev.stack" in modules
     code = (
         "import sys\n"
         "for banned in ('torch', 'transformers', 'fastapi', 'peft', 'tandem_trainer', 'tandem_inference'):\n"

@@ -68,3 +68,19 @@ def test_a_good_job_round_trips_through_json() -> None:
     assert again.groups[0].trajectories[1].mask == [1, 0]
     assert isinstance(again.groups[0], TrajectoryGroup)
     assert Trajectory.model_validate(traj()).mask == [1, 1]
+
+
+def test_a_completion_that_cannot_be_trained_on_is_validation_failed_naming_the_field() -> None:
+    from tandem import Completion
+
+    empty = Completion(prompt_ids=[1], completion_ids=[], rollout_logprobs=[], version=0)
+    with pytest.raises(ValidationFailed) as info:
+        empty.to_trajectory(1.0)
+    assert info.value.field == "completion_ids" and "completion_ids" in str(info.value)
+    fine = Completion(prompt_ids=[1], completion_ids=[2], rollout_logprobs=[-0.5], version=3, text="2")
+    with pytest.raises(ValidationFailed, match="reward"):
+        fine.to_trajectory(math.nan)
+    assert fine.to_trajectory(0.5, loss_mask=[1]) == Trajectory(prompt_ids=[1], completion_ids=[2],
+                                                                rollout_logprobs=[-0.5], version=3, reward=0.5,
+                                                                loss_mask=[1])
+    assert fine.logprobs == fine.rollout_logprobs

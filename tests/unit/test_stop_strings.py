@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
-from tandem_inference.gateway import Output
+from tandem_inference.gateway.outputs import Output
 from tandem_inference.stops import cut_at_stop, first_stop, sendable
 
 texts = st.text(alphabet="ab e8w\n", max_size=12)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem_trainer.tiny_model import build_tiny_model
+from tandem_trainer.tiny_model import build_random_adapter, build_tiny_model
 
 
 def _sha256(path: Path) -> str:
@@ -102,3 +102,27 @@ def test_a_build_from_an_older_recipe_is_rebuilt(tiny_dir: Path, tmp_path: Path)
     assert json.loads(stamp_path.read_text())["format_version"] == stamp["format_version"]
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["top_k"] == json.loads((out / "config.json").read_text())["vocab_size"]  # SGLang refuses 0
+
+
+def test_a_random_adapter_follows_its_seed_and_changes_the_outputs(tiny_dir: Path, tmp_path: Path) -> None:
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    a1 = build_random_adapter(tiny_dir, tmp_path / "a1", rank=4, seed=1, target_modules=["q_proj", "v_proj"])
+    again = build_random_adapter(tiny_dir, tmp_path / "again", rank=4, seed=1, target_modules=["q_proj", "v_proj"])
+    other = build_random_adapter(tiny_dir, tmp_path / "other", rank=4, seed=2, target_modules=["q_proj", "v_proj"])
+    weights = {p.name: load_file(p / "adapter_model.safetensors") for p in (a1, again, other)}
+    assert weights["a1"].keys() == weights["other"].keys() and weights["a1"]
+    assert all(torch.equal(weights["a1"][k], weights["again"][k]) for k in weights["a1"])
+    assert not all(torch.equal(weights["a1"][k], weights["other"][k]) for k in weights["a1"])
+    config = json.loads((a1 / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+        plain = base(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(base, a1).eval()(input_ids=ids).logits
+    assert not torch.allclose(plain, adapted, atol=1e-4)

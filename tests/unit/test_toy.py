@@ -2,12 +2,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandem.client import Completion
-from tandem.toy import PROMPTS, digit_share, digit_token_ids, prompts_for
+from tandem import Completion
+from tandem.dev.toy import PROMPTS, digit_share, digit_token_ids, prompts_for
 
 
 def completion(ids: list[int]) -> Completion:
-    return Completion(text="", prompt_ids=[1], completion_ids=ids, logprobs=[-1.0] * len(ids), version=0)
+    return Completion(text="", prompt_ids=[1], completion_ids=ids, rollout_logprobs=[-1.0] * len(ids), version=0)
 
 
 def test_digit_tokens_are_the_ten_ascii_digits(tiny_model: Path) -> None:

@@ -7,10 +7,9 @@ only the SGLang API subset that both serve (see docs: sglang-api.md): native `/g
 
 Generation and the rest travel in separate connection pools: rollouts may fill theirs, while
 loads, unloads and health checks (the controller's, /ready's) go through their own and never
-queue behind them. Each call kind has its own timeout (a load may take a minute, a health check
-must not), and only idempotent calls are retried, only after connection errors, a bounded number of
-times: `should_retry` is the one place that decides. Errors from httpx and error bodies of
-the engine are translated into tandem errors whose message names the URL or the adapter.
+queue behind them. Timeouts and retries are decided per call kind (engine_calls.py); httpx
+errors and error bodies of the engine become tandem errors naming the URL or the adapter
+(engine_replies.py), so nothing of httpx leaves this client.
 """
 
 from __future__ import annotations
@@ -20,113 +19,23 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from enum import StrEnum
 from typing import Any
 
 import httpx
 
 from tandem.settings import EngineSettings
-from tandem_inference.errors import (
-    AdapterLoadError,
-    EngineError,
-    EngineResponseError,
-    EngineTimeout,
-    EngineUnavailable,
+from tandem_inference.engine_calls import (
+    CONNECT_TIMEOUT_S,
+    INFO_TIMEOUT_S,
+    MAX_ATTEMPTS,
+    CallKind,
+    retry_pause_s,
+    should_retry,
 )
+from tandem_inference.engine_replies import engine_message, message_of, refusal, unreachable
+from tandem_inference.errors import EngineResponseError, EngineUnreachable
 
 log = logging.getLogger(__name__)
-
-#: Attempts of one retryable call (the first try included).
-MAX_ATTEMPTS = 3
-#: Pause before the second attempt, in seconds; doubles each attempt, capped at RETRY_MAX_PAUSE_S.
-RETRY_PAUSE_S = 0.2
-RETRY_MAX_PAUSE_S = 2.0
-#: Timeout of health, info and cache calls, in seconds.
-INFO_TIMEOUT_S = 10.0
-#: Longest wait for a TCP connection, in seconds (the engine is on a private network).
-CONNECT_TIMEOUT_S = 10.0
-#: Connections of the admin pool (loads, unloads, health, info): a few calls at a time.
-ADMIN_CONNECTIONS = 8
-
-
-def pool_limits(max_calls: int) -> httpx.Limits:
-    """Limits of a pool with room for `max_calls` calls at once, each on a connection of its own.
-
-    Size the generation pool for every call the gateway admits: a call that waits for a
-    connection costs the pool time on every later call (httpcore rescans its queue), so a deep
-    queue there stalls the whole process.
-    """
-    return httpx.Limits(max_connections=max_calls, max_keepalive_connections=max_calls)
-
-
-class CallKind(StrEnum):
-    """What a call does; picks its timeout, its auth and whether it may be retried."""
-
-    GENERATE = "generate"
-    LOAD = "load"
-    UNLOAD = "unload"
-    INFO = "info"
-    FLUSH = "flush"
-    MEMORY = "memory"
-    WEIGHTS = "weights"
-
-
-#: Calls that change nothing when repeated. A load is not (a second load under the same
-#: name is refused), nor is an unload or a memory release.
-IDEMPOTENT = frozenset({CallKind.GENERATE, CallKind.INFO, CallKind.FLUSH})
-
-#: httpx errors that mean "the connection failed", not "the engine was slow": a read
-#: timeout on a generation is not retried, it would only double the wait.
-CONNECTION_ERRORS: tuple[type[httpx.HTTPError], ...] = (
-    httpx.ConnectError,
-    httpx.ConnectTimeout,
-    httpx.RemoteProtocolError,
-    httpx.ReadError,
-    httpx.WriteError,
-)
-
-
-def should_retry(
-    kind: CallKind, exc: BaseException, attempt: int, *, max_attempts: int = MAX_ATTEMPTS
-) -> bool:
-    """Whether attempt number `attempt` (1-based) of a `kind` call that raised `exc` is retried."""
-    return attempt < max_attempts and kind in IDEMPOTENT and isinstance(exc, CONNECTION_ERRORS)
-
-
-def retry_pause_s(attempt: int) -> float:
-    """Pause after failed attempt number `attempt`, in seconds."""
-    return min(RETRY_MAX_PAUSE_S, RETRY_PAUSE_S * 2 ** (attempt - 1))
-
-
-def engine_message(resp: httpx.Response) -> str:
-    """The engine's own words from an error body, whatever shape it has.
-
-    SGLang answers `{"error": {"message": ...}}` on /generate, `{"success": false,
-    "error_message": ...}` on adapter routes and a flat `{"object": "error", "message": ...}`
-    on OpenAI routes; FastAPI answers `{"detail": ...}`.
-    """
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text.strip()[:500] or f"HTTP {resp.status_code}"
-    return _message_of(body) or f"HTTP {resp.status_code}"
-
-
-def _message_of(body: Any) -> str | None:
-    if not isinstance(body, dict):
-        return str(body)[:500] if body else None
-    err = body.get("error")
-    if isinstance(err, dict) and err.get("message"):
-        return str(err["message"])
-    if isinstance(err, str) and err:
-        return err
-    for key in ("error_message", "message"):
-        if body.get(key):
-            return str(body[key])
-    detail = body.get("detail")
-    if detail:
-        return detail if isinstance(detail, str) else json.dumps(detail)[:500]
-    return None
 
 
 class EngineClient:
@@ -271,7 +180,7 @@ class EngineClient:
                 if retry and not started:
                     await asyncio.sleep(retry_pause_s(attempt))
                     continue
-                raise self._translate(CallKind.GENERATE, url, exc) from exc
+                raise unreachable(CallKind.GENERATE, url, exc, self.timeouts_s[CallKind.GENERATE]) from exc
 
     async def _sse(self, url: str, resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
         async for line in resp.aiter_lines():
@@ -288,8 +197,8 @@ class EngineClient:
                     status_code=resp.status_code,
                 ) from exc
             if isinstance(chunk, dict) and "error" in chunk:
-                raise EngineResponseError(f"engine at {url} failed mid-stream: {_message_of(chunk)}",
-                                          status_code=resp.status_code, engine_message=_message_of(chunk))
+                raise EngineResponseError(f"engine at {url} failed mid-stream: {message_of(chunk)}",
+                                          status_code=resp.status_code, engine_message=message_of(chunk))
             yield chunk
 
     @staticmethod
@@ -355,7 +264,7 @@ class EngineClient:
         """True when the engine answers /health with 200; never raises for a down engine."""
         try:
             await self._call(CallKind.INFO, "GET", "/health", max_attempts=1)
-        except (EngineUnavailable, EngineResponseError):
+        except (EngineUnreachable, EngineResponseError):
             return False
         return True
 
@@ -366,12 +275,12 @@ class EngineClient:
     async def flush_cache(self) -> None:
         await self._call(CallKind.FLUSH, "POST", "/flush_cache")
 
-    async def release_memory(self, tags: list[str] | None = None) -> None:
+    async def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Free GPU memory (weights and KV cache, or only `tags`) for a trainer on the same GPU."""
-        await self._call(CallKind.MEMORY, "POST", "/release_memory_occupation", body={"tags": tags})
+        await self._call(CallKind.MEMORY, "POST", "/release_memory_occupation", body=_tags(tags))
 
-    async def resume_memory(self, tags: list[str] | None = None) -> None:
-        await self._call(CallKind.MEMORY, "POST", "/resume_memory_occupation", body={"tags": tags})
+    async def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        await self._call(CallKind.MEMORY, "POST", "/resume_memory_occupation", body=_tags(tags))
 
     # plumbing ---------------------------------------------------------------
     def _timeout(self, kind: CallKind) -> httpx.Timeout:
@@ -405,7 +314,7 @@ class EngineClient:
                              url, exc, attempt + 1, attempts)
                     await asyncio.sleep(retry_pause_s(attempt))
                     continue
-                raise self._translate(kind, url, exc, adapter=adapter) from exc
+                raise unreachable(kind, url, exc, self.timeouts_s[kind], adapter=adapter) from exc
             self._raise_for_status(kind, url, resp, adapter=adapter)
             if not resp.content:
                 return None
@@ -414,42 +323,16 @@ class EngineClient:
             except ValueError:
                 return resp.text
             if isinstance(out, dict) and out.get("success") is False:
-                self._raise(kind, url, resp.status_code, _message_of(out) or "success: false", adapter)
+                raise refusal(kind, url, resp.status_code, message_of(out) or "success: false", adapter)
             return out
 
     def _raise_for_status(
         self, kind: CallKind, url: str, resp: httpx.Response, *, adapter: str | None
     ) -> None:
         if resp.status_code >= 400:
-            self._raise(kind, url, resp.status_code, engine_message(resp), adapter)
+            raise refusal(kind, url, resp.status_code, engine_message(resp), adapter)
 
-    def _raise(self, kind: CallKind, url: str, status: int, message: str, adapter: str | None) -> None:
-        if status == 503:
-            raise EngineUnavailable(f"engine at {url} is not ready (503): {message}")
-        if kind is CallKind.LOAD:
-            raise AdapterLoadError(
-                f"engine at {url} refused to load adapter {adapter!r} ({status}): {message}",
-                adapter=adapter, status_code=status, engine_message=message,
-            )
-        what = kind.value
-        if adapter and kind is not CallKind.GENERATE:
-            what = f"{kind.value} of adapter {adapter!r}"
-        raise EngineResponseError(
-            f"engine at {url} failed the {what} ({status}): {message}",
-            status_code=status, engine_message=message,
-        )
 
-    def _translate(
-        self, kind: CallKind, url: str, exc: httpx.HTTPError, *, adapter: str | None = None
-    ) -> EngineError:
-        about = f" (adapter {adapter!r})" if adapter else ""
-        if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
-            return EngineTimeout(
-                f"engine at {url} did not answer the {kind.value}{about} within {self.timeouts_s[kind]:g} s; "
-                f"it may be overloaded or stuck"
-            )
-        return EngineUnavailable(
-            f"engine at {url} cannot be reached for the {kind.value}{about}: {type(exc).__name__}: {exc}; "
-            "is it running? check TANDEM_ENGINE__URL"
-        )
-
+def _tags(tags: Sequence[str] | None) -> dict[str, list[str] | None]:
+    """The body of a memory release or resume: which memory (None: all of it)."""
+    return {"tags": None if tags is None else list(tags)}

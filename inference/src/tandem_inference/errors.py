@@ -1,28 +1,43 @@
 """tandem_inference's errors, one tree under tandem's root.
 
-    TandemError                    (tandem.errors)
-    └── InferenceError             anything the inference side raises on purpose
-        ├── EngineError            the transformers engine refused or failed an operation
-        │   ├── InvalidRequest     a generation request with a bad value (HTTP 400; names it)
-        │   ├── AdapterNotLoaded   a request or unload naming an adapter that is not loaded (400)
-        │   ├── AdapterLoadFailed  an adapter the engine refuses to load; nothing changed (400)
-        │   │   └── AdapterLoadError   (engine client) the engine answered a load with an error;
-        │   │                          carries the adapter name and the engine's message
-        │   ├── WeightsLoadFailed  a full-weight checkpoint the engine refuses; the old weights serve (400)
-        │   ├── EngineUnavailable  no model to run: memory released or not loaded yet (503);
-        │   │   │                  (engine client) the engine cannot be reached
-        │   │   └── EngineTimeout  (engine client) the engine did not answer within the call's timeout
-        │   ├── EngineBusy         in-flight requests did not finish in time (503)
-        │   └── EngineResponseError  (engine client) the engine answered an error status;
-        │                          carries the status and the engine's message
-        ├── ModelNotFound          (gateway) a `model` that names no run or loaded version (404);
-        │                          carries the known names
-        └── Overloaded             (gateway) no room for more generation in flight or in the
-                                   queue (429 with Retry-After); carries the reason
+    TandemError                        (tandem.errors)
+    └── InferenceError                 anything the inference side raises on purpose
+        ├── EngineError                (engine server) the transformers engine refused or failed an operation
+        │   ├── InvalidRequest         a generation request with a bad value (HTTP 400; names it)
+        │   ├── AdapterNotLoaded       a request or unload naming an adapter that is not loaded (400)
+        │   ├── AdapterLoadFailed      an adapter the engine refuses to load; nothing changed (400)
+        │   ├── WeightsLoadFailed      a full-weight checkpoint the engine refuses; the old weights serve (400)
+        │   ├── EngineUnavailable      no model to run: memory released or not loaded yet (503)
+        │   └── EngineBusy             in-flight requests did not finish in time (503)
+        ├── EngineClientError          (engine client) a call to an engine (SGLang or the transformers
+        │   │                          engine) failed; the message names the URL
+        │   ├── EngineUnreachable      no connection to the engine, or it answered 503 (not ready)
+        │   │   └── EngineTimeout      the engine did not answer within the call kind's timeout
+        │   └── EngineResponseError    the engine answered an error status (or `success: false`);
+        │       │                      carries the status and the engine's own message
+        │       └── AdapterLoadRefused the engine refused to load an adapter; carries its name
+        ├── EngineBootError            (SGLang launcher) the engine did not become healthy, its port is
+        │                              taken, or it died more often than allowed
+        ├── ModelNotFound              (gateway) a `model` that names no run or loaded version (404);
+        │                              carries the known names
+        ├── Overloaded                 (gateway) no room for more generation in flight or in the
+        │                              queue (429 with Retry-After); carries the reason
+        └── ClientLeft                 (gateway) the client closed its connection before its response
+                                       started; its engine calls were closed (answered 499)
+
+The engine server's branch and the engine client's branch are apart on purpose: the first is
+what the transformers engine answers with (and maps to HTTP statuses), the second what tandem
+sees when it calls any engine over HTTP. An adapter the transformers engine refuses raises
+`AdapterLoadFailed` inside the engine and reaches the controller as `AdapterLoadRefused`.
 
 Errors from torch, transformers and peft are translated where they enter tandem_inference,
 with a message that names the offending value and what to do. The engine client translates
-httpx errors and engine error bodies the same way, naming the URL or the adapter.
+httpx errors and engine error bodies (engine_replies.py), the launcher OS and process errors,
+and Redis errors reach this package only as `tandem.errors.BackendUnavailable` (Registry,
+EventStream, Cursor, GpuLease, and `tandem.connection.translated` around the controller's own
+Redis calls). The inference side also raises these of the light package's tree on purpose:
+`ConfigError` (a gateway exposed without an API key), `AdapterRejected` (a version that fails
+the store's checks, turned into an `adapter_rejected` event) and `BackendUnavailable`.
 """
 
 from __future__ import annotations
@@ -32,6 +47,9 @@ from tandem.errors import TandemError
 
 class InferenceError(TandemError):
     """Root of every error the inference side raises on purpose."""
+
+
+# Raised by the transformers engine (tandem_inference.engine) ------------------------------
 
 
 class EngineError(InferenceError):
@@ -62,33 +80,48 @@ class EngineBusy(EngineError):
     """In-flight requests did not finish within the allowed time; nothing was changed."""
 
 
-# Raised by the engine client (engine_client.py) and the gateway -------------------------
+# Raised by the engine client (engine_client.py, engine_replies.py) ------------------------
 
 
-class AdapterLoadError(AdapterLoadFailed):
-    """The engine answered a load with an error; the previous version keeps serving."""
-
-    def __init__(
-        self, message: str, *, adapter: str | None = None, status_code: int | None = None,
-        engine_message: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.adapter = adapter
-        self.status_code = status_code
-        self.engine_message = engine_message if engine_message is not None else message
+class EngineClientError(InferenceError):
+    """A call to the engine over HTTP failed; the message names the URL (and the adapter)."""
 
 
-class EngineTimeout(EngineUnavailable):
+class EngineUnreachable(EngineClientError):
+    """The engine cannot serve the call now: no connection, or it answered 503 (not ready)."""
+
+
+class EngineTimeout(EngineUnreachable):
     """The engine did not answer within the timeout of the call's kind."""
 
 
-class EngineResponseError(EngineError):
+class EngineResponseError(EngineClientError):
     """The engine answered an error status (or `success: false`); its own message is kept."""
 
     def __init__(self, message: str, *, status_code: int, engine_message: str | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.engine_message = engine_message if engine_message is not None else message
+
+
+class AdapterLoadRefused(EngineResponseError):
+    """The engine answered a load with an error; the previous version keeps serving."""
+
+    def __init__(
+        self, message: str, *, adapter: str, status_code: int, engine_message: str | None = None,
+    ) -> None:
+        super().__init__(message, status_code=status_code, engine_message=engine_message)
+        self.adapter = adapter
+
+
+# Raised by the SGLang launcher (sglang_launcher.py) ---------------------------------------
+
+
+class EngineBootError(InferenceError):
+    """SGLang did not become healthy, its port is taken, or it crashed more often than allowed."""
+
+
+# Raised by the gateway (tandem_inference.gateway) -----------------------------------------
 
 
 class ModelNotFound(InferenceError):
@@ -107,3 +140,7 @@ class Overloaded(InferenceError):
         self.reason = reason
         """`queue_full` (refused at once) or `queue_timeout` (waited `gateway.queue_timeout_s`)."""
         self.retry_after_s = retry_after_s
+
+
+class ClientLeft(InferenceError):
+    """The client closed its connection before its response started; nobody reads the answer."""

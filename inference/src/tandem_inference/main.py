@@ -1,35 +1,46 @@
-"""Entrypoint of the inference service: the controller and the gateway in one process.
+"""Entrypoint of the inference service: the engine, the controller and the gateway in one process.
 
     tandem-inference            (or: python -m tandem_inference.main)
 
 They share a process so that a version switch is an in-memory change of the routing table,
 not a Redis round trip per request. The engine is reached over HTTP only: with
 `engine.kind = sglang` this process also launches SGLang from its own environment and
-supervises it (`tandem_inference.launcher`); with `transformers` the engine runs separately
-(`tandem-engine`). In shared GPU mode it also lends the GPU to the trainer on request
-(`tandem_inference.sharing`).
+supervises it (`tandem_inference.sglang_launcher`); with `transformers` the engine runs
+separately (`tandem-engine`). In shared GPU mode it also lends the GPU to the trainer on
+request (`tandem_inference.gpu_sharing`).
+
+This module owns every lifecycle: it starts the engine (SGLang), the controller, the
+background loops (engine supervision, GPU sharing) and then serves the gateway; when the
+gateway stops, whatever stopped it, they stop in the reverse order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from tandem.errors import ConfigError, TandemError
 from tandem.settings import GatewaySettings, InferenceSettings
 from tandem_inference.bodies import is_loopback
 
-log = logging.getLogger("tandem.inference")
+log = logging.getLogger("tandem_inference.main")  # not __name__: that is "__main__" under python -m
+
+Job = Callable[[], Coroutine[Any, Any, None]]
+"""A loop that runs for the service's lifetime (engine supervision, GPU sharing)."""
 
 
 async def serve(settings: InferenceSettings) -> None:
-    """Build every part around the engine's two connection pools and serve the gateway until stopped."""
+    """Start every part around the engine's two connection pools, serve the gateway until
+    stopped, then stop the parts in the reverse order."""
     import httpx
     import uvicorn
     from transformers import AutoTokenizer
@@ -37,11 +48,13 @@ async def serve(settings: InferenceSettings) -> None:
     from tandem.adapters import AdapterStore
     from tandem.registry import Registry
     from tandem_inference.controller import Controller
-    from tandem_inference.engine_client import ADMIN_CONNECTIONS, EngineClient, pool_limits
-    from tandem_inference.gateway import MAX_N, create_gateway_app
-    from tandem_inference.launcher import Launcher
+    from tandem_inference.engine_calls import ADMIN_CONNECTIONS, pool_limits
+    from tandem_inference.engine_client import EngineClient
+    from tandem_inference.gateway.app import create_gateway_app
+    from tandem_inference.gateway.schemas import MAX_N
+    from tandem_inference.gpu_sharing import Admission, GpuSharing
     from tandem_inference.routing import RoutingTable
-    from tandem_inference.sharing import Admission, GpuSharing
+    from tandem_inference.sglang_launcher import Launcher
 
     t0 = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(settings.engine.model)
@@ -51,43 +64,49 @@ async def serve(settings: InferenceSettings) -> None:
     # calls never wait behind rollouts. The rollout pool has a connection for every engine call
     # the gateway admits (n calls per request with gateway.fan_out_n, one without).
     generate_calls = max(settings.gateway.max_in_flight_sequences, MAX_N)
-    async with (
-        httpx.AsyncClient(limits=pool_limits(generate_calls)) as rollouts,
-        httpx.AsyncClient(limits=pool_limits(ADMIN_CONNECTIONS)) as http,
-    ):
-        engine = EngineClient.from_settings(rollouts, settings.engine, admin_http=http)
-        table = RoutingTable(settings.engine.served_model_name)
-        store = AdapterStore(settings.store.root)
-        launcher = None
-        try:  # the engine stops with this service, whatever ends it (see main() for signals)
+    try:
+        async with (
+            httpx.AsyncClient(limits=pool_limits(generate_calls)) as rollouts,
+            httpx.AsyncClient(limits=pool_limits(ADMIN_CONNECTIONS)) as http,
+            contextlib.AsyncExitStack() as running,  # stops what started, newest first
+        ):
+            engine = EngineClient.from_settings(rollouts, settings.engine, admin_http=http)
+            table = RoutingTable(settings.engine.served_model_name)
+            jobs: list[Job] = []
+            launcher = None
             if settings.engine.kind == "sglang":
                 log_dir = Path(settings.store.root).parent / "logs"
-                log_dir.mkdir(parents=True, exist_ok=True)
-                launcher = Launcher(settings, http, log_path=log_dir / "sglang.log",
-                                    pid_path=log_dir / "sglang.pid")
+                launcher = Launcher(settings, http, log_path=log_dir / "sglang.log", pid_path=log_dir / "sglang.pid")
+                running.callback(launcher.stop)  # the engine stops with this service, whatever ends it
                 await launcher.start()
-            controller = Controller(settings, conn, engine, store, table,
+                jobs.append(launcher.supervise)
+            controller = Controller(settings, conn, engine, AdapterStore(settings.store.root), table,
                                     restart_engine=launcher.restart if launcher else None)
             if launcher is not None:
                 launcher.on_restart = controller.reconcile
-            background = []
+            running.push_async_callback(controller.stop)
+            controller.start()
             admission = None
-            if launcher is not None:
-                background.append(launcher.supervise)
             if settings.gpus.mode == "shared":
                 admission = Admission()
-                background.append(GpuSharing(settings, conn, engine, table, admission).run)
+                jobs.append(GpuSharing(settings, conn, engine, table, admission).run)
+            for job in jobs:
+                running.push_async_callback(_cancelled, asyncio.create_task(job()))
             app = create_gateway_app(settings, engine=engine, table=table, tokenizer=tokenizer,
                                      registry=Registry(conn), controller=controller,
-                                     metrics=controller.metrics.registry, admission=admission,
-                                     background=background)
+                                     metrics=controller.metrics.registry, admission=admission)
             config = uvicorn.Config(app, host=settings.gateway.host, port=settings.gateway.port,
                                     log_level="info", lifespan="on")
             await uvicorn.Server(config).serve()
-        finally:
-            if launcher is not None:
-                launcher.stop()
-    conn.close()
+    finally:
+        conn.close()
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    """Cancel a background loop and wait until it has stopped."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def check_exposure(settings: GatewaySettings) -> None:

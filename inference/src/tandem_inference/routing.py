@@ -51,8 +51,8 @@ class Route:
         return f"{self.run}@v{self.version}" if self.run is not None else base_model
 
 
-class Lease:
-    """One request's hold on a version; releasing twice is harmless."""
+class VersionHold:
+    """One request's use of a version, counted in flight until released; releasing twice is harmless."""
 
     def __init__(self, table: RoutingTable, route: Route) -> None:
         self.table = table
@@ -64,7 +64,7 @@ class Lease:
             self._held = False
             self.table._release(self.route)
 
-    def __enter__(self) -> Lease:
+    def __enter__(self) -> VersionHold:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -175,12 +175,12 @@ class RoutingTable:
         with self._lock:
             return self._resolve(model)
 
-    def checkout(self, model: str) -> Lease:
+    def checkout(self, model: str) -> VersionHold:
         """Resolve and count one request in flight on the result, atomically."""
         with self._lock:
             route = self._resolve(model)
             self._in_flight[route] += 1
-        return Lease(self, route)
+        return VersionHold(self, route)
 
     def _resolve(self, model: str) -> Route:
         if model == self.base_model:

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
+from tandem.runs import adapter_name
 from tandem_inference.engine_client import EngineClient
-from tandem_inference.errors import EngineError, EngineResponseError
+from tandem_inference.errors import EngineClientError, EngineResponseError
 from tandem_inference.routing import RoutingTable
 
-log = logging.getLogger("tandem.controller")
+log = logging.getLogger(__name__)
 
 #: Longest pause before retrying a failed unload, in seconds.
 UNLOAD_RETRY_MAX_S = 60.0
@@ -62,6 +63,15 @@ class Unloader:
         """Queue `name` (a version of `run`) for unloading; queuing it twice changes nothing."""
         self.queued.setdefault(name, Retiring(run, version, routed))
 
+    def retire_old(self, run: str, keep: int) -> None:
+        """Stop routing to the run's versions outside the newest `keep`; they unload once idle."""
+        for version in self.table.loaded(run)[:-keep]:
+            name = self.table.adapter(run, version) or adapter_name(run, version)
+            busy = self.table.retire(run, version)
+            self.add(name, run, version, routed=True)
+            log.info("retiring %s v%d (%s, outside the newest %d; %d requests in flight)",
+                     run, version, name, keep, busy)
+
     def __contains__(self, name: object) -> bool:
         return name in self.queued
 
@@ -79,7 +89,7 @@ class Unloader:
             t0 = time.monotonic()
             try:
                 await self.engine.unload_adapter(name)
-            except EngineError as exc:
+            except EngineClientError as exc:
                 if isinstance(exc, EngineResponseError) and await self._gone(name):
                     log.info("%s was no longer loaded in the engine (%s)", name, exc)
                 else:
@@ -95,10 +105,10 @@ class Unloader:
     async def _gone(self, name: str) -> bool:
         try:
             return name not in await self.engine.loaded_adapters()
-        except EngineError:
+        except EngineClientError:
             return False
 
-    async def _failed(self, name: str, state: Retiring, exc: EngineError) -> None:
+    async def _failed(self, name: str, state: Retiring, exc: EngineClientError) -> None:
         state.failures += 1
         pause = min(UNLOAD_RETRY_MAX_S, 2.0 ** state.failures)
         state.next_try = time.monotonic() + pause

@@ -76,6 +76,32 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def read_adapter_config(directory: str | Path) -> dict[str, Any]:
+    """A LoRA adapter's `adapter_config.json`, checked for what every reader of it relies on.
+
+    It must be a readable JSON object whose rank `r` and every `rank_pattern` value are
+    positive integers. The controller (through `AdapterStore.adapter_config`) and the engine
+    both read adapter configs here. Raises AdapterRejected naming the file and what to do.
+    """
+    file = Path(directory) / "adapter_config.json"
+    fix = "save the adapter with peft's save_pretrained"
+    try:
+        config = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise AdapterRejected(f"no adapter_config.json in {str(directory)!r}; {fix}") from None
+    except (OSError, ValueError) as exc:
+        raise AdapterRejected(f"{file} is unreadable ({exc}); {fix}") from exc
+    if not isinstance(config, dict):
+        raise AdapterRejected(f"{file} is not a JSON object (got {type(config).__name__}); {fix}")
+    pattern = config.get("rank_pattern") or {}
+    if not isinstance(pattern, dict):
+        raise AdapterRejected(f"{file}: rank_pattern is not a mapping of module to rank ({pattern!r:.80}); {fix}")
+    ranks = [config.get("r"), *pattern.values()]
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in ranks):
+        raise AdapterRejected(f"{file} has no valid LoRA rank 'r' ({str(ranks):.80}); ranks are integers >= 1")
+    return config
+
+
 def _fsync_tree(root: Path) -> None:
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
@@ -300,8 +326,8 @@ class AdapterStore:
         return manifest
 
     def adapter_config(self, run: str, version: int) -> dict[str, Any]:
-        config: dict[str, Any] = json.loads((self.adapter_dir(run, version) / "adapter_config.json").read_text())
-        return config
+        """The version's adapter config (see `read_adapter_config`); raises AdapterRejected."""
+        return read_adapter_config(self.adapter_dir(run, version))
 
     def remove_stale_staging(self, run: str) -> int:
         """Delete leftovers of writes that crashed; returns how many were removed."""

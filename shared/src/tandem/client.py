@@ -18,198 +18,33 @@ shorter than its timeout (it reads on from where it was once Redis answers again
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import redis
 from pydantic import ValidationError
-from rq.job import Job, JobStatus
-from rq.serializers import JSONSerializer
 
 from tandem import jobs
-from tandem.connection import ADVICE, call_until, redis_url, retryable
 from tandem.errors import (
     BackendUnavailable,
     GatewayError,
     TrainFailed,
     TrainTimeout,
     ValidationFailed,
+    invalid,
 )
-from tandem.events import Event, EventKind, EventPage, EventStream
+from tandem.events import Event, EventStream
+from tandem.handles import TrainHandle
 from tandem.registry import Registry
 from tandem.runs import LoraConfig, LossConfig, OptimizerConfig, RunSpec, same_base_model
 from tandem.settings import ClientSettings
-from tandem.trajectories import Trajectory, TrajectoryGroup
+from tandem.trajectories import Completion, TrajectoryGroup
+
+__all__ = ["Client", "Completion", "Run", "TrainHandle"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One sampled completion with everything training needs."""
-
-    text: str
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    version: int
-    """Adapter version that served it (0 = base model)."""
-    finish_reason: str | None = None
-
-    def to_trajectory(self, reward: float, loss_mask: list[int] | None = None) -> Trajectory:
-        return Trajectory(
-            prompt_ids=self.prompt_ids,
-            completion_ids=self.completion_ids,
-            rollout_logprobs=self.logprobs,
-            loss_mask=loss_mask,
-            reward=reward,
-            version=self.version,
-        )
-
-
-@dataclass
-class TrainHandle:
-    """A submitted train job; `result()` waits until its version serves."""
-
-    run: Run
-    job_id: str
-    step: int
-    after: str
-    """Event id read before submitting; the job's events come after it."""
-    submitted_at: float = field(default_factory=time.time)
-    _result: jobs.TrainResult | None = None
-    _version: int | None = None
-    _ready: Event | None = None
-
-    def done(self) -> bool:
-        return self._result is not None
-
-    def result(self, timeout_s: float | None = None) -> jobs.TrainResult:
-        """Block until the version this job published serves; raise TrainFailed if it failed."""
-        if self._result is not None:
-            return self._result
-        timeout = timeout_s if timeout_s is not None else self.run.client.settings.train_timeout_s
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            page = self._read(deadline, timeout)
-            for event in page:
-                self.after = event.id or self.after
-                if self._handle(event):
-                    assert self._result is not None
-                    return self._result
-            self.after = page.last_id
-            self._check_rq()
-        raise TrainTimeout(
-            f"job {self.job_id} (run {self.run.name!r}, step {self.step}) did not serve within "
-            f"{timeout:.0f} s; check the trainer and inference logs, or raise train_timeout_s"
-        )
-
-    def _read(self, deadline: float, timeout: float) -> EventPage:
-        """The next page of the stream after `self.after`, riding out a Redis outage until `deadline`."""
-        stream = self.run.client.events
-
-        def read() -> EventPage:
-            return stream.read(self.after, block_ms=max(1, min(1000, int((deadline - time.monotonic()) * 1000))))
-
-        try:
-            return call_until(deadline, read, what=f"waiting for job {self.job_id}")
-        except BackendUnavailable as exc:
-            if not retryable(exc):
-                raise
-            raise BackendUnavailable(
-                f"job {self.job_id} (run {self.run.name!r}, step {self.step}) is still pending: Redis at "
-                f"{redis_url(self.run.client.conn)} did not answer within {timeout:.0f} s ({exc.__cause__}); "
-                f"{ADVICE}, then wait on the job again with run.wait_all() or handle.result()"
-            ) from exc
-
-    def _handle(self, event: Event) -> bool:
-        if event.run != self.run.name:
-            return False
-        if (
-            event.kind is EventKind.TRAIN_FAILED
-            and event.job_id == self.job_id
-            and not event.data.get("retries_left")  # rq retries it: wait for the retry
-        ):
-            raise TrainFailed(f"step {self.step} failed: {event.data.get('message', 'no message')}")
-        if event.kind is EventKind.ADAPTER_READY and event.job_id == self.job_id:
-            self._version = event.version
-            self._ready = event
-        if event.kind is EventKind.ADAPTER_REJECTED and self._version is not None and event.version == self._version:
-            raise TrainFailed(f"version {self._version} was rejected by inference: {event.data.get('message')}")
-        if (
-            event.kind is EventKind.ADAPTER_LOADED
-            and self._version is not None
-            and event.version is not None
-            and event.version >= self._version
-        ):
-            self._result = self._fetch_result(served_at=event.ts)
-            return True
-        return False
-
-    def _fetch_result(self, served_at: float) -> jobs.TrainResult:
-        """The job's own result if rq has it; otherwise what its `adapter_ready` said (the job
-        writes its optimizer state after announcing, so it may still be running)."""
-        raw = None
-        try:
-            raw = Job.fetch(self.job_id, connection=self.run.client.conn, serializer=JSONSerializer).return_value()
-        except Exception:  # noqa: BLE001 - an expired or missing job, or Redis away: its event is enough
-            log.debug("job %s has no result in rq; using its adapter_ready event", self.job_id)
-        result = None
-        if raw:
-            try:
-                result = jobs.TrainResult.model_validate(raw)
-            except ValidationError as exc:  # written by something else than the trainer: use the event
-                log.warning("rq result of job %s is not a train result (%s); using its adapter_ready event",
-                            self.job_id, jobs.describe(exc))
-        if result is None:
-            result = self._result_from_ready()
-        return result.model_copy(update={"metrics": {**result.metrics, "served_at": served_at}})
-
-    def _result_from_ready(self) -> jobs.TrainResult:
-        """The result its `adapter_ready` event tells; fields of an odd shape are left at their defaults
-        and metrics that are not numbers are left out (any writer of Redis can append events)."""
-        data = self._ready.data if self._ready is not None else {}
-        metrics = _numbers(data.get("metrics"))
-        base = {"job_id": self.job_id, "run": self.run.name, "step": self.step, "version": self._version or 0,
-                "parent": 0, "published_at": self._ready.ts if self._ready is not None else 0.0, "metrics": metrics}
-        try:
-            return jobs.TrainResult.model_validate({
-                **base, "step": data.get("step", self.step), "parent": data.get("parent", 0),
-                "train_s": metrics.get("train_s", 0.0), "published_at": data.get("published_at") or base["published_at"],
-            })
-        except ValidationError as exc:
-            log.warning("adapter_ready of job %s has unexpected data (%s); keeping what is certain",
-                        self.job_id, jobs.describe(exc))
-            return jobs.TrainResult.model_validate(base)
-
-    def _check_rq(self) -> None:
-        """Catch failures that left no event (e.g. a worker killed with no retries left)."""
-        try:
-            job = Job.fetch(self.job_id, connection=self.run.client.conn, serializer=JSONSerializer)
-            failed = job.get_status() == JobStatus.FAILED and not job.retries_left
-            last_line = (job.exc_info or "").strip().splitlines()[-1:] if failed else []
-        except Exception:  # noqa: BLE001 - a missing job, or Redis away (the next read rides it out), is no failure
-            return
-        if failed:
-            raise TrainFailed(f"step {self.step} failed: {last_line}")
-
-
-def _numbers(raw: object) -> dict[str, float]:
-    """The entries of a `metrics` mapping that are numbers; anything else is left out."""
-    if not isinstance(raw, dict):
-        return {}
-    out: dict[str, float] = {}
-    for key, value in raw.items():
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            try:
-                out[str(key)] = float(value)
-            except OverflowError:  # an int beyond float's range
-                continue
-    return out
 
 
 class Run:
@@ -264,13 +99,13 @@ class Run:
                     text=choice["message"]["content"] if chat else choice["text"],
                     prompt_ids=ext["prompt_token_ids"],
                     completion_ids=ext["completion_token_ids"][i],
-                    logprobs=ext["completion_logprobs"][i],
+                    rollout_logprobs=ext["completion_logprobs"][i],
                     version=ext["version"],
                     finish_reason=choice.get("finish_reason"),
                 )
                 for i, choice in enumerate(data["choices"])
             ]
-        except (KeyError, IndexError, TypeError, AttributeError) as exc:
+        except (KeyError, IndexError, TypeError, AttributeError, ValidationError) as exc:
             raise GatewayError(
                 f"{path} answered without tandem's token ids and logprobs (missing or malformed: {exc!r}); "
                 f"is TANDEM_GATEWAY_URL ({self.client.settings.gateway_url}) tandem's gateway, not the engine "
@@ -286,10 +121,11 @@ class Run:
                 f"{len(completions)} completions but {len(rewards)} rewards; give one reward per completion",
                 field="rewards",
             )
+        trajectories = [c.to_trajectory(r) for c, r in zip(completions, rewards, strict=True)]
         try:
-            return TrajectoryGroup(trajectories=[c.to_trajectory(r) for c, r in zip(completions, rewards, strict=True)])
+            return TrajectoryGroup(trajectories=trajectories)
         except ValidationError as exc:
-            raise ValidationFailed(f"cannot group these completions: {jobs.describe(exc)}", field=_field(exc)) from exc
+            raise invalid("cannot group these completions", exc) from exc
 
     # training -------------------------------------------------------------
     def train(
@@ -416,7 +252,7 @@ class Client:
                 seed=seed,
             )
         except ValidationError as exc:
-            raise ValidationFailed(f"invalid run {name!r}: {jobs.describe(exc)}", field=_field(exc)) from exc
+            raise invalid(f"invalid run {name!r}", exc) from exc
         self._check_base_model(spec)
         return Run(self, self.registry.create_run(spec))
 
@@ -502,8 +338,3 @@ def _message(payload: object) -> str | None:
     message = error.get("message") if isinstance(error, dict) else error
     return str(message or payload.get("detail") or "") or None
 
-
-def _field(exc: ValidationError) -> str | None:
-    """Dotted path of the first field pydantic complained about."""
-    errors = exc.errors()
-    return ".".join(str(x) for x in errors[0]["loc"]) if errors and errors[0]["loc"] else None

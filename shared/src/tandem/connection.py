@@ -1,4 +1,5 @@
-"""Where tandem meets Redis: naming a connection, translating its errors, riding out outages.
+"""Where tandem meets Redis: naming a connection, translating its errors, riding out outages,
+reading its replies as text.
 
 Every Redis error that reaches tandem code becomes `BackendUnavailable`, with a message that
 names the Redis URL (never its password) and what to do. Whether a failed call is worth
@@ -20,7 +21,7 @@ from redis.exceptions import AuthenticationError, AuthorizationError
 
 from tandem.errors import BackendUnavailable
 
-log = logging.getLogger("tandem.connection")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -41,6 +42,15 @@ def redis_url(conn: redis.Redis) -> str:
         return f"unix://{kwargs['path']}?db={db}"
     scheme = "rediss" if issubclass(conn.connection_pool.connection_class, redis.SSLConnection) else "redis"
     return f"{scheme}://{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{db}"
+
+
+def text(raw: bytes | str) -> str:
+    """A Redis reply as text.
+
+    tandem's connections answer bytes (`decode_responses=False`), because the same connection
+    carries rq's jobs, whose hashes hold bytes that are not text; tandem's own keys hold UTF-8.
+    """
+    return raw.decode() if isinstance(raw, bytes) else raw
 
 
 def unavailable(conn: redis.Redis, action: str, exc: redis.RedisError) -> BackendUnavailable:

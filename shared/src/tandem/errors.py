@@ -2,7 +2,7 @@
 
     TandemError
     ├── ConfigError            a setting or argument that cannot work
-    ├── ValidationFailed       user data (a job, a run, a trajectory) that breaks a contract
+    ├── ValidationFailed       data that breaks a contract (a job, a run, a group, a Redis value)
     │   └── JobRefused         a queued job that is not a tandem train job (never run, never retried)
     ├── RunNotFound            a run name the registry does not know
     ├── RunExists              create_run on a name that is taken, with another spec
@@ -13,13 +13,21 @@
     ├── TrainTimeout           a train job that did not serve in time
     ├── GatewayError           the gateway answered with an error (status and body kept)
     ├── MalformedEvent         a stream entry that does not parse (skipped by every consumer)
+    ├── LeaseTimeout           shared mode: inference did not hand over the GPU in time
+    ├── StackError             a service of the local stack (`tandem up`) did not start
     └── BackendUnavailable     Redis or the gateway cannot be reached
 
 Errors from redis, rq and httpx are translated where they enter tandem, with a message that
-names the offending value and what to do.
+names the offending value and what to do; pydantic's, for data that breaks a contract, with
+`invalid` (the message names each offending field).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 
 class TandemError(Exception):
@@ -91,3 +99,28 @@ class MalformedEvent(TandemError):
         super().__init__(f"entry {entry_id}: {reason}")
         self.entry_id = entry_id
         self.reason = reason
+
+
+class LeaseTimeout(TandemError):
+    """Shared mode: the inference side did not hand over the GPU in time."""
+
+
+class StackError(TandemError):
+    """A service of the local stack did not start; the message names it and its log."""
+
+
+def describe(exc: ValidationError) -> str:
+    """pydantic's problems, one part per problem, each naming its field path."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "<whole>"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def invalid(what: str, exc: ValidationError) -> ValidationFailed:
+    """The ValidationFailed to raise from pydantic's `exc`: `what`, then `describe(exc)`; `field` is
+    the dotted path of the first problem (None when it concerns the whole object)."""
+    errors = exc.errors()
+    field = ".".join(str(x) for x in errors[0]["loc"]) if errors and errors[0]["loc"] else None
+    return ValidationFailed(f"{what}: {describe(exc)}", field=field)

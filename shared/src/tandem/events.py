@@ -25,17 +25,13 @@ from pydantic import BaseModel, Field, ValidationError
 from redis.typing import EncodableT, FieldT
 
 from tandem import keys
-from tandem.connection import translated
+from tandem.connection import text, translated
 from tandem.errors import MalformedEvent
 
-log = logging.getLogger("tandem.events")
+log = logging.getLogger(__name__)
 
 #: Entries kept in the stream (approximate trimming); old entries are history only.
 MAX_LEN = 100_000
-
-
-def _text(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
 
 
 class EventKind(StrEnum):
@@ -75,9 +71,9 @@ class Event(BaseModel):
     @classmethod
     def from_entry(cls, entry_id: bytes | str, raw: Mapping[bytes | str, bytes | str]) -> Event:
         """Parse one stream entry; raise `MalformedEvent` naming the entry and the bad field."""
-        eid = entry_id.decode(errors="replace") if isinstance(entry_id, bytes) else str(entry_id)
+        eid = text(entry_id)  # Redis makes entry ids: ASCII
         try:
-            f = {_text(k): _text(v) for k, v in raw.items()}
+            f = {text(k): text(v) for k, v in raw.items()}
         except UnicodeDecodeError as exc:
             raise MalformedEvent(eid, f"a field is not UTF-8 ({exc})") from exc
         for name in ("kind", "run", "ts"):
@@ -134,7 +130,7 @@ class EventPage(list[Event]):
             except MalformedEvent as exc:
                 log.warning("skipping a malformed entry of %s: %s", keys.EVENTS, exc)
                 page.malformed.append(exc)
-            page.last_id = _text(eid)
+            page.last_id = text(eid)
         return page
 
 
@@ -150,16 +146,14 @@ class EventStream:
         fields: dict[FieldT, EncodableT] = {k: v for k, v in event.fields().items()}
         with translated(self.conn, f"append {event.kind} to {keys.EVENTS}"):
             entry_id = self.conn.xadd(keys.EVENTS, fields, maxlen=MAX_LEN, approximate=True)
-        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        return text(entry_id)
 
     def last_id(self) -> str:
         """Id of the newest entry, or '0-0' for an empty stream; read after it to see only new events."""
         with translated(self.conn, f"read {keys.EVENTS}"):
             newest = self.conn.xrevrange(keys.EVENTS, count=1)
-        if not newest:
-            return "0-0"
-        entry_id = newest[0][0]
-        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        entry_id = newest[0][0] if newest else None
+        return text(entry_id) if entry_id is not None else "0-0"
 
     def read(self, after: str, *, block_ms: int | None = None, count: int = 100) -> EventPage:
         """Entries after entry id `after`, waiting up to `block_ms` when there are none.
@@ -180,6 +174,19 @@ class EventStream:
             entries = self.conn.xrevrange(keys.EVENTS, count=count)
         events = EventPage.parse("0-0", list(reversed(entries or [])))
         return [e for e in events if run is None or e.run == run]
+
+    def since(self, ts: float, *, page: int = 1000) -> Iterator[Event]:
+        """Every event appended from wall-clock time `ts` (seconds since the epoch) on, oldest first,
+        read a page at a time (malformed entries left out)."""
+        start = f"{max(0, int(ts * 1000))}-0"
+        while True:
+            with translated(self.conn, f"read {keys.EVENTS}"):
+                entries = self.conn.xrange(keys.EVENTS, min=start, count=page) or []
+            parsed = EventPage.parse(start, entries)
+            yield from parsed
+            if len(entries) < page:
+                return
+            start = f"({parsed.last_id}"  # exclusive: the next page starts after it
 
     def follow(
         self, after: str, *, block_ms: int = 1000, deadline: float | None = None
@@ -204,7 +211,7 @@ class Cursor:
     def get(self) -> str:
         with translated(self.conn, f"read the cursor {self.key}"):
             raw = self.conn.get(self.key)
-        return _text(raw) if raw else "0-0"
+        return text(raw) if raw else "0-0"
 
     def commit(self, entry_id: str) -> None:
         with translated(self.conn, f"write the cursor {self.key}"):

@@ -26,8 +26,8 @@ from rq.types import FailureCallbackType, SuccessCallbackType
 from rq.utils import import_attribute
 
 from tandem import keys
-from tandem.connection import unavailable
-from tandem.errors import JobRefused, ValidationFailed
+from tandem.connection import translated
+from tandem.errors import JobRefused, invalid
 from tandem.runs import check_run_name
 from tandem.trajectories import TrajectoryGroup
 
@@ -82,22 +82,12 @@ class TrainResult(BaseModel):
     """True when a retry found the version its first attempt published."""
 
 
-def describe(exc: ValidationError) -> str:
-    """One line per problem, each naming the field path, for job failure messages."""
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "<job>"
-        parts.append(f"{loc}: {err['msg']}")
-    return "; ".join(parts)
-
-
 def parse_job(payload: Any) -> TrainJob:
     """Validate a job payload; raise ValidationFailed naming the bad field."""
     try:
         return TrainJob.model_validate(payload)
     except ValidationError as exc:
-        first = ".".join(str(x) for x in exc.errors()[0]["loc"]) if exc.errors() else None
-        raise ValidationFailed(f"invalid train job: {describe(exc)}", field=first) from exc
+        raise invalid("invalid train job", exc) from exc
 
 
 class GuardedJob(Job):
@@ -217,7 +207,7 @@ def train_queue(conn: redis.Redis) -> Queue:
 
 def enqueue(conn: redis.Redis, job: TrainJob) -> str:
     """Put a validated job on the train queue; returns its id."""
-    try:
+    with translated(conn, f"enqueue job {job.job_id} of run {job.run!r}"):
         train_queue(conn).enqueue(
             TRAIN_FUNC,
             job.model_dump(mode="json"),
@@ -228,6 +218,4 @@ def enqueue(conn: redis.Redis, job: TrainJob) -> str:
             retry=Retry(max=JOB_RETRIES),
             description=f"train {job.run} step {job.step}",
         )
-    except redis.RedisError as exc:
-        raise unavailable(conn, f"enqueue job {job.job_id} of run {job.run!r}", exc) from exc
     return job.job_id

@@ -8,7 +8,8 @@ the GPU from inference for longer than one TTL.
 
 Redis layout (key `tandem:gpu:lease`, a hash): holder, state (`requested` -> `granted`),
 expires_at. Expiry is Redis' own (PEXPIRE), renewed by the holder. Every public method raises
-`BackendUnavailable`, naming the Redis URL, when Redis fails.
+`BackendUnavailable`, naming the Redis URL, when Redis fails; no redis-py error leaves this
+module.
 """
 
 from __future__ import annotations
@@ -20,16 +21,8 @@ from enum import StrEnum
 import redis
 
 from tandem import keys
-from tandem.connection import translated
-from tandem.errors import TandemError
-
-
-def _text(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
-
-
-class LeaseTimeout(TandemError):
-    """The other side did not hand over the GPU in time."""
+from tandem.connection import text, translated
+from tandem.errors import LeaseTimeout, ValidationFailed
 
 
 class LeaseState(StrEnum):
@@ -56,7 +49,7 @@ class GpuLease:
             pipe.hsetnx(self.key, "holder", self.holder)
             pipe.hget(self.key, "holder")
             _, holder = pipe.execute()
-            if holder is None or _text(holder) != self.holder:
+            if holder is None or text(holder) != self.holder:
                 return False
             self.conn.hsetnx(self.key, "state", LeaseState.REQUESTED.value)
             self.conn.pexpire(self.key, self.ttl_ms)
@@ -80,7 +73,7 @@ class GpuLease:
         """Push the expiry out by one TTL; False if the lease is no longer ours."""
         with translated(self.conn, f"renew the GPU lease {self.key}"):
             holder = self.conn.hget(self.key, "holder")
-            if holder is None or _text(holder) != self.holder:
+            if holder is None or text(holder) != self.holder:
                 return False
             return bool(self.conn.pexpire(self.key, self.ttl_ms))
 
@@ -88,7 +81,7 @@ class GpuLease:
         """Give the GPU back (only if we hold it)."""
         with translated(self.conn, f"release the GPU lease {self.key}"):
             holder = self.conn.hget(self.key, "holder")
-            if holder is not None and _text(holder) == self.holder:
+            if holder is not None and text(holder) == self.holder:
                 self.conn.delete(self.key)
 
     # inference side ------------------------------------------------------------
@@ -96,7 +89,16 @@ class GpuLease:
         """None when nobody holds or wants the GPU (or the lease expired)."""
         with translated(self.conn, f"read the GPU lease {self.key}"):
             raw = self.conn.hget(self.key, "state")
-        return LeaseState(_text(raw)) if raw else None
+        if not raw:
+            return None
+        try:
+            return LeaseState(text(raw))
+        except ValueError as exc:  # written by something else than tandem, or not UTF-8
+            raise ValidationFailed(
+                f"the GPU lease {self.key} has state {raw!r}, not one of {[s.value for s in LeaseState]}; "
+                f"delete {self.key} (the trainer requests it again)",
+                field="state",
+            ) from exc
 
     def grant(self) -> None:
         """Say the GPU memory is released; the requester may train."""

@@ -1,29 +1,31 @@
 """The run and version registry in Redis: what exists, what is newest, what serves.
 
 The trainer registers each version after publishing it to the store; the controller
-records what it serves. Inference reconciles against this registry at start-up, so even a
-lost event cannot leave it serving a stale version.
+records what it serves and holds, and counts its load attempts. Inference reconciles
+against this registry at start-up, so even a lost event cannot leave it serving a stale
+version.
 
 Every public method raises `BackendUnavailable`, naming the Redis URL, when Redis fails; no
-redis-py error leaves this module.
+redis-py error leaves this module. A stored value that does not parse (anyone who can write
+to Redis can write one) is `ValidationFailed` naming its key.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import redis
 from pydantic import ValidationError
 
 from tandem import keys
 from tandem.adapters import Manifest
-from tandem.connection import translated
+from tandem.connection import text, translated
 from tandem.errors import RunExists, RunNotFound, ValidationFailed
 from tandem.runs import RunSpec
 
-
-def _text(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
+T = TypeVar("T")
 
 
 def _members(reply: list[bytes | str] | list[tuple[bytes | str, Any]] | list[list[Any]]) -> list[bytes | str]:
@@ -34,6 +36,25 @@ def _members(reply: list[bytes | str] | list[tuple[bytes | str, Any]] | list[lis
             raise TypeError(f"expected a sorted-set member without score, got {m!r}")
         members.append(m)
     return members
+
+
+def _parsed(key: str, raw: bytes | str, parse: Callable[[bytes | str], T], what: str) -> T:
+    """`parse(raw)`, or ValidationFailed naming `key` and what it should hold."""
+    try:
+        return parse(raw)
+    except (ValueError, ValidationError) as exc:  # ValidationError is a ValueError; named for the reader
+        raise ValidationFailed(
+            f"{key} in Redis holds {raw[:200]!r}, not {what} ({str(exc).splitlines()[0]}); tandem writes it, "
+            "so something else did: delete the key, or the value",
+            field=key,
+        ) from exc
+
+
+def _version_list(raw: bytes | str) -> list[int]:
+    versions = json.loads(raw)
+    if not isinstance(versions, list) or not all(type(v) is int for v in versions):
+        raise ValueError("expected a JSON list of version numbers")
+    return versions
 
 
 class Registry:
@@ -72,7 +93,7 @@ class Registry:
 
     def list_runs(self) -> list[str]:
         with translated(self.conn, "list runs"):
-            return sorted(_text(m) for m in self.conn.smembers(keys.RUNS))
+            return sorted(text(m) for m in self.conn.smembers(keys.RUNS))
 
     def next_step(self, run: str) -> int:
         """Allocate the next client-side train step number (1, 2, ...)."""
@@ -98,18 +119,20 @@ class Registry:
     def manifest(self, run: str, version: int) -> Manifest | None:
         with translated(self.conn, f"read version {version} of run {run!r}"):
             found = _members(self.conn.zrangebyscore(keys.run_versions(run), version, version))
-        return Manifest.model_validate_json(found[0]) if found else None
+        key = keys.run_versions(run)
+        return _parsed(key, found[0], Manifest.model_validate_json, "a version manifest") if found else None
 
     def manifests(self, run: str) -> list[Manifest]:
         """Every registered version, oldest first."""
         with translated(self.conn, f"read the versions of run {run!r}"):
             found = _members(self.conn.zrange(keys.run_versions(run), 0, -1))
-        return [Manifest.model_validate_json(m) for m in found]
+        key = keys.run_versions(run)
+        return [_parsed(key, m, Manifest.model_validate_json, "a version manifest") for m in found]
 
     def version_of_job(self, run: str, job_id: str) -> int | None:
         with translated(self.conn, f"read the version of job {job_id} of run {run!r}"):
             raw = self.conn.hget(keys.run_jobs(run), job_id)
-        return int(raw) if raw is not None else None
+        return _parsed(keys.run_jobs(run), raw, int, "a version number") if raw is not None else None
 
     # serving --------------------------------------------------------------
     def set_serving(self, run: str, version: int) -> None:
@@ -120,4 +143,24 @@ class Registry:
         """Version the inference side routes the run to (0 = base model)."""
         with translated(self.conn, f"read the serving version of run {run!r}"):
             raw = self.conn.get(keys.run_serving(run))
-        return int(raw) if raw is not None else 0
+        return _parsed(keys.run_serving(run), raw, int, "a version number") if raw is not None else 0
+
+    def set_loaded(self, run: str, versions: list[int]) -> None:
+        """Record the versions the engine holds for the run (written by the controller)."""
+        with translated(self.conn, f"record the loaded versions of run {run!r}"):
+            self.conn.set(keys.run_loaded(run), json.dumps(versions))
+
+    def loaded(self, run: str) -> list[int]:
+        """The versions the engine holds for the run, as the controller last recorded them."""
+        with translated(self.conn, f"read the loaded versions of run {run!r}"):
+            raw = self.conn.get(keys.run_loaded(run))
+        return _parsed(keys.run_loaded(run), raw, _version_list, "a list of versions") if raw is not None else []
+
+    def next_load_attempt(self, run: str, version: int) -> int:
+        """Count one more attempt to load a version into the engine; returns its number (0, 1, ...).
+
+        The count lives in Redis, so a restarted controller never reuses an adapter name that
+        the still running engine saw from its predecessor.
+        """
+        with translated(self.conn, f"count the load attempts of run {run!r} version {version}"):
+            return int(self.conn.hincrby(keys.run_load_attempts(run), str(version), 1)) - 1

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tandem.errors import BackendUnavailable
+from tandem.errors import BackendUnavailable, ConfigError
 from tandem.runs import DEFAULT_TARGETS
 
 
@@ -43,13 +43,20 @@ class RedisSettings(BaseModel):
     """Timeout of one Redis command, in seconds (blocking reads add their own block time)."""
 
     def connect(self) -> redis.Redis:
-        """Open a client; raises BackendUnavailable naming the URL when Redis does not answer."""
-        client = redis.Redis.from_url(
-            self.url,
-            password=self.password.get_secret_value() if self.password else None,
-            socket_timeout=self.socket_timeout_s,
-            socket_connect_timeout=min(self.socket_timeout_s, 10.0),
-        )
+        """Open a client; raises BackendUnavailable naming the URL when Redis does not answer, and
+        ConfigError naming it when it is not a Redis URL."""
+        try:
+            client = redis.Redis.from_url(
+                self.url,
+                password=self.password.get_secret_value() if self.password else None,
+                socket_timeout=self.socket_timeout_s,
+                socket_connect_timeout=min(self.socket_timeout_s, 10.0),
+            )
+        except ValueError as exc:  # redis-py's answer to a URL it cannot read
+            raise ConfigError(
+                f"Redis URL {redact_url(self.url)!r} cannot work ({exc}); set TANDEM_REDIS__URL to "
+                "redis://[:password@]host:port/db (rediss:// for TLS, unix:///path.sock?db=0)"
+            ) from exc
         try:
             client.ping()
         except redis.RedisError as exc:
@@ -346,50 +353,3 @@ SERVICES: dict[str, type[_ServiceSettings]] = {
     "client": ClientSettings,
 }
 
-
-def _type_name(ann: Any) -> str:
-    args = get_args(ann)
-    if get_origin(ann) is Literal:
-        return " / ".join(f"`{a}`" for a in args)
-    if args:
-        return " or ".join(_type_name(a) for a in args)
-    return "none" if ann is type(None) else getattr(ann, "__name__", str(ann))
-
-
-def _rows(model: type[BaseModel], env: str, path: str) -> list[str]:
-    rows = []
-    for name, info in model.model_fields.items():
-        ann = info.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            rows += _rows(ann, f"{env}{name.upper()}__", f"{path}{name}.")
-            continue
-        default = info.get_default(call_default_factory=True)
-        shown = "(unset)" if default is None else f"`{default}`"
-        kind = _type_name(ann)
-        bounds = ", ".join(
-            f"{k} {getattr(m, k)}"
-            for m in info.metadata
-            for k in ("ge", "gt", "le", "lt")
-            if getattr(m, k, None) is not None
-        )
-        desc = (info.description or "").replace("\n", " ")
-        kind_bounds = f"{kind} ({bounds})" if bounds else kind
-        rows.append(f"| `{path}{name}` | `{env}{name.upper()}` | {kind_bounds} | {shown} | {desc} |")
-    return rows
-
-
-def settings_markdown() -> str:
-    """The configuration reference (docs/configuration.md), generated from these classes."""
-    out = [
-        "# Configuration",
-        "",
-        "Generated from `shared/src/tandem/settings.py` by `tandem settings --markdown`; a test keeps it in sync.",
-        "Every setting is an environment variable with the prefix `TANDEM_` and `__` between sections;",
-        "a `.env` file in the working directory is read too, and keys meant for other services are ignored.",
-        "Print what a service resolved, secrets redacted, with `tandem settings trainer|inference|client`.",
-    ]
-    for service, cls in SERVICES.items():
-        out += ["", f"## {service}", "", (cls.__doc__ or "").strip(), "",
-                "| setting | environment variable | type | default | meaning |", "|---|---|---|---|---|"]
-        out += _rows(cls, "TANDEM_", "")
-    return "\n".join(out) + "\n"

@@ -1,36 +1,74 @@
-"""Trajectories and groups: what rollouts produce and training consumes.
+"""Samples, completions, trajectories and groups: what rollouts produce and training consumes.
 
-A trajectory keeps token ids, not text, so training sees exactly the tokens that were
-sampled (re-tokenising text drifts). `rollout_logprobs` are the sampling policy's logprobs
-of each completion token; the loss uses them for the importance ratio, which is what lets
-the policy that sampled be older than the one training. `loss_mask` marks which completion
-tokens are trained on (0 for tool output or user turns inside a multi-turn completion).
+A sample keeps token ids, not text, so training sees exactly the tokens that were sampled
+(re-tokenising text drifts). `rollout_logprobs` are the sampling policy's logprobs of each
+completion token; the loss uses them for the importance ratio, which is what lets the policy
+that sampled be older than the one training. A `Completion` is a sample as the gateway
+returns it (with its text); a `Trajectory` is the same sample scored (its reward) and ready
+to train on, with `loss_mask` marking which completion tokens are trained on (0 for tool
+output or user turns inside a multi-turn completion).
 """
 
 from __future__ import annotations
 
 import math
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tandem.errors import invalid
 
 
-class Trajectory(BaseModel):
-    """One sampled completion, its reward, and the version that produced it."""
+class Sample(BaseModel):
+    """The exact tokens of one sampled completion, their logprobs, and the version that sampled them."""
 
     model_config = ConfigDict(extra="forbid")
+
+    prompt_ids: list[int]
+    """Token ids of the prompt (chat template applied)."""
+    completion_ids: list[int]
+    """Token ids the policy generated (and, in multi-turn, the masked-out turns between)."""
+    rollout_logprobs: list[float]
+    """Logprob of each completion token under the policy that sampled it."""
+    version: int = Field(0, ge=0)
+    """Adapter version that produced the completion (0 = base model)."""
+
+
+class Completion(Sample):
+    """One sampled completion as the gateway returned it; score it to get a `Trajectory`."""
+
+    model_config = ConfigDict(frozen=True)
+
+    text: str = ""
+    """The completion as text (what a reward function reads)."""
+    finish_reason: str | None = None
+    """Why sampling stopped: `stop`, `length`, or None when the gateway did not say."""
+
+    @property
+    def logprobs(self) -> list[float]:
+        """`rollout_logprobs`, by its older name."""
+        return self.rollout_logprobs
+
+    def to_trajectory(self, reward: float, loss_mask: list[int] | None = None) -> Trajectory:
+        """This completion with its reward, checked for training; ValidationFailed names what breaks."""
+        try:
+            return Trajectory(prompt_ids=self.prompt_ids, completion_ids=self.completion_ids,
+                              rollout_logprobs=self.rollout_logprobs, version=self.version,
+                              reward=reward, loss_mask=loss_mask)
+        except ValidationError as exc:
+            raise invalid("this completion cannot be trained on", exc) from exc
+
+
+class Trajectory(Sample):
+    """One sampled completion, its reward, and the version that produced it: what training reads."""
 
     prompt_ids: list[int] = Field(min_length=1)
     """Token ids of the prompt (chat template applied)."""
     completion_ids: list[int] = Field(min_length=1)
     """Token ids the policy generated (and, in multi-turn, the masked-out turns between)."""
-    rollout_logprobs: list[float]
-    """Logprob of each completion token under the policy that sampled it."""
     loss_mask: list[int] | None = None
     """1 for tokens to train on, 0 to skip; default all ones."""
     reward: float
     """Scalar reward."""
-    version: int = Field(0, ge=0)
-    """Adapter version that produced the completion (0 = base model)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> Trajectory:

@@ -2,15 +2,23 @@
 
     TandemError
     └── TrainerError
-        ├── JobRejected          bad input (also a ValidationFailed); `field` names it; never retried
-        ├── BackendNotAvailable  a backend or device that cannot run here (also a ConfigError)
-        ├── CheckpointError      a version's adapter or optimizer state cannot be loaded
-        ├── TrainStepFailed      the step itself failed (out of memory, non-finite loss); may be retried
-        └── LockTimeout          another worker held the run's lock for the whole wait
+        ├── JobRejected              bad input (also a ValidationFailed); `field` names it; never retried
+        ├── TrainerConfigError       a trainer setting that cannot work (also a ConfigError)
+        │   └── TrainingBackendMissing   the torch backend or device asked for cannot run here
+        ├── CheckpointError          a version's adapter or optimizer state cannot be read or written
+        ├── TrainStepFailed          the step itself failed (out of memory, non-finite loss); may be retried
+        ├── LockTimeout              another worker held the run's lock for the whole wait
+        └── TinyModelDirTaken        the tiny model's directory holds something else (also a FileExistsError)
 
 The split that matters is JobRejected versus everything else: the same input fails the same
 way every time, so a rejected job is failed at once, while other errors are worth a retry.
-Errors from torch, peft and rq are translated where they enter the trainer.
+
+Errors from torch, peft and the file system are translated where they enter the trainer.
+Redis errors are translated where they enter too (`tandem.connection.translated`), into the
+light package's `BackendUnavailable`: the trainer raises it, like the light package's other
+errors that reach it (`LeaseTimeout` in shared mode, `AdapterRejected` from the store), as
+it is. The one module that handles redis-py's own errors is outage.py, which retries them on
+the connection while Redis may come back.
 """
 
 from __future__ import annotations
@@ -29,12 +37,19 @@ class JobRejected(TrainerError, ValidationFailed):
     """
 
 
-class BackendNotAvailable(TrainerError, ConfigError):
-    """The configured backend or device cannot run in this environment."""
+class TrainerConfigError(TrainerError, ConfigError):
+    """A trainer setting that cannot work (a worker name in use, an unknown failpoint)."""
+
+
+class TrainingBackendMissing(TrainerConfigError):
+    """The torch backend or device the settings ask for cannot run in this environment.
+
+    Not to be confused with `tandem.errors.BackendUnavailable` (Redis or the gateway down).
+    """
 
 
 class CheckpointError(TrainerError):
-    """A published version's adapter weights or optimizer state cannot be loaded."""
+    """A version's adapter weights or optimizer state cannot be read or written."""
 
 
 class TrainStepFailed(TrainerError):
@@ -43,3 +58,7 @@ class TrainStepFailed(TrainerError):
 
 class LockTimeout(TrainerError):
     """The run's lock stayed held by a live worker for longer than the job may wait."""
+
+
+class TinyModelDirTaken(TrainerError, FileExistsError):
+    """The tiny model's directory holds something other than that model; pass overwrite=True."""

@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 
-from tandem.errors import ConfigError
+from tandem_trainer.errors import TrainerConfigError
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def _armed(raw: str) -> frozenset[str]:
     names = frozenset(n.strip() for n in raw.split(",") if n.strip())
     unknown = sorted(names - set(POINTS))
     if unknown:
-        raise ConfigError(f"{ENV}: unknown failpoint(s) {unknown}; known: {', '.join(POINTS)}")
+        raise TrainerConfigError(f"{ENV}: unknown failpoint(s) {unknown}; known: {', '.join(POINTS)}")
     return names
 
 

@@ -12,13 +12,16 @@ import logging
 import os
 import socket
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandem.settings import GpuSettings
 
 log = logging.getLogger("tandem_trainer")
 
 
-def trainer_gpus(settings: object) -> str | None:
+def trainer_gpus(gpus: GpuSettings) -> str | None:
     """CUDA_VISIBLE_DEVICES for the trainer: its own GPUs (split), the engine's (shared), none (cpu)."""
-    gpus = settings.gpus  # type: ignore[attr-defined]
     if gpus.mode == "split":
         return ",".join(str(g) for g in gpus.trainer)
     if gpus.mode == "shared":
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         conn = settings.redis.connect()
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # bars are noise in service logs
-        gpus = trainer_gpus(settings)
+        gpus = trainer_gpus(settings.gpus)
         if gpus is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
             os.environ["CUDA_VISIBLE_DEVICES"] = gpus  # before torch is imported
         from tandem_trainer.worker import serve  # heavy: torch, transformers, peft

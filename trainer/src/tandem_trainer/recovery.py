@@ -17,6 +17,8 @@ tick, so a live worker also rescues the jobs of a dead neighbour:
   whose version serves;
 - a job on the intermediate list that no worker started goes back to the front of the queue
   (no retry used): at once when no other trainer lives, else once it sat there `STRANDED_S`.
+
+Every public function raises `BackendUnavailable`, naming the Redis URL, when Redis fails.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from rq.queue import Queue
 from rq.utils import now
 
 from tandem import keys
+from tandem.connection import text, translated
 from tandem.events import Event, EventKind, EventStream
 from tandem.jobs import GuardedJob, train_queue
 from tandem.registry import Registry
@@ -51,6 +54,7 @@ STRANDED_S = 5.0
 
 liveness_key = keys.trainer_alive
 RECOVERY_LOCK = keys.TRAINER_RECOVERY
+
 
 
 class Liveness:
@@ -72,7 +76,8 @@ class Liveness:
         self._thread: threading.Thread | None = None
 
     def beat(self) -> None:
-        self.conn.set(liveness_key(self.name), self.token, px=self.ttl_ms)
+        with translated(self.conn, f"refresh the liveness key of worker {self.name!r}"):
+            self.conn.set(liveness_key(self.name), self.token, px=self.ttl_ms)
 
     def start(self) -> None:
         self.beat()
@@ -93,19 +98,22 @@ class Liveness:
         if self._thread is not None:
             self._thread.join(self.interval_s + 5)
         key = liveness_key(self.name)
-        if self.conn.get(key) == self.token.encode():
-            self.conn.delete(key)
+        with translated(self.conn, f"delete the liveness key of worker {self.name!r}"):
+            if (held := self.conn.get(key)) is not None and text(held) == self.token:
+                self.conn.delete(key)
 
 
 def owner_alive(conn: redis.Redis, owner: str) -> bool:
     """Whether the worker instance `owner` (a Liveness token) still lives."""
-    raw = conn.get(liveness_key(owner.split("#", 1)[0]))
-    return raw is not None and (raw.decode() if isinstance(raw, bytes) else raw) == owner
+    with translated(conn, f"read the liveness key of {owner!r}"):
+        raw = conn.get(liveness_key(owner.split("#", 1)[0]))
+    return raw is not None and text(raw) == owner
 
 
 def any_trainer_alive(conn: redis.Redis) -> bool:
     """Whether any trainer's liveness key exists."""
-    return next(iter(conn.scan_iter(match=liveness_key("*"), count=100)), None) is not None
+    with translated(conn, "look for live trainer workers"):
+        return next(iter(conn.scan_iter(match=liveness_key("*"), count=100)), None) is not None
 
 
 def failure_event(job: GuardedJob, message: str, *, retries_left: int) -> Event:
@@ -123,13 +131,14 @@ def recover_abandoned(
     the worker's own name (a previous process of that name cannot still be running jobs).
     `alone` says no other trainer lives, so every job taken but not started is stranded.
     """
-    if not conn.set(RECOVERY_LOCK, uuid.uuid4().hex, nx=True, px=30_000):
-        return []  # another worker is recovering right now
-    try:
-        queue = train_queue(conn)
-        return _recover_started(conn, queue, dead_names) + _recover_taken(conn, queue, alone=alone)
-    finally:
-        conn.delete(RECOVERY_LOCK)
+    with translated(conn, "hand back the jobs of dead trainer workers"):
+        if not conn.set(RECOVERY_LOCK, uuid.uuid4().hex, nx=True, px=30_000):
+            return []  # another worker is recovering right now
+        try:
+            queue = train_queue(conn)
+            return _recover_started(conn, queue, dead_names) + _recover_taken(conn, queue, alone=alone)
+        finally:
+            conn.delete(RECOVERY_LOCK)
 
 
 def _recover_started(conn: redis.Redis, queue: Queue, dead_names: frozenset[str]) -> list[str]:

@@ -8,6 +8,9 @@ synthetic corpus and save it next to a freshly initialised Qwen2 model, both in
 Hugging Face format. Everything is derived from fixed seeds, so two builds with
 the same parameters are byte-identical and cache keys stay stable.
 
+``build_random_adapter`` gives a LoRA adapter of such a model whose weights are random
+but seeded, so tests and benchmarks have adapters that change the outputs without training.
+
 Usage: ``python -m tandem_trainer.tiny_model OUT_DIR [--seed N] [--overwrite]``
 """
 
@@ -21,9 +24,18 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
 
-__all__ = ["build_tiny_model"]
+from pydantic import JsonValue
+
+from tandem_trainer.errors import TinyModelDirTaken
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+__all__ = ["build_random_adapter", "build_tiny_model"]
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +91,22 @@ def _synthetic_corpus(n_lines: int = 4000) -> list[str]:
     return lines
 
 
-def _train_tokenizer(vocab_size: int):  # -> transformers.PreTrainedTokenizerFast
+class Params(TypedDict):
+    """What a build is made from (`build_tiny_model`'s arguments but `overwrite`); its stamp records it."""
+
+    seed: int
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    initializer_range: float
+    digit_logit_scale: float
+
+
+def _train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE with exactly Qwen2's normalizer/pre-tokenizer/decoder.
 
     transformers v5 rebuilds a ``qwen2`` tokenizer's pipeline from its own code
@@ -97,7 +124,7 @@ def _train_tokenizer(vocab_size: int):  # -> transformers.PreTrainedTokenizerFas
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
     ])
     tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()  # the decoder takes no options (it ignores any given)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
@@ -105,7 +132,7 @@ def _train_tokenizer(vocab_size: int):  # -> transformers.PreTrainedTokenizerFas
         show_progress=False,
     )
     tok.train_from_iterator(_synthetic_corpus(), trainer=trainer)
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers 5.23: untyped __init__
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
@@ -129,7 +156,7 @@ def _patch_tokenizer_config(out: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def _build_into(tmp: Path, params: dict) -> None:
+def _build_into(tmp: Path, params: Params) -> None:
     """Write tokenizer, model, generation config and (last) the stamp into ``tmp``."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -137,7 +164,9 @@ def _build_into(tmp: Path, params: dict) -> None:
     tokenizer = _train_tokenizer(params["vocab_size"])
     tokenizer.save_pretrained(tmp)
     _patch_tokenizer_config(tmp)
-    eot, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    special = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    assert isinstance(special, list), "a list of tokens gives a list of ids"
+    eot, im_end = special
     config = Qwen2Config(
         vocab_size=len(tokenizer),  # every id the tokenizer can emit is < vocab_size
         hidden_size=params["hidden_size"],
@@ -155,7 +184,10 @@ def _build_into(tmp: Path, params: dict) -> None:
         architectures=["Qwen2ForCausalLM"],
     )
     torch.manual_seed(params["seed"])
-    model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+    model = Qwen2ForCausalLM(config)
+    # NOTE: transformers 5.23 wraps PreTrainedModel.to in functools.wraps, which hides from mypy
+    # that it is a bound method.
+    model.to(torch.float32).eval()  # type: ignore[arg-type]
     digit_ids = tokenizer.convert_tokens_to_ids([str(d) for d in range(10)])
     with torch.no_grad():  # digit prior: see build_tiny_model's docstring
         model.lm_head.weight[digit_ids] *= params["digit_logit_scale"]
@@ -163,7 +195,7 @@ def _build_into(tmp: Path, params: dict) -> None:
     # Plain sampling, so generate() draws from exactly the policy RL scores. top_k is the whole
     # vocabulary rather than 0: SGLang's OpenAI routes take their defaults from this file and
     # refuse top_k=0 (seen with 0.5.12), while a full-vocabulary top_k filters nothing anywhere.
-    GenerationConfig(
+    GenerationConfig(  # type: ignore[no-untyped-call]  # transformers 5.23: untyped __init__
         bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot,
         do_sample=True, temperature=1.0, top_k=len(tokenizer), top_p=1.0,
     ).save_pretrained(tmp)
@@ -175,7 +207,7 @@ def _build_into(tmp: Path, params: dict) -> None:
         f.chmod(0o644)
 
 
-def _read_stamp(path: Path) -> dict | None:
+def _read_stamp(path: Path) -> dict[str, JsonValue] | None:
     """Return the stamp of a complete build at ``path``, or None if absent/incomplete."""
     try:
         stamp = json.loads((path / STAMP_FILE).read_text())
@@ -184,7 +216,7 @@ def _read_stamp(path: Path) -> dict | None:
     return stamp if all((path / f).is_file() for f in _REQUIRED_FILES) else None
 
 
-def _matches(stamp: dict | None, params: dict) -> bool:
+def _matches(stamp: dict[str, JsonValue] | None, params: Params) -> bool:
     return stamp is not None and stamp.get("format_version") == FORMAT_VERSION and all(
         stamp.get(k) == v for k, v in params.items()
     )
@@ -217,10 +249,11 @@ def build_tiny_model(
     happens in a temp dir beside ``out_dir`` and is renamed into place, so
     readers never see a half-written model, even under concurrent builds.
     The same model built by an older recipe (format version) is rebuilt in place.
-    Raises FileExistsError if ``out_dir`` holds something else and not ``overwrite``.
+    Raises TinyModelDirTaken (a FileExistsError) if ``out_dir`` holds something else and not
+    ``overwrite``.
     """
     out = Path(out_dir).resolve()
-    params = dict(
+    params = Params(
         seed=seed, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
         num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings, initializer_range=initializer_range,
@@ -233,7 +266,7 @@ def build_tiny_model(
     # the same model from an older recipe is rebuilt; anything else there is not ours to replace
     older_recipe = stamp is not None and all(stamp.get(k) == v for k, v in params.items())
     if not older_recipe and out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not a tiny model built with {params}; pass overwrite=True")
+        raise TinyModelDirTaken(f"{out} exists and is not a tiny model built with {params}; pass overwrite=True")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
@@ -255,6 +288,42 @@ def build_tiny_model(
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(trash, ignore_errors=True)
     return out
+
+
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_random_adapter(
+    base: str | Path,
+    out: str | Path,
+    *,
+    rank: int = 8,
+    seed: int = 0,
+    scale: float = 0.5,
+    target_modules: Sequence[str] = ALL_PROJECTIONS,
+) -> Path:
+    """Save a LoRA adapter of the model at ``base`` to ``out`` (peft's layout) and return ``out``.
+
+    peft starts every B matrix at zero, which leaves the model's outputs as they were; here B
+    is drawn from a normal distribution times ``scale``, so the adapter changes the outputs as
+    a trained one does. Every weight follows from ``seed``: the same arguments give the same
+    adapter. ``lora_alpha`` is ``2 * rank``.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(target_modules))
+    with torch.random.fork_rng(devices=[]):  # peft draws A from the global generator
+        torch.manual_seed(seed)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    model.save_pretrained(str(out))
+    return Path(out)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,7 +7,8 @@ refuses any other function, callback or webhook, and any job hash rq cannot read
 that fails gets a `train_failed` event naming it, from the train function when the failure
 is its own, else from the worker; a refused job is never retried. Its Redis connections ride
 out an outage of up to `redis_outage_s` (outage.py); recovery.py hands back the jobs of dead
-workers.
+workers. The job's payload, the JSON form of a `TrainJob`, goes to `Trainer.train` as rq
+decoded it, to be validated there once.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import redis
+from pydantic import JsonValue
 from rq import SimpleWorker, get_current_job
 from rq.executions import Execution
 from rq.job import Job
@@ -26,13 +27,15 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from tandem.adapters import AdapterStore
-from tandem.errors import ConfigError
+from tandem.connection import translated
 from tandem.events import EventStream
 from tandem.jobs import GuardedJob, train_queue
 from tandem.settings import TrainerSettings
 from tandem_trainer import failpoints
-from tandem_trainer.backend import select_backend
-from tandem_trainer.errors import JobRejected
+from tandem_trainer.backends.select import select_backend
+from tandem_trainer.errors import JobRejected, TrainerConfigError
+from tandem_trainer.gpu_sharing import SharedGpu
+from tandem_trainer.job import Trainer
 from tandem_trainer.outage import ride_out_outages
 from tandem_trainer.recovery import (
     LIVENESS_INTERVAL_S,
@@ -44,8 +47,6 @@ from tandem_trainer.recovery import (
     owner_alive,
     recover_abandoned,
 )
-from tandem_trainer.sharing import SharedGpu
-from tandem_trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def setup(settings: TrainerSettings, conn: redis.Redis, liveness: Liveness) -> T
     global _context
     if _context is None:
         trainer = Trainer(
-            settings, conn, select_backend(settings), AdapterStore(settings.store.root),
+            settings, conn, select_backend(settings.backend), AdapterStore(settings.store.root),
             owner=liveness.token, holder_alive=lambda owner: owner_alive(conn, owner),
             gpu=SharedGpu(conn, settings.gpus, holder=liveness.token) if settings.gpus.mode == "shared" else None,
         )
@@ -115,7 +116,7 @@ def _trainer() -> Trainer:
     return setup(settings, conn, liveness)
 
 
-def run_train_job(payload: dict[str, Any]) -> dict[str, Any]:
+def run_train_job(payload: JsonValue) -> dict[str, JsonValue]:
     """rq job function (`tandem.jobs.TRAIN_FUNC`): train one job, return its TrainResult as JSON."""
     failpoints.hit("job_started")
     job = get_current_job()
@@ -133,7 +134,8 @@ def run_train_job(payload: dict[str, Any]) -> dict[str, Any]:
             # handling reads the in-memory job (the same object in a SimpleWorker), and the
             # stored hash is updated too for anyone who fetches the job.
             job.retries_left = 0
-            job.connection.hset(job.key, "retries_left", 0)
+            with translated(job.connection, f"mark job {job.id} as not to be retried"):
+                job.connection.hset(job.key, "retries_left", 0)
         raise
     failpoints.hit("after_state")
     return result.model_dump(mode="json")
@@ -143,17 +145,19 @@ def run_train_job(payload: dict[str, Any]) -> dict[str, Any]:
 def claim_name(conn: redis.Redis, name: str) -> None:
     """Wait until no live process holds `name` (a predecessor's key runs out within the TTL)."""
     deadline = time.monotonic() + LIVENESS_TTL_S + 2 * LIVENESS_INTERVAL_S
-    while conn.exists(liveness_key(name)):
-        if time.monotonic() > deadline:
-            raise ConfigError(
-                f"a trainer worker named {name!r} is alive; give each worker its own TANDEM_WORKER_NAME"
-            )
-        time.sleep(0.2)
-    stale = TrainWorker.find_by_key(
-        TrainWorker.redis_worker_namespace_prefix + name, connection=conn, serializer=JSONSerializer
-    )
-    if stale is not None and stale.death_date is None:
-        stale.register_death()  # rq refuses to start a worker whose name looks alive
+    with translated(conn, f"claim the worker name {name!r}"):
+        while conn.exists(liveness_key(name)):
+            if time.monotonic() > deadline:
+                raise TrainerConfigError(
+                    f"a trainer worker named {name!r} is alive; give each worker its own TANDEM_WORKER_NAME"
+                )
+            time.sleep(0.2)
+        stale = TrainWorker.find_by_key(
+            TrainWorker.redis_worker_namespace_prefix + name, connection=conn, serializer=JSONSerializer
+        )
+        if stale is not None and stale.death_date is None:
+            # rq refuses to start a worker whose name looks alive; rq 3.0 leaves this untyped
+            stale.register_death()  # type: ignore[no-untyped-call]
 
 
 def serve(settings: TrainerSettings, conn: redis.Redis, name: str, *, burst: bool = False) -> bool:

@@ -1,0 +1,39 @@
+"""The controller's Prometheus metrics: loads, rejections, timeouts, strays, unloads, serving versions."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class ControllerMetrics:
+    """Prometheus metrics of the controller, in a registry the caller owns (one per app)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.load_seconds = Histogram(
+            "tandem_adapter_load_seconds", "Time the engine took to load one adapter version.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=registry,
+        )
+        self.loads = Counter("tandem_adapter_loads", "Adapter versions loaded.", ["run"], registry=registry)
+        self.rejections = Counter("tandem_adapter_rejections",
+                                  "Adapter versions refused (run '' for runs that are not registered).",
+                                  ["run"], registry=registry)
+        self.load_timeouts = Counter("tandem_adapter_load_timeouts",
+                                     "Adapter loads the engine did not answer in time.", ["run"], registry=registry)
+        self.strays = Counter("tandem_adapter_strays",
+                              "Adapters found in the engine that nothing routes to (then unloaded).", ["run"],
+                              registry=registry)
+        self.unloads = Counter("tandem_adapter_unloads", "Unload attempts by outcome.", ["run", "outcome"],
+                               registry=registry)
+        self.serving = Gauge("tandem_serving_version", "Version each run is routed to (0 = base).", ["run"],
+                             registry=registry)
+        self.loaded = Gauge("tandem_loaded_versions", "Versions the engine holds per run.", ["run"],
+                            registry=registry)
+        self.malformed_events = Counter(
+            "tandem_controller_malformed_events", "Stream entries skipped because they do not parse.",
+            registry=registry,
+        )
+        self.reconcile_seconds = Histogram(
+            "tandem_controller_reconcile_seconds", "Time one reconciliation with the registry and engine took.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=registry,
+        )

@@ -1,0 +1,62 @@
+"""Error replies in OpenAI's shape, `{"error": {message, type, param, code}}`, for every failure.
+
+A `model` that names nothing is a 404 listing the known names; a body that does not validate a
+422 naming the field; an engine that cannot be reached (or is not ready) a 503; a generation the
+engine refuses for what the client asked (a prompt longer than the context) a 400; any other
+engine failure a 502. Replies echo what the client sent, so they always serialize (bodies.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem_inference.bodies import error_response, invalid_request
+from tandem_inference.errors import EngineClientError, EngineResponseError, EngineUnreachable, ModelNotFound
+
+
+def error_reply(status: int, message: str, kind: str, *, param: str | None = None, **extra: Any) -> JSONResponse:
+    """An OpenAI-shaped error reply, `{"error": {message, type, param, code}}`, that always serializes."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status, **extra}}
+    return error_response(status, body)
+
+
+def _refused_as_invalid(exc: EngineResponseError) -> bool:
+    """Whether the engine refused a generation for what the client asked (a prompt longer than
+    the context, ...): a 4xx about the request, not about an adapter it lacks (a server fault)."""
+    return exc.status_code in (400, 413, 422) and "never been loaded" not in exc.engine_message
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every tandem and HTTP error of `app` in OpenAI's error shape."""
+
+    @app.exception_handler(ModelNotFound)
+    async def _not_found(_: Request, exc: ModelNotFound) -> JSONResponse:
+        return error_reply(404, str(exc), "model_not_found", param="model", known=exc.known)
+
+    @app.exception_handler(EngineClientError)
+    async def _engine(_: Request, exc: EngineClientError) -> JSONResponse:
+        if isinstance(exc, EngineUnreachable):
+            return error_reply(503, str(exc), "engine_unavailable")
+        if isinstance(exc, EngineResponseError) and _refused_as_invalid(exc):
+            return error_reply(400, f"invalid request, refused by the engine: {exc.engine_message}",
+                               "invalid_request_error")
+        return error_reply(502, str(exc), "engine_error")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param, problems = invalid_request(exc)
+        return error_reply(422, message, "invalid_request_error", param=param, detail=problems)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {401: "authentication_error", 404: "not_found", 422: "invalid_request_error"}.get(
+            exc.status_code, "error")
+        resp = error_reply(exc.status_code, str(exc.detail), kind)
+        for name, value in (exc.headers or {}).items():
+            resp.headers[name] = value
+        return resp

@@ -1,0 +1,90 @@
+"""The gateway's Prometheus metrics: requests, latency, admission and clients that left.
+
+Generation requests are counted by route, model and status and timed to their last byte (a
+stream's too) by `MetricsMiddleware`; admission (queue depth, samples and tokens in flight)
+is read from the capacity at every scrape.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tandem_inference.capacity import Capacity
+from tandem_inference.gateway.schemas import Kind
+
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+"""The routes that generate: the only ones counted, timed and admitted."""
+
+
+def path_of(kind: Kind) -> str:
+    """The route a request of `kind` came in by, as metrics label it."""
+    return GENERATION_PATHS[0] if kind == "chat" else GENERATION_PATHS[1]
+
+
+class GatewayMetrics:
+    """The gateway's Prometheus metrics, in a registry the caller owns (one per app)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter("tandem_gateway_requests", "Requests by route, model and status.",
+                                ["route", "model", "status"], registry=registry)
+        self.latency = Histogram("tandem_gateway_request_seconds", "Time to the end of the response.",
+                                 ["route"],
+                                 buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+                                 registry=registry)
+        self.in_flight = Gauge("tandem_gateway_in_flight", "Generation requests in flight.",
+                               registry=registry)
+        self.queued = Gauge("tandem_gateway_queued_requests", "Generation requests waiting for room.",
+                            registry=registry)
+        self.in_flight_sequences = Gauge("tandem_gateway_in_flight_sequences",
+                                         "Samples admitted to the engine (each request's n).", registry=registry)
+        self.in_flight_tokens = Gauge("tandem_gateway_in_flight_tokens",
+                                      "Tokens admitted to the engine (n * max_tokens of each request).",
+                                      registry=registry)
+        self.refused = Counter("tandem_gateway_refused", "Requests refused with 429, by reason.", ["reason"],
+                               registry=registry)
+        for reason in ("queue_full", "queue_timeout"):
+            self.refused.labels(reason)
+        self.queue_wait = Histogram("tandem_gateway_queue_wait_seconds", "Time admitted requests waited for room.",
+                                    buckets=(0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300), registry=registry)
+        self.cancelled = Counter("tandem_gateway_cancelled", "Requests whose client left before their end; "
+                                 "their engine calls were closed.", ["route"], registry=registry)
+
+    def watch(self, capacity: Capacity) -> None:
+        """Read queue depth and admitted work from `capacity` at every scrape."""
+        self.queued.set_function(lambda: capacity.queued)
+        self.in_flight_sequences.set_function(lambda: capacity.sequences)
+        self.in_flight_tokens.set_function(lambda: capacity.tokens)
+
+
+class MetricsMiddleware:
+    """Counts generation requests by status and times them to their last byte (streams too)."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        status = 500
+        t0 = time.monotonic()
+
+        async def _send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, _send)
+        finally:
+            self.metrics.in_flight.dec()
+            model = scope.get("state", {}).get("tandem_model", "unknown")
+            self.metrics.requests.labels(scope["path"], model, str(status)).inc()
+            self.metrics.latency.labels(scope["path"]).observe(time.monotonic() - t0)

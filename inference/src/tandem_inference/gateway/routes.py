@@ -1,0 +1,103 @@
+"""The gateway's HTTP routes: generation, runs, and operations (health, readiness, metrics).
+
+Generation and run routes need the API key when one is set; /health, /ready and /metrics never
+do (probes and scrapers reach them from the private network).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tandem_inference.errors import ModelNotFound
+from tandem_inference.gateway.schemas import ChatRequest, CompletionRequest
+from tandem_inference.gateway.service import Gateway
+from tandem_inference.routing import parse_model
+
+
+def current_gateway(request: Request) -> Gateway:
+    """The app's `Gateway` (set by create_gateway_app)."""
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+GatewayDep = Annotated[Gateway, Depends(current_gateway)]
+
+
+def require_key(request: Request, gw: GatewayDep) -> None:
+    """Refuse a request without the gateway's API key (401), when one is set."""
+    if gw.api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not secrets.compare_digest(given.encode(), f"Bearer {gw.api_key}".encode()):
+        raise HTTPException(401, "missing or wrong API key; send 'Authorization: Bearer KEY'",
+                            headers={"WWW-Authenticate": "Bearer"})
+
+
+generation = APIRouter(dependencies=[Depends(require_key)])
+runs = APIRouter(dependencies=[Depends(require_key)])
+operations = APIRouter()
+
+
+@generation.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request, gw: GatewayDep) -> Response:
+    params = gw.sampling(body, body.max_completion_tokens or body.max_tokens)
+    return await gw.serve(request, "chat", body, gw.chat_ids(body), params, body.logprobs)
+
+
+@generation.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, gw: GatewayDep) -> Response:
+    params = gw.sampling(body, body.max_tokens)
+    prompt = gw.completion_ids(body)
+    return await gw.serve(request, "text", body, prompt, params, body.logprobs is not None)
+
+
+@runs.get("/v1/models")
+async def models(gw: GatewayDep) -> dict[str, Any]:
+    table = gw.table
+    registered = set(await gw.registry_runs())
+    for run in registered:
+        if not table.has_run(run):
+            table.add_run(run)
+    cards = [{"id": m, "object": "model", "created": 0, "owned_by": "tandem",
+              "root": gw.settings.engine.model if m == table.base_model else None}
+             for m in table.known_models() if m == table.base_model or parse_model(m)[0] in registered]
+    return {"object": "list", "data": cards}
+
+
+@runs.get("/v1/runs/{run}")
+async def run_status(run: str, gw: GatewayDep) -> dict[str, Any]:
+    table = gw.table
+    registered = await gw.registry_runs()
+    if run not in registered and not table.has_run(run):
+        known = sorted(set(registered) | set(table.runs()))
+        raise ModelNotFound(f"unknown run {run!r}; known runs: {known}", known=known)
+    return {"run": run, "serving_version": table.serving(run), "loaded_versions": table.loaded(run),
+            "latest_version": await gw.latest_version(run),
+            "in_flight": {str(v): table.in_flight(run, v) for v in [0, *table.loaded(run)]}}
+
+
+@operations.get("/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@operations.get("/ready")
+async def ready(gw: GatewayDep) -> JSONResponse:
+    engine_ok = await gw.engine.health()
+    reconciled = gw.controller is None or gw.controller.reconciled
+    body = {"status": "ready" if engine_ok and reconciled else "not ready",
+            "engine": engine_ok, "reconciled": reconciled}
+    return JSONResponse(body, status_code=200 if engine_ok and reconciled else 503)
+
+
+@operations.get("/metrics")
+async def metrics(gw: GatewayDep) -> Response:
+    text = generate_latest(gw.metrics.registry)
+    if gw.controller is not None and gw.controller.metrics.registry is not gw.metrics.registry:
+        text += generate_latest(gw.controller.metrics.registry)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,183 @@
+"""`Gateway`: what the routes share, and the way of one generation request through it.
+
+A request is admitted within the capacity (or waits, or is refused with 429), waits while the
+GPU is lent out in shared mode, resolves its `model` to a version and holds it in flight, is
+generated (whole or streamed) and answered in OpenAI's shape with tandem's extension.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from fastapi import HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry
+
+from tandem.errors import BackendUnavailable
+from tandem.registry import Registry
+from tandem.runs import RUN_NAME
+from tandem.settings import InferenceSettings
+from tandem_inference.capacity import Capacity
+from tandem_inference.engine_client import EngineClient
+from tandem_inference.errors import ClientLeft, ModelNotFound, Overloaded
+from tandem_inference.gateway import generation, prompts
+from tandem_inference.gateway.cancellation import unless_client_leaves
+from tandem_inference.gateway.error_replies import error_reply
+from tandem_inference.gateway.generation import Generation
+from tandem_inference.gateway.metrics import GatewayMetrics, path_of
+from tandem_inference.gateway.outputs import Output, usage
+from tandem_inference.gateway.responses import ResponseFormat
+from tandem_inference.gateway.schemas import (
+    DEFAULT_MAX_TOKENS,
+    ChatRequest,
+    CompletionRequest,
+    Kind,
+    SamplingRequest,
+)
+from tandem_inference.gateway.streaming import stream_reply
+from tandem_inference.gpu_sharing import Admission
+from tandem_inference.routing import RoutingTable, VersionHold, parse_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from tandem_inference.controller import Controller
+
+log = logging.getLogger(__name__)
+
+
+class Gateway:
+    """What the routes share: engine, routing table, tokenizer, registry, controller, capacity."""
+
+    def __init__(self, settings: InferenceSettings, engine: EngineClient, table: RoutingTable,
+                 tokenizer: PreTrainedTokenizerBase, registry: Registry, controller: Controller | None,
+                 admission: Admission | None = None, metrics: GatewayMetrics | None = None) -> None:
+        self.settings = settings
+        self.admission = admission
+        self.capacity = Capacity.from_settings(settings.gateway)
+        self.metrics = metrics if metrics is not None else GatewayMetrics(CollectorRegistry())
+        self.metrics.watch(self.capacity)
+        self.engine = engine
+        self.table = table
+        self.tokenizer = tokenizer
+        self.registry = registry
+        self.controller = controller
+        """Read for /ready and /metrics only; the inference service runs it (tandem_inference.main)."""
+        self.format = ResponseFormat(tokenizer, table.base_model)
+        self.vocab_size = len(tokenizer)
+        key = settings.gateway.api_key
+        self.api_key = key.get_secret_value() if key is not None else None
+        """The key clients must send as `Authorization: Bearer KEY`; None: no key needed."""
+
+    # resolution -------------------------------------------------------------
+    async def checkout(self, model: str) -> VersionHold:
+        """Resolve `model` and hold its version; a run new to the table is looked up in Redis.
+
+        Only registered runs exist: a name the registry lacks is 404 even if an event named it.
+
+        In shared mode, while the GPU is lent to the trainer, this waits for it to come back.
+        """
+        if self.admission is not None:
+            await self.admission.wait()
+        run, _ = parse_model(model)
+        try:
+            return self.table.checkout(model)
+        except ModelNotFound:
+            if self.table.has_run(run):
+                raise  # a known run: the error lists its loaded versions
+        runs = await self.registry_runs()
+        if run in runs:
+            self.table.add_run(run)
+            return self.table.checkout(model)
+        known = [self.table.base_model, *runs]
+        raise ModelNotFound(f"unknown model {model!r}: no run {run!r}; known: {self.table.base_model!r} "
+                            f"(the base model) and runs {runs}", known=known)
+
+    async def registry_runs(self) -> list[str]:
+        """Registered runs (valid names only); the table's runs, all registered, while Redis is down."""
+        try:
+            return [r for r in await asyncio.to_thread(self.registry.list_runs) if RUN_NAME.match(r)]
+        except BackendUnavailable as exc:
+            log.warning("registry unreachable (%s); using the runs the routing table knows", exc)
+            return self.table.runs()
+
+    async def latest_version(self, run: str) -> int | None:
+        """The run's newest registered version; None while Redis is down."""
+        try:
+            return await asyncio.to_thread(self.registry.latest_version, run)
+        except BackendUnavailable:
+            return None
+
+    # prompts ----------------------------------------------------------------
+    def chat_ids(self, body: ChatRequest) -> list[int]:
+        return prompts.chat_ids(self.tokenizer, body)
+
+    def completion_ids(self, body: CompletionRequest) -> list[int]:
+        return prompts.completion_ids(self.tokenizer, self.vocab_size, body)
+
+    def sampling(self, body: SamplingRequest, max_tokens: int | None) -> dict[str, Any]:
+        """The engine's sampling parameters for `body`; a max_tokens above the limit is a 422."""
+        limit = self.settings.engine.max_new_tokens_limit
+        max_tokens = max_tokens or min(DEFAULT_MAX_TOKENS, limit)  # a default never exceeds the limit
+        if max_tokens > limit:
+            raise HTTPException(422, f"max_tokens {max_tokens} is above the limit {limit} "
+                                     "(settings.engine.max_new_tokens_limit)")
+        params: dict[str, Any] = {
+            "max_new_tokens": max_tokens,
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "top_p": 1.0 if body.top_p is None else body.top_p,
+        }
+        if body.stop:
+            params["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+        if body.top_logprobs_num:  # a request field of /generate: the engine client lifts it out
+            params["top_logprobs_num"] = body.top_logprobs_num
+        return params
+
+    # responses --------------------------------------------------------------
+    async def serve(self, request: Request, kind: Kind, body: SamplingRequest,
+                    input_ids: list[int], params: dict[str, Any], logprobs: bool) -> Response:
+        """Admit, resolve the version and generate; 429 beyond capacity, 499 when the client left."""
+        try:
+            return await unless_client_leaves(request, self._serve(request, kind, body, input_ids, params, logprobs))
+        except Overloaded as exc:
+            self.metrics.refused.labels(exc.reason).inc()
+            refusal = error_reply(429, str(exc), "rate_limit_exceeded", reason=exc.reason)
+            refusal.headers["retry-after"] = str(exc.retry_after_s)
+            return refusal
+        except ClientLeft:
+            self.metrics.cancelled.labels(request.url.path).inc()
+            log.info("client left %s before its response; its engine calls were closed", request.url.path)
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+    async def _serve(self, request: Request, kind: Kind, body: SamplingRequest,
+                     input_ids: list[int], params: dict[str, Any], logprobs: bool) -> Response:
+        permit = await self.capacity.acquire(body.n, body.n * params["max_new_tokens"])
+        self.metrics.queue_wait.observe(permit.waited_s)
+        try:
+            hold = await self.checkout(body.model)
+        except BaseException:
+            permit.release()
+            raise
+        gen = Generation(kind, input_ids, params, body.n, logprobs, hold, permit)
+        route = gen.route
+        request.state.tandem_model = route.run or self.table.base_model
+        headers = {"x-tandem-run": route.run or "", "x-tandem-version": str(route.version)}
+        fan_out = bool(self.settings.gateway.fan_out_n)  # unset only before InferenceSettings resolves it
+        if body.stream:
+            return await stream_reply(self.engine, gen, self.format, fan_out=fan_out, headers=headers,
+                                      on_client_left=lambda: self.metrics.cancelled.labels(path_of(kind)).inc())
+        try:
+            results = await generation.generate(self.engine, gen, fan_out=fan_out)
+        finally:
+            gen.release()
+        outputs = []
+        for r in results:
+            out = Output()
+            out.update(r)
+            outputs.append(out)
+        choices = [self.format.choice(kind, i, out, logprobs) for i, out in enumerate(outputs)]
+        payload = {**self.format.envelope(kind, route, stream=False), "choices": choices,
+                   "usage": usage(input_ids, outputs), "tandem": self.format.extension(route, input_ids, outputs)}
+        return JSONResponse(payload, headers=headers)

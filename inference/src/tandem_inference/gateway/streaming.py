@@ -1,0 +1,128 @@
+"""Streamed replies: server-sent events of OpenAI chunks, ended at once when the client leaves.
+
+The first event is awaited before the response starts, so an engine error before the first
+token keeps its HTTP status; an error after it is sent as an error event, then `[DONE]`. The
+request's version and room are held until the stream ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+import anyio
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tandem.errors import TandemError
+from tandem_inference.engine_client import EngineClient
+from tandem_inference.errors import EngineUnreachable
+from tandem_inference.gateway import generation
+from tandem_inference.gateway.generation import Generation
+from tandem_inference.gateway.outputs import Output, usage
+from tandem_inference.gateway.responses import ResponseFormat
+
+log = logging.getLogger(__name__)
+
+
+async def stream_reply(
+    engine: EngineClient, gen: Generation, fmt: ResponseFormat, *, fan_out: bool, headers: dict[str, str],
+    on_client_left: Callable[[], None],
+) -> EventStream:
+    """The streamed reply of `gen`; engine errors before the first token are raised here."""
+    events = _events(engine, gen, fmt, fan_out=fan_out)
+    try:
+        first = await events.__anext__()  # engine errors before the first token keep their status
+    except BaseException:
+        gen.release()
+        await events.aclose()
+        raise
+    return EventStream(first, events, headers={**headers, "cache-control": "no-cache"}, on_client_left=on_client_left)
+
+
+async def _events(engine: EngineClient, gen: Generation, fmt: ResponseFormat, *, fan_out: bool) -> AsyncGenerator[str, None]:
+    kind, n, route = gen.kind, gen.n, gen.route
+    envelope = fmt.envelope(kind, route, stream=True)
+    tag = {"run": route.run, "version": route.version}
+    outputs = [Output(stops=gen.params.get("stop") or ()) for _ in range(n)]
+    finished = [False] * n
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return "data: " + json.dumps({**envelope, "choices": choices, "tandem": tag, **extra}) + "\n\n"
+
+    merged = generation.stream(engine, gen, fan_out=fan_out)
+    try:
+        started = False
+        async for i, engine_chunk in merged:
+            out = outputs[i]
+            delta, start = out.update(engine_chunk)
+            if not started and kind == "chat":
+                started = True
+                yield chunk(fmt.role(n))
+            started = True
+            if delta or start < len(out.token_ids):
+                yield chunk([fmt.delta(kind, i, out, delta, start, gen.logprobs)])
+            if out.finish_reason and not finished[i]:
+                finished[i] = True
+                yield chunk([fmt.finish(kind, i, out.finish_reason)])
+        for i, done in enumerate(finished):
+            if not done:
+                yield chunk([fmt.finish(kind, i, "stop")])
+        yield chunk([], usage=usage(gen.input_ids, outputs), tandem=fmt.extension(route, gen.input_ids, outputs))
+    except TandemError as exc:
+        if not started:
+            raise
+        status = 503 if isinstance(exc, EngineUnreachable) else 502
+        log.warning("stream on %s failed after it started: %s", route.name(fmt.base_model), exc)
+        error = {"error": {"message": str(exc), "type": "engine_error", "code": status}}
+        yield "data: " + json.dumps(error) + "\n\n"
+    finally:
+        gen.release()
+        await merged.aclose()
+    yield "data: [DONE]\n\n"
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that ends, and closes its engine calls, as soon as its client leaves.
+
+    It listens for the disconnect whatever ASGI version the server speaks (under 2.4 Starlette
+    would notice a client gone only when a chunk fails to send, so a stream waiting on the
+    engine would go on generating for nobody), counts the client's leaving, and closes its
+    event source however it ends, started or not, shielded from the cancellation that ended it.
+    """
+
+    def __init__(self, first: str, events: AsyncGenerator[str, None], *, headers: dict[str, str],
+                 on_client_left: Callable[[], None]) -> None:
+        async def body() -> AsyncIterator[str]:
+            yield first
+            async for item in events:
+                yield item
+
+        super().__init__(body(), media_type="text/event-stream", headers=headers)
+        self._events = events
+        self._on_client_left = on_client_left
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        finished = False
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    nonlocal finished
+                    try:
+                        await self.stream_response(send)
+                        finished = True
+                    except OSError:  # the client left mid-send
+                        self._on_client_left()
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                if not finished:
+                    self._on_client_left()
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._events.aclose()

@@ -1,0 +1,150 @@
+"""The `tandem` command: start the local stack, show settings, show runs.
+
+    tandem up [--model PATH] [--gateway-port 8000]     start everything as local processes
+    tandem settings trainer|inference|client            resolved settings, secrets redacted
+    tandem settings --markdown                          the configuration reference (docs/configuration.md)
+    tandem status [RUN]                                 runs, versions, what serves
+
+Expected failures (Redis away, a port taken, an unknown run) print one line that says what
+to do, and the command exits with 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from tandem.dev.settings_reference import settings_markdown
+from tandem.errors import BackendUnavailable, ConfigError, TandemError
+from tandem.settings import LOCAL_STACK_ENV, SERVICES, ClientSettings, redact_url
+
+TINY_MODEL = ".tandem/models/tiny"
+
+
+def ensure_tiny_model(path: str) -> None:
+    """Build the tiny model with the trainer package (which has torch) if it is missing."""
+    if (Path(path) / "config.json").exists():
+        return
+    try:
+        subprocess.run([sys.executable, "-m", "tandem_trainer.tiny_model", path], check=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise ConfigError(
+            f"could not build the tiny model at {path} ({exc}); is tandem-trainer installed (`make install`)? "
+            "or pass --model PATH"
+        ) from exc
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from tandem.dev.stack import Stack, StackConfig
+
+    if args.model == TINY_MODEL:
+        ensure_tiny_model(args.model)
+    stack = Stack(StackConfig(state_dir=Path(args.state_dir), model=args.model, gateway_port=args.gateway_port,
+                              redis_port=args.redis_port))
+    for sig in (signal.SIGINT, signal.SIGTERM):  # both stop the stack, even where a shell ignored SIGINT (`&`)
+        signal.signal(sig, _interrupt)
+    try:
+        stack.start()
+        client_env = stack.state / "client.env"
+        if client_env == Path(LOCAL_STACK_ENV).resolve():
+            found = f"tandem.Client() and `tandem status` run from this directory use both ({LOCAL_STACK_ENV})"
+        else:
+            found = f"{_shown_path(client_env)} has both: `set -a; . {_shown_path(client_env)}; set +a` exports them"
+        print(f"tandem is up (logs in {_shown_path(stack.logs)}):\n"
+              f"  gateway  {stack.gateway_url}\n"
+              f"  redis    {redact_url(stack.redis_url)} (the full URL, with its password, is in "
+              f"{_shown_path(client_env)})\n"
+              f"{found};\n"
+              f"elsewhere: Client(gateway_url, redis_url) with the URLs from {_shown_path(client_env)}.\n"
+              "A service that dies is started again. Ctrl-C stops every service.", flush=True)
+        stack.supervise(lambda: False)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the stop short
+            signal.signal(sig, signal.SIG_IGN)
+        if stack.services:
+            print("stopping ...", file=sys.stderr)
+        stack.stop()
+    return 0
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _shown_path(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def cmd_settings(args: argparse.Namespace) -> int:
+    if args.markdown:
+        print(settings_markdown(), end="")
+        return 0
+    if not args.service:
+        print("name a service (trainer, inference, client) or pass --markdown", file=sys.stderr)
+        return 2
+    print(json.dumps(SERVICES[args.service]().redacted(), indent=2))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from tandem.registry import Registry
+
+    settings = ClientSettings()
+    try:
+        reg = Registry(settings.redis.connect())
+    except BackendUnavailable as exc:
+        raise BackendUnavailable(
+            f"{exc} (`tandem up` writes its Redis URL to {LOCAL_STACK_ENV}, read from this directory)"
+        ) from exc
+    names = [args.run] if args.run else reg.list_runs()
+    if not names:
+        print(f"no runs yet in Redis at {redact_url(settings.redis.url)}")
+    for name in names:
+        spec = reg.get_run(name)
+        print(f"{name}: base {spec.base_model}, latest v{reg.latest_version(name)}, serving v{reg.serving(name)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    parser = argparse.ArgumentParser(
+        prog="tandem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="start the stack as local processes")
+    up.add_argument("--model", default=TINY_MODEL, help="base model (default: the tiny model, built if missing)")
+    up.add_argument("--state-dir", default=".tandem/stack", help="logs, adapters and Redis data")
+    up.add_argument("--gateway-port", type=int, default=8000)
+    up.add_argument("--redis-port", type=int, default=0, help="0 = a free port")
+    up.set_defaults(func=cmd_up)
+    st = sub.add_parser("settings", help="print resolved settings, secrets redacted")
+    st.add_argument("service", nargs="?", choices=sorted(SERVICES))
+    st.add_argument("--markdown", action="store_true", help="print the configuration reference of every service")
+    st.set_defaults(func=cmd_settings)
+    status = sub.add_parser("status", help="runs, their newest and serving versions")
+    status.add_argument("run", nargs="?")
+    status.set_defaults(func=cmd_status)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except TandemError as exc:
+        print(f"tandem {args.cmd}: {exc}", file=sys.stderr)
+    except ValidationError as exc:  # settings from the environment that do not parse
+        print(f"tandem {args.cmd}: invalid settings: {exc}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

