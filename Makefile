@@ -132,3 +132,7 @@ lint: install ## ruff, mypy --strict on the three packages, and actionlint (.git
 
 clean: ## remove local state (.tandem) and bench results
 	rm -rf .tandem bench/results
+
+.PHONY: agent
+agent: install ## a multi-turn agent with a tool, trained on whole episodes (tiny model, whole stack, CPU)
+	HF_HUB_OFFLINE=1 $(PY) examples/agent.py

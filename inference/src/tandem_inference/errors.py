@@ -22,8 +22,14 @@
         │                              carries the known names
         ├── Overloaded                 (gateway) no room for more generation in flight or in the
         │                              queue (429 with Retry-After); carries the reason
-        └── ClientLeft                 (gateway) the client closed its connection before its response
-                                       started; its engine calls were closed (answered 499)
+        ├── ClientLeft                 (gateway) the client closed its connection before its response
+        │                              started; its engine calls were closed (answered 499)
+        └── EpisodeRefused             (gateway) an episode request that cannot go on; carries the HTTP
+            │                          status (422 for a request episodes do not take) and the field
+            ├── EpisodeNotFound        the episode is unknown or has expired (404)
+            ├── EpisodeConflict        the messages do not continue the episode, or another request
+            │                          advanced it first (409)
+            └── EpisodeTooLong         the turn would pass gateway.episode_max_tokens (400)
 
 The engine server's branch and the engine client's branch are apart on purpose: the first is
 what the transformers engine answers with (and maps to HTTP statuses), the second what tandem
@@ -144,3 +150,32 @@ class Overloaded(InferenceError):
 
 class ClientLeft(InferenceError):
     """The client closed its connection before its response started; nobody reads the answer."""
+
+
+class EpisodeRefused(InferenceError):
+    """An episode request the gateway refuses; nothing of the episode changed."""
+
+    status_code = 422
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        """The request field at fault (OpenAI's `param`)."""
+
+
+class EpisodeNotFound(EpisodeRefused):
+    """No episode under this id: never started, deleted, or expired (gateway.episode_ttl_s)."""
+
+    status_code = 404
+
+
+class EpisodeConflict(EpisodeRefused):
+    """The request's messages do not continue the episode, or another request advanced it first."""
+
+    status_code = 409
+
+
+class EpisodeTooLong(EpisodeRefused):
+    """The turn would make the episode longer than gateway.episode_max_tokens."""
+
+    status_code = 400

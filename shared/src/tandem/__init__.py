@@ -6,13 +6,14 @@ command, the toy task) are in `tandem.dev`.
 """
 
 from tandem.client import Client, Run
+from tandem.episodes import Episode, EpisodeState, Turn
 from tandem.handles import TrainHandle
 from tandem.jobs import TrainJob, TrainResult
 from tandem.runs import LoraConfig, LossConfig, OptimizerConfig, RunSpec
 from tandem.trajectories import Completion, Trajectory, TrajectoryGroup
 
 __all__ = [
-    "Client", "Completion", "LoraConfig", "LossConfig", "OptimizerConfig", "Run", "RunSpec",
-    "TrainHandle", "TrainJob", "TrainResult", "Trajectory", "TrajectoryGroup",
+    "Client", "Completion", "Episode", "EpisodeState", "LoraConfig", "LossConfig", "OptimizerConfig", "Run",
+    "RunSpec", "TrainHandle", "TrainJob", "TrainResult", "Trajectory", "TrajectoryGroup", "Turn",
 ]
 __version__ = "0.1.0"

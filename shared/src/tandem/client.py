@@ -4,6 +4,7 @@
     run = client.create_run("digits", base_model="Qwen/Qwen2.5-0.5B-Instruct")
     completions = run.chat([{"role": "user", "content": "..."}], n=8)
     group = run.group(completions, rewards=[score(c.text) for c in completions])
+    episode = run.episode([{"role": "user", "content": "..."}], tools=[...])  # multi-turn: episodes.py
     result = run.train([group])                         # returns once the new version serves
 
 Rollouts go through the gateway over HTTP (any OpenAI client works there too); train jobs go
@@ -20,13 +21,14 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import redis
 from pydantic import ValidationError
 
 from tandem import jobs
+from tandem.episodes import Episode
 from tandem.errors import (
     BackendUnavailable,
     GatewayError,
@@ -40,11 +42,17 @@ from tandem.handles import TrainHandle
 from tandem.registry import Registry
 from tandem.runs import LoraConfig, LossConfig, OptimizerConfig, RunSpec, same_base_model
 from tandem.settings import ClientSettings
-from tandem.trajectories import Completion, TrajectoryGroup
+from tandem.trajectories import Completion, Trajectory, TrajectoryGroup
 
-__all__ = ["Client", "Completion", "Run", "TrainHandle"]
+__all__ = ["Client", "Completion", "Episode", "Run", "TrainHandle"]
 
 log = logging.getLogger(__name__)
+
+
+class Scorable(Protocol):
+    """What a group is made of: a `Completion` or an `Episode`."""
+
+    def to_trajectory(self, reward: float) -> Trajectory: ...
 
 
 class Run:
@@ -113,9 +121,22 @@ class Run:
                 status_code=200, body=data,
             ) from exc
 
+    def episode(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        episode_id: str | None = None,
+    ) -> Episode:
+        """Start a multi-turn episode from `messages` (no assistant message among them).
+
+        Nothing is sent until its first `sample()`; `episode_id` defaults to a random hex id.
+        """
+        return Episode(self, messages, tools=tools, episode_id=episode_id)
+
     @staticmethod
-    def group(completions: Sequence[Completion], rewards: Sequence[float]) -> TrajectoryGroup:
-        """Pair completions of one prompt with their rewards."""
+    def group(completions: Sequence[Scorable], rewards: Sequence[float]) -> TrajectoryGroup:
+        """Pair completions (or episodes) of one start with their rewards."""
         if len(completions) != len(rewards):
             raise ValidationFailed(
                 f"{len(completions)} completions but {len(rewards)} rewards; give one reward per completion",
@@ -296,6 +317,10 @@ class Client:
         """GET from the gateway; its JSON object answer, or GatewayError / BackendUnavailable."""
         return self._request("GET", path, None)
 
+    def delete(self, path: str) -> None:
+        """DELETE on the gateway; GatewayError / BackendUnavailable when it fails."""
+        self._request("DELETE", path, None)
+
     def _request(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
         try:
             resp = self.http.request(method, path, json=body)
@@ -311,6 +336,8 @@ class Client:
         if resp.status_code >= 400:
             raise GatewayError(f"{path} -> {resp.status_code}: {_message(payload) or resp.text}",
                                status_code=resp.status_code, body=payload)
+        if resp.status_code == 204:
+            return {}
         if not isinstance(payload, dict):
             raise GatewayError(
                 f"{path} -> {resp.status_code} with a body that is not a JSON object ({resp.text[:200]!r}); "

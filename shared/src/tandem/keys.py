@@ -75,3 +75,8 @@ def trainer_alive(worker_name: str) -> str:
 
 #: Lock held while one trainer requeues the jobs of dead workers.
 TRAINER_RECOVERY = f"{PREFIX}:trainer:recovery"
+
+
+def episode(episode_id: str) -> str:
+    """JSON of a multi-turn episode the gateway keeps: its messages and token ids (expires)."""
+    return f"{PREFIX}:episode:{episode_id}"

@@ -201,6 +201,13 @@ class GatewaySettings(BaseModel):
     """Send a request's `n` samples as n engine calls instead of one call with `sampling_params.n`.
     Unset: n calls on SGLang, whose unload can deadlock after n>1 sampling (sglang#36894, open in
     0.5.12), one call on the transformers engine."""
+    episode_ttl_s: float = Field(3600.0, gt=0, le=7 * 24 * 3600)
+    """How long the gateway keeps a multi-turn episode after its last turn, in seconds; a later
+    continuation is refused with 404 and the agent starts a new episode."""
+    episode_max_tokens: int | None = Field(None, ge=16, le=2**24)
+    """Most token ids one episode may hold (prompt, every turn and what the next turn may sample),
+    in tokens; a turn that would pass it is refused with 400. Unset: the engine's context length
+    (its server info's `context_length`), or 32768 where the engine does not say."""
 
 
 #: What the engine can free for the trainer in shared mode.

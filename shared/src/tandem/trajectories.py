@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tandem.errors import invalid
 
@@ -69,6 +69,16 @@ class Trajectory(Sample):
     """1 for tokens to train on, 0 to skip; default all ones."""
     reward: float
     """Scalar reward."""
+
+    @field_validator("loss_mask")
+    @classmethod
+    def _something_to_train(cls, mask: list[int] | None) -> list[int] | None:
+        if mask is not None and mask and not any(mask):
+            raise ValueError(
+                f"every one of its {len(mask)} entries is 0, so no token of this completion would be "
+                "trained on; mark the tokens the model sampled with 1 (or leave loss_mask out)"
+            )
+        return mask
 
     @model_validator(mode="after")
     def _consistent(self) -> Trajectory:

@@ -37,6 +37,7 @@ from tandem_trainer.grpo import LossStats, group_advantages, grpo_loss, reward_s
 from tandem_trainer.microbatch import Sample, accumulation_weights, build_microbatches
 from tandem_trainer.publisher import Publisher
 from tandem_trainer.run_lock import RunLock
+from tandem_trainer.turns import check_trained_spans
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +185,8 @@ class Trainer:
                         f"{info.base_model} (max_position_embeddings {info.max_positions})",
                         field=f"{path}.completion_ids",
                     )
+        if info.turn_start_id is not None:
+            check_trained_spans(job, info.turn_start_id, info.turn_start)
         if not any(any(traj.mask) for group in job.groups for traj in group.trajectories):
             raise JobRejected("groups: every completion token is masked out; nothing to train on",
                               field="groups")

@@ -40,15 +40,41 @@ __all__ = ["build_random_adapter", "build_tiny_model"]
 log = logging.getLogger(__name__)
 
 STAMP_FILE = "tandem_tiny.json"
-FORMAT_VERSION = 2  # bump when the build recipe changes, so old caches rebuild
+FORMAT_VERSION = 3  # bump when the build recipe changes, so old caches rebuild
 CORPUS_SEED = 1234  # corpus (and so the vocab) does not depend on the model seed
 QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
+CHAT_TEMPLATE = (  # Qwen2.5's, tools included, without its default system prompt
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
+    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first and tools %}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for tool_call in message['tool_calls'] %}"
+    "{%- if tool_call['function'] is defined %}{%- set tool_call = tool_call['function'] %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\\\"name\\\": \\\"' + tool_call['name'] + '\\\", \\\"arguments\\\": ' }}"
+    "{{- tool_call['arguments'] | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )

@@ -14,6 +14,9 @@ within a budget (capacity.py): beyond it requests wait in a bounded queue, then 
 stops generating for nobody. Each request holds the in-flight count of its version until its
 response (or stream) ends, so the controller never unloads a version under a running request.
 
+A chat request may name an `episode` (episodes.py): later turns send the whole conversation,
+but only the new messages are rendered, so the ids a trainer gets are the ids the model sampled.
+
 Bad input is a 4xx in OpenAI's error shape naming the field (bodies.py); a generation the
 engine refuses for what the client asked (a prompt longer than the context) is a 400, not a 502.
 
@@ -21,7 +24,9 @@ The gateway serves; it starts nothing. The inference service (tandem_inference.m
 the engine, the controller and the gateway, and stops them in the reverse order.
 
     schemas         request bodies (chat, completions) and their limits
-    prompts         prompts as token ids: the chat template, the vocabulary check
+    prompts         prompts as token ids: the chat template, episode deltas, the vocabulary check
+    tool_calls      tool calls parsed from the model's text into OpenAI's `tool_calls`
+    episodes        multi-turn episodes: their Redis store, and each turn's ids, mask and logprobs
     outputs         one choice folded from the engine's whole result or stream chunks; usage
     responses       OpenAI-shaped replies, chunks, logprobs and the `tandem` extension
     generation      an admitted request and its engine calls (one call, or n fanned out)

@@ -3,7 +3,9 @@
 A `model` that names nothing is a 404 listing the known names; a body that does not validate a
 422 naming the field; an engine that cannot be reached (or is not ready) a 503; a generation the
 engine refuses for what the client asked (a prompt longer than the context) a 400; any other
-engine failure a 502. Replies echo what the client sent, so they always serialize (bodies.py).
+engine failure a 502. An episode turn that cannot go on is the status its error carries (404
+unknown or expired, 409 not a continuation, 400 too long, 422 a request episodes do not take);
+Redis out of reach a 503. Replies echo what the client sent, so they always serialize (bodies.py).
 """
 
 from __future__ import annotations
@@ -15,8 +17,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.errors import BackendUnavailable
 from tandem_inference.bodies import error_response, invalid_request
-from tandem_inference.errors import EngineClientError, EngineResponseError, EngineUnreachable, ModelNotFound
+from tandem_inference.errors import (
+    EngineClientError,
+    EngineResponseError,
+    EngineUnreachable,
+    EpisodeRefused,
+    ModelNotFound,
+)
 
 
 def error_reply(status: int, message: str, kind: str, *, param: str | None = None, **extra: Any) -> JSONResponse:
@@ -37,6 +46,15 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ModelNotFound)
     async def _not_found(_: Request, exc: ModelNotFound) -> JSONResponse:
         return error_reply(404, str(exc), "model_not_found", param="model", known=exc.known)
+
+    @app.exception_handler(EpisodeRefused)
+    async def _episode(_: Request, exc: EpisodeRefused) -> JSONResponse:
+        kind = {404: "not_found", 409: "conflict"}.get(exc.status_code, "invalid_request_error")
+        return error_reply(exc.status_code, str(exc), kind, param=exc.param)
+
+    @app.exception_handler(BackendUnavailable)
+    async def _redis(_: Request, exc: BackendUnavailable) -> JSONResponse:
+        return error_reply(503, f"the episode store is unavailable: {exc}", "backend_unavailable")
 
     @app.exception_handler(EngineClientError)
     async def _engine(_: Request, exc: EngineClientError) -> JSONResponse:

@@ -52,6 +52,10 @@ class GatewayMetrics:
                                     buckets=(0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300), registry=registry)
         self.cancelled = Counter("tandem_gateway_cancelled", "Requests whose client left before their end; "
                                  "their engine calls were closed.", ["route"], registry=registry)
+        self.episode_turns = Counter("tandem_gateway_episode_turns", "Episode turns saved: an episode's "
+                                     "first turn (`start`) or a later one (`continue`).", ["kind"], registry=registry)
+        for kind in ("start", "continue"):
+            self.episode_turns.labels(kind)
 
     def watch(self, capacity: Capacity) -> None:
         """Read queue depth and admitted work from `capacity` at every scrape."""

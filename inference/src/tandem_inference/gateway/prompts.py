@@ -1,32 +1,79 @@
 """Prompts as token ids: the gateway tokenizes, so the reply can carry the exact ids.
 
-Chat messages go through the base model's chat template, a completion's text through its
-tokenizer; token ids a client sends are checked against the vocabulary. A prompt that cannot be
-made is a 422 naming why.
+Chat messages (and the request's tools) go through the base model's chat template, a
+completion's text through its tokenizer; token ids a client sends are checked against the
+vocabulary. A prompt that cannot be made is a 422 naming why.
+
+An episode's later turns are rendered as a delta (`delta_ids`): only the tokens the new messages
+add after an assistant turn, so the ids the model sampled stay as they were instead of being
+re-rendered from their text (which can tokenize differently).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from fastapi import HTTPException
 
-from tandem_inference.gateway.schemas import ChatRequest, CompletionRequest
+from tandem_inference.gateway.schemas import ChatMessage, ChatRequest, CompletionRequest
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+_STAND_IN = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+"""A conversation ending in an assistant turn whose content is `A`: the delta of new messages is
+what rendering them after it adds. Its content never reaches a prompt."""
 
-def chat_ids(tokenizer: PreTrainedTokenizerBase, body: ChatRequest) -> list[int]:
-    """The token ids of the chat template applied to `body`'s messages, ready for the reply."""
-    messages = [m.as_template_input() for m in body.messages]
+
+def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+           tools: list[dict[str, Any]] | None, *, generation_prompt: bool) -> str:
+    """The chat template applied to `messages` (and `tools`), as text; a 422 if it cannot be."""
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=list(tools) if tools else None, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
     except Exception as exc:  # noqa: BLE001 - jinja errors of the template name the problem
         raise HTTPException(422, f"the chat template cannot render these messages: {exc}") from exc
     if not isinstance(text, str):
         raise HTTPException(422, f"the chat template rendered {type(text).__name__}, not text")
+    return text
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Rendered text as ids: the template wrote every special token, so none is added."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def chat_ids(tokenizer: PreTrainedTokenizerBase, body: ChatRequest) -> list[int]:
+    """The token ids of the chat template applied to `body`'s messages and tools, ready for the reply."""
+    messages = [m.as_template_input() for m in body.messages]
+    return encode(tokenizer, render(tokenizer, messages, body.template_tools(), generation_prompt=True))
+
+
+def delta_ids(tokenizer: PreTrainedTokenizerBase, new: Sequence[ChatMessage],
+              tools: list[dict[str, Any]] | None, sampled: Sequence[int]) -> list[int]:
+    """What follows an assistant turn that sampled `sampled` when `new` messages come after it.
+
+    The tokens that close the assistant turn (those the model did not sample itself: all of
+    them when max_tokens cut the turn, fewer when it ended on the template's end-of-turn
+    token), then each new message as the template renders it there, then the generation prompt.
+    """
+    before = render(tokenizer, _STAND_IN, tools, generation_prompt=False)
+    after = render(tokenizer, [*_STAND_IN, *(m.as_template_input() for m in new)], tools, generation_prompt=True)
+    cut = before.rfind(_STAND_IN[-1]["content"]) + len(_STAND_IN[-1]["content"])
+    if not after.startswith(before) or cut < len(_STAND_IN[-1]["content"]):
+        raise HTTPException(422, "the chat template renders earlier messages differently once new ones follow, "
+                                 "so an episode cannot continue with it; send each turn as a plain request")
+    closing = encode(tokenizer, before[cut:])
+    return closing[_overlap(sampled, closing):] + encode(tokenizer, after[len(before):])
+
+
+def _overlap(sampled: Sequence[int], closing: list[int]) -> int:
+    """How many of the closing tokens the sampled ids already end with (the end-of-turn token)."""
+    for k in range(min(len(sampled), len(closing)), 0, -1):
+        if list(sampled[-k:]) == closing[:k]:
+            return k
+    return 0
 
 
 def completion_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, body: CompletionRequest) -> list[int]:

@@ -4,16 +4,20 @@ Chat and completions differ in object names, where the text goes and how logprob
 (chat: one entry per token with its alternatives; completions: parallel lists and a
 {token: logprob} map per position). Both carry a `tandem` object with the run, version and
 adapter that served, and the exact prompt and completion token ids and logprobs for training.
-Token texts the engine did not send are decoded with the base model's tokenizer.
+Token texts the engine did not send are decoded with the base model's tokenizer. A chat reply
+that calls the request's tools carries them as `tool_calls` (tool_calls.py); streamed chunks
+carry the model's text as it comes.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from tandem_inference.bodies import by_text
+from tandem_inference.gateway import tool_calls
 from tandem_inference.gateway.outputs import Output
 from tandem_inference.gateway.schemas import Kind
 from tandem_inference.routing import Route
@@ -37,11 +41,16 @@ class ResponseFormat:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
                 "model": route.name(self.base_model)}
 
-    def choice(self, kind: Kind, index: int, out: Output, logprobs: bool) -> dict[str, Any]:
-        """One whole choice of a reply that is not streamed."""
+    def choice(self, kind: Kind, index: int, out: Output, logprobs: bool,
+               tools: Collection[str] = ()) -> dict[str, Any]:
+        """One whole choice of a reply that is not streamed; a chat's calls of `tools` are parsed."""
         choice: dict[str, Any] = {"index": index, "finish_reason": out.finish_reason or "stop"}
         if kind == "chat":
-            choice["message"] = {"role": "assistant", "content": out.text}
+            parsed = tool_calls.parse(out.text, tools)
+            choice["message"] = {"role": "assistant", "content": parsed.content}
+            if parsed.tool_calls:
+                choice["message"]["tool_calls"] = parsed.tool_calls
+                choice["finish_reason"] = "tool_calls"
             choice["logprobs"] = {"content": self.chat_logprobs(out, 0)} if logprobs else None
         else:
             choice["text"] = out.text

@@ -1,4 +1,4 @@
-"""The gateway's HTTP routes: generation, runs, and operations (health, readiness, metrics).
+"""The gateway's HTTP routes: generation (and episodes), runs, and operations (health, readiness, metrics).
 
 Generation and run routes need the API key when one is set; /health, /ready and /metrics never
 do (probes and scrapers reach them from the private network).
@@ -6,15 +6,17 @@ do (probes and scrapers reach them from the private network).
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tandem_inference.errors import ModelNotFound
-from tandem_inference.gateway.schemas import ChatRequest, CompletionRequest
+from tandem_inference.errors import EpisodeNotFound, ModelNotFound
+from tandem_inference.gateway.schemas import EPISODE_ID, ChatRequest, CompletionRequest
 from tandem_inference.gateway.service import Gateway
 from tandem_inference.routing import parse_model
 
@@ -46,7 +48,30 @@ operations = APIRouter()
 @generation.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request, gw: GatewayDep) -> Response:
     params = gw.sampling(body, body.max_completion_tokens or body.max_tokens)
+    if body.episode is not None:
+        turn = await gw.episode_turn(body, params["max_new_tokens"])
+        return await gw.serve(request, "chat", body, turn.input_ids, params, body.logprobs, episode=turn)
     return await gw.serve(request, "chat", body, gw.chat_ids(body), params, body.logprobs)
+
+
+EpisodeId = Annotated[str, PathParam(pattern=EPISODE_ID)]
+
+
+@generation.get("/v1/episodes/{episode_id}")
+async def get_episode(episode_id: EpisodeId, gw: GatewayDep) -> dict[str, Any]:
+    """The episode's ids, loss mask, rollout logprobs and versions, as its last reply had them."""
+    episode = await asyncio.to_thread(gw.episodes.get, episode_id)
+    if episode is None:
+        raise EpisodeNotFound(f"episode {episode_id!r} is unknown or has expired (gateway.episode_ttl_s = "
+                              f"{gw.settings.gateway.episode_ttl_s:g} s)", param="episode_id")
+    return episode.public()
+
+
+@generation.delete("/v1/episodes/{episode_id}", status_code=204)
+async def delete_episode(episode_id: EpisodeId, gw: GatewayDep) -> Response:
+    """Forget the episode; deleting one that is gone is no error."""
+    await asyncio.to_thread(gw.episodes.delete, episode_id)
+    return Response(status_code=204)
 
 
 @generation.post("/v1/completions")

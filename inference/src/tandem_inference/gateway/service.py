@@ -2,7 +2,8 @@
 
 A request is admitted within the capacity (or waits, or is refused with 429), waits while the
 GPU is lent out in shared mode, resolves its `model` to a version and holds it in flight, is
-generated (whole or streamed) and answered in OpenAI's shape with tandem's extension.
+generated (whole or streamed) and answered in OpenAI's shape with tandem's extension. A turn of
+an episode (episodes.py) is planned before it is admitted and saved once it is generated.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from tandem.runs import RUN_NAME
 from tandem.settings import InferenceSettings
 from tandem_inference.capacity import Capacity
 from tandem_inference.engine_client import EngineClient
-from tandem_inference.errors import ClientLeft, ModelNotFound, Overloaded
-from tandem_inference.gateway import generation, prompts
+from tandem_inference.errors import ClientLeft, EngineClientError, ModelNotFound, Overloaded
+from tandem_inference.gateway import episodes, generation, prompts
 from tandem_inference.gateway.cancellation import unless_client_leaves
+from tandem_inference.gateway.episodes import EpisodeStore, Turn
 from tandem_inference.gateway.error_replies import error_reply
 from tandem_inference.gateway.generation import Generation
 from tandem_inference.gateway.metrics import GatewayMetrics, path_of
@@ -31,6 +33,7 @@ from tandem_inference.gateway.outputs import Output, usage
 from tandem_inference.gateway.responses import ResponseFormat
 from tandem_inference.gateway.schemas import (
     DEFAULT_MAX_TOKENS,
+    ChatMessage,
     ChatRequest,
     CompletionRequest,
     Kind,
@@ -70,6 +73,8 @@ class Gateway:
         key = settings.gateway.api_key
         self.api_key = key.get_secret_value() if key is not None else None
         """The key clients must send as `Authorization: Bearer KEY`; None: no key needed."""
+        self.episodes = EpisodeStore(registry.conn, settings.gateway.episode_ttl_s)
+        self._engine_context: int | None = None
 
     # resolution -------------------------------------------------------------
     async def checkout(self, model: str) -> VersionHold:
@@ -135,12 +140,35 @@ class Gateway:
             params["top_logprobs_num"] = body.top_logprobs_num
         return params
 
+    # episodes ---------------------------------------------------------------
+    async def episode_turn(self, body: ChatRequest, max_new_tokens: int) -> Turn:
+        """The turn `body` asks of its episode; refused (EpisodeRefused) before anything is generated."""
+        assert body.episode is not None
+        stored = await asyncio.to_thread(self.episodes.get, body.episode)
+        turn = episodes.plan(self.tokenizer, body, stored, ttl_s=self.settings.gateway.episode_ttl_s)
+        episodes.check_length(turn, max_new_tokens, await self.episode_limit())
+        return turn
+
+    async def episode_limit(self) -> int:
+        """gateway.episode_max_tokens, else the engine's context length, else episodes.DEFAULT_MAX_TOKENS."""
+        if self.settings.gateway.episode_max_tokens is not None:
+            return self.settings.gateway.episode_max_tokens
+        if self._engine_context is None:
+            try:
+                context = (await self.engine.server_info()).get("context_length")
+            except EngineClientError:
+                return episodes.DEFAULT_MAX_TOKENS  # asked again next time
+            self._engine_context = context if type(context) is int and context > 0 else episodes.DEFAULT_MAX_TOKENS
+        return self._engine_context
+
     # responses --------------------------------------------------------------
-    async def serve(self, request: Request, kind: Kind, body: SamplingRequest,
-                    input_ids: list[int], params: dict[str, Any], logprobs: bool) -> Response:
-        """Admit, resolve the version and generate; 429 beyond capacity, 499 when the client left."""
+    async def serve(self, request: Request, kind: Kind, body: SamplingRequest, input_ids: list[int],
+                    params: dict[str, Any], logprobs: bool, episode: Turn | None = None) -> Response:
+        """Admit, resolve the version and generate (and save the `episode` turn); 429 beyond
+        capacity, 499 when the client left."""
         try:
-            return await unless_client_leaves(request, self._serve(request, kind, body, input_ids, params, logprobs))
+            serving = self._serve(request, kind, body, input_ids, params, logprobs, episode)
+            return await unless_client_leaves(request, serving)
         except Overloaded as exc:
             self.metrics.refused.labels(exc.reason).inc()
             refusal = error_reply(429, str(exc), "rate_limit_exceeded", reason=exc.reason)
@@ -151,8 +179,8 @@ class Gateway:
             log.info("client left %s before its response; its engine calls were closed", request.url.path)
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
-    async def _serve(self, request: Request, kind: Kind, body: SamplingRequest,
-                     input_ids: list[int], params: dict[str, Any], logprobs: bool) -> Response:
+    async def _serve(self, request: Request, kind: Kind, body: SamplingRequest, input_ids: list[int],
+                     params: dict[str, Any], logprobs: bool, episode: Turn | None) -> Response:
         permit = await self.capacity.acquire(body.n, body.n * params["max_new_tokens"])
         self.metrics.queue_wait.observe(permit.waited_s)
         try:
@@ -177,7 +205,14 @@ class Gateway:
             out = Output()
             out.update(r)
             outputs.append(out)
-        choices = [self.format.choice(kind, i, out, logprobs) for i, out in enumerate(outputs)]
+        tools = body.tool_names() if isinstance(body, ChatRequest) and body.template_tools() else []
+        choices = [self.format.choice(kind, i, out, logprobs, tools) for i, out in enumerate(outputs)]
         payload = {**self.format.envelope(kind, route, stream=False), "choices": choices,
                    "usage": usage(input_ids, outputs), "tandem": self.format.extension(route, input_ids, outputs)}
+        if episode is not None:
+            reply = ChatMessage.model_validate(choices[0]["message"])
+            advanced = episode.advanced(reply, route.version, outputs[0].token_ids, outputs[0].logprobs)
+            await asyncio.to_thread(self.episodes.save, advanced, after_turns=episode.episode.turns)
+            self.metrics.episode_turns.labels("continue" if episode.episode.turns else "start").inc()
+            payload["tandem"]["episode"] = advanced.public()
         return JSONResponse(payload, headers=headers)

@@ -44,6 +44,10 @@ class ModelInfo:
     max_positions: int
     """Longest prompt + completion the model can attend over (max_position_embeddings)."""
     pad_id: int
+    turn_start_id: int | None = None
+    """The chat template's token that opens each message (`<|im_start|>`); None: not known."""
+    turn_start: str = ""
+    """That token's text, for messages."""
 
 
 @dataclass

@@ -27,7 +27,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from pydantic import JsonValue
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from tandem.runs import RunSpec
 from tandem_trainer.backends.base import (
@@ -43,6 +43,7 @@ from tandem_trainer.backends.base import (
 from tandem_trainer.errors import CheckpointError, TrainStepFailed
 from tandem_trainer.grpo import selective_logprobs, token_entropy
 from tandem_trainer.microbatch import MicroBatch
+from tandem_trainer.turns import turn_start
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +88,14 @@ class PeftBackend(Backend):
             if pad is None:
                 eos = getattr(text, "eos_token_id", None)
                 pad = eos[0] if isinstance(eos, list) else eos
+            start = _turn_start(base_model)
             self._infos[base_model] = ModelInfo(
                 base_model=base_model,
                 vocab_size=int(text.vocab_size),
                 max_positions=int(getattr(text, "max_position_embeddings", None) or 1 << 30),
                 pad_id=int(pad or 0),
+                turn_start_id=start[0] if start else None,
+                turn_start=start[1] if start else "",
             )
         return self._infos[base_model]
 
@@ -318,6 +322,17 @@ class PeftBackend(Backend):
     def _require_model(self) -> PeftModel:
         assert self._model is not None, "no adapter is active; call activate() first"
         return self._model
+
+
+def _turn_start(base_model: str) -> tuple[int, str] | None:
+    """The chat template's turn-start token of `base_model` (turns.py), None without a tokenizer."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(base_model)
+    except (OSError, ValueError) as exc:
+        log.warning("no tokenizer for %s (%s); multi-turn trajectories are not checked for messages "
+                    "inside trained spans", base_model, exc)
+        return None
+    return turn_start(tokenizer)
 
 
 def _rounds(trained: torch.dtype, saved: torch.dtype) -> bool:

@@ -1,0 +1,217 @@
+"""Multi-turn episodes: an agent's conversation sampled turn by turn, trained as one trajectory.
+
+    ep = run.episode([{"role": "user", "content": "Open a drawer."}], tools=[OPEN_DRAWER])
+    turn = ep.sample(max_tokens=64)                 # the assistant turn, appended to ep.messages
+    ep.add({"role": "tool", "tool_call_id": turn.tool_calls[0]["id"], "content": "a coin"})
+    ep.sample(max_tokens=64)
+    trajectory = ep.trajectory(reward=1.0)          # every token, mask 1 only where the model sampled
+
+The gateway keeps the episode's token ids (in Redis, under the episode's id). Each turn is
+sampled from those ids plus the template's tokens of the messages added since the last turn
+(never a re-render of the whole conversation, which can tokenise the model's own reply
+differently from how it was sampled), so the trajectory's ids are the ids the engine saw and
+returned, and the rollout logprobs fit them. Any OpenAI client gets the same by sending
+`extra_body={"episode": id}`; `GET /v1/episodes/{id}` returns the ids, mask and logprobs.
+
+Staleness: one episode may span adapter versions when a new one starts serving between two
+turns. A trajectory carries one version, so an episode is as stale as its OLDEST turn
+(`version = min(versions)`): the trainer's `max_staleness_steps` check then holds for every
+token in it, and the importance ratio uses each token's own rollout logprob anyway.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tandem.errors import GatewayError, ValidationFailed, invalid
+from tandem.trajectories import Completion, Trajectory
+
+if TYPE_CHECKING:
+    from tandem.client import Run
+
+__all__ = ["EPISODE_ID", "Episode", "EpisodeState", "Turn"]
+
+#: What an episode id may look like (the gateway refuses anything else with a 422).
+EPISODE_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+class Turn(Completion):
+    """One sampled assistant turn: its text and tool calls, its ids and logprobs, its version.
+
+    `prompt_ids` are every id before this turn (earlier turns included), `completion_ids` the
+    ids sampled in it.
+    """
+
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    """OpenAI `tool_calls` parsed from the turn (`id`, `type`, `function.name`, `function.arguments`)."""
+    message: dict[str, Any]
+    """The assistant message as the gateway returned it; what the next request must repeat."""
+
+
+class EpisodeState(BaseModel):
+    """An episode as the gateway stores it (`tandem.episode`, `GET /v1/episodes/{id}`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    turns: int = Field(ge=0)
+    """Assistant turns sampled so far."""
+    prompt_ids: list[int]
+    """Ids of the first request's messages (and tools), chat template applied."""
+    completion_ids: list[int]
+    """Every id after `prompt_ids`: sampled turns and the template's ids of later messages."""
+    loss_mask: list[int]
+    """Per completion id: 1 where the model sampled it, 0 for the messages between turns."""
+    rollout_logprobs: list[float]
+    """Per completion id: the sampling policy's logprob (0.0 where the mask is 0)."""
+    versions: list[int]
+    """Per turn: the adapter version that sampled it."""
+
+    @model_validator(mode="after")
+    def _aligned(self) -> EpisodeState:
+        n = len(self.completion_ids)
+        if len(self.loss_mask) != n or len(self.rollout_logprobs) != n:
+            raise ValueError(f"completion_ids has {n} ids but loss_mask {len(self.loss_mask)} and "
+                             f"rollout_logprobs {len(self.rollout_logprobs)}; they must align")
+        if len(self.versions) != self.turns:
+            raise ValueError(f"{self.turns} turns but {len(self.versions)} versions")
+        return self
+
+    def to_trajectory(self, reward: float) -> Trajectory:
+        """The whole episode with its reward, as one trajectory; version = its oldest turn's."""
+        if not self.turns:
+            raise ValidationFailed(f"episode {self.id!r} has no sampled turn; call sample() before "
+                                   "trajectory()", field="turns")
+        try:
+            return Trajectory(prompt_ids=self.prompt_ids, completion_ids=self.completion_ids,
+                              rollout_logprobs=self.rollout_logprobs, loss_mask=self.loss_mask,
+                              version=min(self.versions), reward=reward)
+        except ValidationError as exc:
+            raise invalid(f"episode {self.id!r} cannot be trained on", exc) from exc
+
+
+class Episode:
+    """One conversation of an agent with its environment, sampled through the gateway.
+
+    `messages` grows as the conversation does: `sample()` appends the assistant turn exactly as
+    the gateway returned it, `add()` the environment's tool and user messages. A request that
+    does not start with the episode's messages so far is refused by the gateway (409).
+    """
+
+    def __init__(
+        self,
+        run: Run,
+        messages: Sequence[dict[str, Any]],
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        episode_id: str | None = None,
+    ) -> None:
+        self.id = episode_id if episode_id is not None else uuid.uuid4().hex
+        if not EPISODE_ID.match(self.id):
+            raise ValidationFailed(f"episode_id {self.id!r} must be 1-128 letters, digits or '_.:-'",
+                                   field="episode_id")
+        _check_messages(messages, "messages")
+        if not messages:
+            raise ValidationFailed("messages is empty; an episode starts from at least one message",
+                                   field="messages")
+        self.run = run
+        self.messages: list[dict[str, Any]] = [dict(m) for m in messages]
+        self.tools = [dict(t) for t in tools] if tools else None
+        self.turns: list[Turn] = []
+        self.state: EpisodeState | None = None
+        """The gateway's episode after the last turn (None before the first)."""
+
+    def sample(
+        self,
+        *,
+        max_tokens: int = 128,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop: list[str] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        version: int | None = None,
+    ) -> Turn:
+        """Sample the next assistant turn from the episode's ids and append it to `messages`."""
+        body: dict[str, Any] = {
+            "model": self.run.name if version is None else f"{self.run.name}@v{version}",
+            "messages": self.messages, "episode": self.id, "max_tokens": max_tokens,
+            "temperature": temperature, "top_p": top_p, "stop": stop, "tools": self.tools,
+            "tool_choice": tool_choice,
+        }
+        data = self.run.client.post("/v1/chat/completions", {k: v for k, v in body.items() if v is not None})
+        turn, state = _parse_turn(data, self.run.client.settings.gateway_url)
+        self.messages.append(turn.message)
+        self.turns.append(turn)
+        self.state = state
+        return turn
+
+    def add(self, *messages: dict[str, Any]) -> Episode:
+        """Append the environment's messages (tool results, user turns) for the next turn to read."""
+        _check_messages(messages, f"messages[{len(self.messages)}:]")
+        self.messages += [dict(m) for m in messages]
+        return self
+
+    def fetch(self) -> EpisodeState:
+        """The gateway's episode now (`GET /v1/episodes/{id}`); GatewayError 404 once it expired."""
+        data = self.run.client.get(f"/v1/episodes/{self.id}")
+        try:
+            return EpisodeState.model_validate(data)
+        except ValidationError as exc:
+            raise GatewayError(f"/v1/episodes/{self.id} answered with a malformed episode: {exc}",
+                               status_code=200, body=data) from exc
+
+    def trajectory(self, reward: float) -> Trajectory:
+        """The episode as the gateway holds it, with `reward`: one trajectory to put in a group."""
+        return self.fetch().to_trajectory(reward)
+
+    to_trajectory = trajectory
+    """So that `run.group(episodes, rewards)` takes episodes as it takes completions."""
+
+    def close(self) -> None:
+        """Drop the episode from the gateway's store (it would expire on its own)."""
+        self.run.client.delete(f"/v1/episodes/{self.id}")
+
+    def __enter__(self) -> Episode:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_messages(messages: Sequence[dict[str, Any]], where: str) -> None:
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str):
+            raise ValidationFailed(f"{where} #{i} has no role: {message!r}", field="messages")
+        if role == "assistant":
+            raise ValidationFailed(
+                f"{where} #{i} is an assistant message; an episode's assistant turns come from "
+                "sample(), so that their ids are the ones the model sampled", field="messages")
+
+
+def _parse_turn(data: dict[str, Any], gateway_url: str) -> tuple[Turn, EpisodeState]:
+    try:
+        ext, choice = data["tandem"], data["choices"][0]
+        returned = choice["message"]
+        message: dict[str, Any] = {"role": "assistant", "content": returned.get("content")}
+        if returned.get("tool_calls"):
+            message["tool_calls"] = returned["tool_calls"]
+        state = EpisodeState.model_validate(ext["episode"])
+        turn = Turn(
+            text=returned.get("content") or "", tool_calls=list(returned.get("tool_calls") or []),
+            message=message, finish_reason=choice.get("finish_reason"),
+            prompt_ids=ext["prompt_token_ids"], completion_ids=ext["completion_token_ids"][0],
+            rollout_logprobs=ext["completion_logprobs"][0], version=ext["version"],
+        )
+    except (KeyError, IndexError, TypeError, AttributeError, ValidationError) as exc:
+        raise GatewayError(
+            f"/v1/chat/completions answered an episode turn without tandem's episode (missing or "
+            f"malformed: {exc!r}); is {gateway_url} tandem's gateway, with episodes?",
+            status_code=200, body=data,
+        ) from exc
+    return turn, state
