@@ -373,6 +373,21 @@ def test_api_key_is_required_when_set(
         assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/ready").status_code == 200
 
 
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_an_empty_api_key_is_no_key(
+    empty: str, redis_url: str, tmp_path: Path, engine_url: str, tiny_model: Path, tokenizer: Any,
+    redis_conn: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """compose passes an unset GATEWAY_API_KEY as an empty string: that is no key (requests need
+    none, and the exposure check counts it as none), not a key that every client lacks."""
+    monkeypatch.setenv("TANDEM_GATEWAY__API_KEY", empty)
+    assert InferenceSettings().gateway.api_key is None
+    settings = inference_settings(redis_url, tmp_path / "store", engine_url, tiny_model, limit=LIMIT, api_key=empty)
+    assert settings.gateway.api_key is None
+    with gateway(settings, tokenizer) as url:
+        assert httpx.get(f"{url}/v1/models").status_code == 200
+
+
 def test_metrics_and_readiness(
     url: str,
     client: openai.OpenAI,

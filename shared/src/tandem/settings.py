@@ -10,15 +10,24 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.errors import BackendUnavailable, ConfigError
 from tandem.runs import DEFAULT_TARGETS
+
+
+def _unset_if_empty(value: object) -> object:
+    return None if isinstance(value, str) and not value.strip() else value
+
+
+Secret = Annotated[SecretStr | None, BeforeValidator(_unset_if_empty)]
+"""An optional secret (a key, a password). Empty or blank is unset, as compose's `${VAR:-}` passes
+an unset variable: never a key that an empty `Authorization: Bearer ` header would match."""
 
 
 def redact_url(url: str) -> str:
@@ -37,7 +46,7 @@ class RedisSettings(BaseModel):
 
     url: str = "redis://127.0.0.1:6379/0"
     """Redis URL (`redis://[:password@]host:port/db`)."""
-    password: SecretStr | None = None
+    password: Secret = None
     """Password, if not in the URL."""
     socket_timeout_s: float = Field(30.0, gt=0, le=3600)
     """Timeout of one Redis command, in seconds (blocking reads add their own block time)."""
@@ -98,7 +107,7 @@ class EngineSettings(BaseModel):
     """Largest LoRA rank the engine accepts; larger adapters are rejected."""
     max_loaded_adapters: int = Field(8, ge=1, le=256)
     """How many adapters the engine holds at once."""
-    admin_api_key: SecretStr | None = None
+    admin_api_key: Secret = None
     """Key that guards load/unload and memory routes of the engine. Unset: the transformers engine
     answers those routes on loopback only. Every stack sets one (`tandem up` generates it)."""
     load_timeout_s: float = Field(60.0, gt=0, le=3600)
@@ -176,7 +185,7 @@ class GatewaySettings(BaseModel):
     """Interface the gateway binds to."""
     port: int = Field(8000, ge=1, le=65535)
     """Port the gateway binds to (the only published port of the stack)."""
-    api_key: SecretStr | None = None
+    api_key: Secret = None
     """When set, requests need `Authorization: Bearer KEY`."""
     max_in_flight_sequences: int = Field(256, ge=1, le=65536)
     """Most samples (each request's `n`) admitted to the engine at once; more wait in the queue."""
@@ -346,7 +355,7 @@ class ClientSettings(_ServiceSettings):
 
     gateway_url: str = "http://127.0.0.1:8000"
     """Base URL of the gateway."""
-    api_key: SecretStr | None = None
+    api_key: Secret = None
     """Gateway API key, if the gateway needs one."""
     request_timeout_s: float = Field(300.0, gt=0)
     """Timeout of one rollout request, in seconds."""
