@@ -39,11 +39,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from digits import tokenizer_dir  # examples/digits.py, beside this file
-
 from tandem import Client, Episode, LoraConfig, OptimizerConfig, Run, TrajectoryGroup
-from tandem.dev.cli import TINY_MODEL, ensure_tiny_model
-from tandem.dev.stack import Stack, StackConfig
+from tandem.dev.demo import add_stack_arguments, base_model, open_client, parse_stack_arguments, tokenizer_dir
 
 COIN = 7
 OPEN_DRAWER = {"type": "function", "function": {
@@ -135,42 +132,21 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--tools", action=argparse.BooleanOptionalAction, default=True,
                         help="pass the open_drawer tool to the chat template (--no-tools: a shorter prompt)")
-    parser.add_argument("--model", default=TINY_MODEL, help="base model (default: the tiny model, built if missing)")
-    parser.add_argument("--out", default=".tandem/agent", help="state, logs and results")
-    parser.add_argument("--min-rise", type=float, default=0.2, help="required rise of the reward (last 5 vs first 5 steps)")
-    parser.add_argument("--gateway", help="URL of a running stack's gateway: start no stack, use that one")
-    parser.add_argument("--redis", help="that stack's Redis URL (with its password), for train(); needs --gateway")
-    parser.add_argument("--tokenizer", help="directory with the model's tokenizer.json (default: the model's own)")
-    parser.add_argument("--run", default="agent", help="run name (a new name starts from the base model)")
-    args = parser.parse_args()
-    if bool(args.gateway) != bool(args.redis):
-        parser.error("--gateway and --redis go together: a running stack's gateway and its Redis")
+    add_stack_arguments(parser, out=".tandem/agent", run="agent", min_rise=0.2)
+    args = parse_stack_arguments(parser)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s")
 
     out = Path(args.out)
-    if TINY_MODEL in (args.model, args.tokenizer):
-        print("building the tiny model (seeded, a few seconds) ...", flush=True)
-        ensure_tiny_model(TINY_MODEL)
     turn_start = turn_start_id(tokenizer_dir(args.model, args.tokenizer))
     with ExitStack() as stack:
-        if args.gateway:
-            print(f"using the stack at {args.gateway}", flush=True)
-            gateway_url, redis_url = args.gateway, args.redis
-        else:
-            state = out / f"stack-{int(time.time())}"
-            print(f"starting the stack (logs in {state}/logs) ...", flush=True)
-            local = stack.enter_context(Stack(StackConfig(state_dir=state, model=args.model, gateway_port=0)))
-            gateway_url, redis_url = local.gateway_url, local.redis_url
-        client = Client(gateway_url, redis_url)
-        stack.callback(client.close)
+        client = open_client(stack, args)
         rows = train(client, args, turn_start)
     return report(rows, out, args.min_rise)
 
 
 def train(client: Client, args: argparse.Namespace, turn_start: int | None) -> list[dict]:
     """Create (or open) the run and train it for --steps steps; one row per step."""
-    local_model = Path(args.model).exists() and not args.gateway
-    run = client.create_run(args.run, base_model=str(Path(args.model).resolve()) if local_model else args.model,
+    run = client.create_run(args.run, base_model=base_model(args),
                             lora=LoraConfig(r=8, alpha=16), optimizer=OptimizerConfig(lr=args.lr))
     print(f"{'step':>4} {'reward':>7} {'coin found':>10} {'episodes':>8} {'served by':>9} {'new ver':>7} "
           f"{'rollout s':>9} {'train s':>7}")

@@ -34,22 +34,7 @@ from pathlib import Path
 
 from tandem import Client, LoraConfig, OptimizerConfig
 from tandem.dev import toy
-from tandem.dev.cli import TINY_MODEL, ensure_tiny_model
-from tandem.dev.stack import Stack, StackConfig
-
-
-def tokenizer_dir(model: str, tokenizer: str | None) -> Path:
-    """A directory with the model's tokenizer.json: --tokenizer, the model's own, or the hub's."""
-    if tokenizer:
-        return Path(tokenizer)
-    if (Path(model) / "tokenizer.json").exists():
-        return Path(model)
-    if model.startswith(("/", ".")):
-        raise SystemExit(f"no tokenizer.json in {model} on this machine (a path inside the containers?); "
-                         "pass --tokenizer DIR with the same model's tokenizer.json")
-    from huggingface_hub import hf_hub_download  # comes with transformers (`make install`)
-
-    return Path(hf_hub_download(model, "tokenizer.json")).parent
+from tandem.dev.demo import add_stack_arguments, base_model, open_client, parse_stack_arguments, tokenizer_dir
 
 
 def main() -> int:
@@ -60,44 +45,23 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--max-staleness", type=int, default=0, help="0 = synchronous; 1-2 = pipelined")
-    parser.add_argument("--model", default=TINY_MODEL, help="base model (default: the tiny model, built if missing)")
-    parser.add_argument("--out", default=".tandem/demo", help="state, logs and results")
-    parser.add_argument("--min-rise", type=float, default=0.3, help="required rise of the reward (last 5 vs first 5 steps)")
-    parser.add_argument("--gateway", help="URL of a running stack's gateway: start no stack, use that one")
-    parser.add_argument("--redis", help="that stack's Redis URL (with its password), for train(); needs --gateway")
-    parser.add_argument("--tokenizer", help="directory with the model's tokenizer.json (default: the model's own)")
-    parser.add_argument("--run", default="digits", help="run name (a new name starts from the base model)")
-    args = parser.parse_args()
-    if bool(args.gateway) != bool(args.redis):
-        parser.error("--gateway and --redis go together: a running stack's gateway and its Redis")
+    add_stack_arguments(parser, out=".tandem/demo", run="digits", min_rise=0.3)
+    args = parse_stack_arguments(parser)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s")
 
     out = Path(args.out)
-    if TINY_MODEL in (args.model, args.tokenizer):
-        print("building the tiny model (seeded, a few seconds) ...", flush=True)
-        ensure_tiny_model(TINY_MODEL)
     digits = toy.digit_token_ids(tokenizer_dir(args.model, args.tokenizer))
     with ExitStack() as stack:
-        if args.gateway:
-            print(f"using the stack at {args.gateway}", flush=True)
-            gateway_url, redis_url = args.gateway, args.redis
-        else:
-            state = out / f"stack-{int(time.time())}"
-            print(f"starting the stack (logs in {state}/logs) ...", flush=True)
-            local = stack.enter_context(Stack(StackConfig(state_dir=state, model=args.model, gateway_port=0)))
-            gateway_url, redis_url = local.gateway_url, local.redis_url
-        client = Client(gateway_url, redis_url)
-        stack.callback(client.close)
+        client = open_client(stack, args)
         rows = train(client, digits, args)
     return report(rows, out, args.min_rise)
 
 
 def train(client: Client, digits: frozenset[int], args: argparse.Namespace) -> list[dict]:
     """Create (or open) the run and train it for --steps steps; one row per step."""
-    local_model = Path(args.model).exists() and not args.gateway
     run = client.create_run(
         args.run,
-        base_model=str(Path(args.model).resolve()) if local_model else args.model,
+        base_model=base_model(args),
         lora=LoraConfig(r=8, alpha=16),
         optimizer=OptimizerConfig(lr=args.lr),
         max_staleness_steps=max(args.max_staleness, 0),
