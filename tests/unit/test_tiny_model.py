@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.dev.cli import ensure_tiny_model
 from tandem_trainer.tiny_model import build_random_adapter, build_tiny_model
 
 
@@ -102,6 +103,19 @@ def test_a_build_from_an_older_recipe_is_rebuilt(tiny_dir: Path, tmp_path: Path)
     assert json.loads(stamp_path.read_text())["format_version"] == stamp["format_version"]
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["top_k"] == json.loads((out / "config.json").read_text())["vocab_size"]  # SGLang refuses 0
+
+
+def test_the_demos_rebuild_a_tiny_model_from_an_older_recipe(tmp_path: Path) -> None:
+    """`make demo`, `make agent` and `tandem up` reuse a cached tiny model only when its recipe is
+    current (a template that renders tools came with a newer one)."""
+    out = build_tiny_model(tmp_path / "cached", seed=0)
+    stamp_path = out / "tandem_tiny.json"
+    stamp = json.loads(stamp_path.read_text())
+    stamp_path.write_text(json.dumps({**stamp, "format_version": 0}))
+    ensure_tiny_model(str(out))
+    assert json.loads(stamp_path.read_text())["format_version"] == stamp["format_version"]
+    ensure_tiny_model(str(out))  # current: reused as it is
+    assert json.loads(stamp_path.read_text()) == stamp
 
 
 def test_a_random_adapter_follows_its_seed_and_changes_the_outputs(tiny_dir: Path, tmp_path: Path) -> None:

@@ -29,11 +29,14 @@ TINY_MODEL = ".tandem/models/tiny"
 
 
 def ensure_tiny_model(path: str) -> None:
-    """Build the tiny model with the trainer package (which has torch) if it is missing."""
-    if (Path(path) / "config.json").exists():
-        return
+    """Build the tiny model with the trainer package (which has torch) unless it is there already.
+
+    The builder decides: it reuses a build whose recipe is current and rebuilds one from an older
+    recipe (its stamp's format version), without importing torch to find out.
+    """
     try:
-        subprocess.run([sys.executable, "-m", "tandem_trainer.tiny_model", path], check=True)
+        subprocess.run([sys.executable, "-m", "tandem_trainer.tiny_model", path], check=True,
+                       stdout=subprocess.DEVNULL)
     except (OSError, subprocess.CalledProcessError) as exc:
         raise ConfigError(
             f"could not build the tiny model at {path} ({exc}); is tandem-trainer installed (`make install`)? "
