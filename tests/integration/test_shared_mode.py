@@ -15,6 +15,7 @@ import pytest
 
 from tandem import Client, LoraConfig
 from tandem.dev.stack import Stack, StackConfig
+from tandem.events import EventKind
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -48,6 +49,11 @@ def test_jobs_take_the_device_from_inference_and_give_it_back(tiny_model: Path, 
             for t in rollers:
                 t.join(60)
         assert statuses and set(statuses) == {200}
+        # the wait is in each version's adapter_ready too, so a result taken from the event (the
+        # job's own rq result comes only after its optimizer state) carries it as well
+        ready = [e for e in run.history() if e.kind is EventKind.ADAPTER_READY]
+        assert [e.version for e in ready] == [1, 2, 3]
+        assert all(e.data["metrics"]["gpu_wait_s"] >= 0 for e in ready), [e.data for e in ready]
         info = httpx.get(f"{stack.engine_url}/server_info").json()
         assert info["memory_released"] is False  # resumed after the last job
         client.close()

@@ -109,8 +109,7 @@ class Trainer:
                             result = self._train(job, spec, info, latest)
                         else:
                             with self.gpu.held() as waited:
-                                result = self._train(job, spec, info, latest)
-                            result.metrics["gpu_wait_s"] = waited
+                                result = self._train(job, spec, info, latest, gpu_wait_s=waited)
                         # off the path to serving: after the announcement, and after the GPU went
                         # back to inference in shared mode
                         self._save_state(job, version, result.parent)
@@ -236,8 +235,14 @@ class Trainer:
         gone = sorted(rel for rel in manifest.files if not (vdir / rel).is_file())
         return f"{run} v{version}: {', '.join(gone)} missing" if gone else None
 
-    def _train(self, job: TrainJob, spec: RunSpec, info: ModelInfo, latest: int) -> TrainResult:
-        """One step from the run's newest intact version; publishes version `latest + 1`."""
+    def _train(self, job: TrainJob, spec: RunSpec, info: ModelInfo, latest: int,
+               gpu_wait_s: float | None = None) -> TrainResult:
+        """One step from the run's newest intact version; publishes version `latest + 1`.
+
+        `gpu_wait_s` (shared mode: how long the job waited for the GPU) goes into the version's
+        metrics with the rest, so `adapter_ready` carries it too: a client that takes its result
+        from the event, before rq has the job's, sees the same metrics.
+        """
         started = time.perf_counter()
         parent = self._resume_point(job.run, latest)
         samples: list[Sample] = []
@@ -284,6 +289,8 @@ class Trainer:
             "groups": float(len(job.groups)), "zero_advantage_groups": float(flat_groups),
             "microbatches": float(len(batches)), "epochs": float(spec.loss.epochs), "train_s": train_s,
         }
+        if gpu_wait_s is not None:
+            metrics["gpu_wait_s"] = gpu_wait_s
         manifest = Manifest(
             run=job.run, version=latest + 1, parent=parent, step=job.step, job_id=job.job_id,
             base_model=spec.base_model, lora_rank=spec.lora.r, metrics=metrics,
