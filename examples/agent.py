@@ -10,7 +10,9 @@ assistant turns:
      and asks where the coin is; the agent answers with a digit.
 
 reward = the mean of the two turns' scores: 1 for the coin's drawer (opened in turn 1, named
-in turn 2), 0.2 for another drawer, 0 for no digit at all. Every turn goes through the
+in turn 2), less for a drawer further from it (0.75 for a neighbour, 0 from four away on), 0
+for no digit at all. The partial credit gives a random policy a gradient from the first step;
+it also lets a policy settle on a neighbour of the coin's drawer (reward 0.75), as some runs do. Every turn goes through the
 episode API (`run.episode`): the gateway keeps the episode's token ids and samples each turn
 from them plus the template's ids of the tool result and the question, so the trajectory
 holds exactly the ids the model sampled (loss mask 1) and the messages between (mask 0). Sixteen
