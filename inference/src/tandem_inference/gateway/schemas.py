@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
+from tandem.episodes import EPISODE_ID as episode_ids
 from tandem_inference.bodies import MAX_TOP_LOGPROBS, Body, ChatLogprobs
 
 #: Most samples one request may ask for (`n`).
@@ -20,8 +21,8 @@ MAX_N = 64
 DEFAULT_MAX_TOKENS = 128
 MAX_MODEL_CHARS = 256
 """Longest `model` accepted: a run name (63), `@v` and a version fit many times over."""
-EPISODE_ID = r"^[A-Za-z0-9_.:-]{1,128}$"
-"""What an episode id may be: it becomes part of a Redis key and a URL path."""
+EPISODE_ID = episode_ids.pattern
+"""What an episode id may be (the client checks the same pattern): it becomes part of a Redis key and a URL path."""
 TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 """What a function name may be (OpenAI's rule)."""
 
