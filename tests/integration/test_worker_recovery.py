@@ -107,3 +107,20 @@ def test_a_job_abandoned_with_no_retries_left_fails_with_an_event(
     [failed] = events(redis_conn, EventKind.TRAIN_FAILED, job_id)
     assert failed.run == RUN and failed.data["retries_left"] == 0 and "died" in failed.data["message"]
     assert registry.latest_version(RUN) == 0
+
+
+def test_a_recovery_lock_left_by_a_dead_trainer_does_not_keep_its_job_abandoned(
+        workers, redis_conn, registry: Registry) -> None:
+    job_id = enqueue(redis_conn, make_job("lock-left"))
+    first = workers({"TANDEM_TRAINER_FAILPOINTS": "mid_training", "TANDEM_WORKER_NAME": "trainer"})
+    assert first.wait_dead() == -signal.SIGKILL
+    # As if it died inside a liveness tick's recovery: the lock names it and lives 30 s more.
+    dead_token = redis_conn.get(keys.trainer_alive("trainer")) or b"trainer#0000dead"
+    redis_conn.set(keys.TRAINER_RECOVERY, dead_token, px=30_000)
+
+    second = workers({"TANDEM_WORKER_NAME": "trainer"})  # the same name: a restarted container
+    wait_for(lambda: status(redis_conn, job_id) == JobStatus.FINISHED, 25,
+             "the job to finish before the dead trainer's lock would have expired", second)
+    assert "recovery.lock_taken_over" in second.log()
+    assert "job.abandoned job_id=lock-left" in second.log()
+    assert registry.version_of_job(RUN, job_id) == 1

@@ -54,7 +54,8 @@ STRANDED_S = 5.0
 
 liveness_key = keys.trainer_alive
 RECOVERY_LOCK = keys.TRAINER_RECOVERY
-
+#: How long the recovery lock lives when its holder never releases it.
+RECOVERY_LOCK_MS = 30_000
 
 
 class Liveness:
@@ -123,22 +124,62 @@ def failure_event(job: GuardedJob, message: str, *, retries_left: int) -> Event:
 
 
 def recover_abandoned(
-    conn: redis.Redis, *, dead_names: frozenset[str] = frozenset(), alone: bool = False
+    conn: redis.Redis,
+    *,
+    holder: str | None = None,
+    dead_names: frozenset[str] = frozenset(),
+    alone: bool = False,
 ) -> list[str]:
     """Hand back the jobs of dead workers (see the module docstring); returns their ids.
 
-    `dead_names` are worker names known dead whatever their liveness key says: at start-up,
-    the worker's own name (a previous process of that name cannot still be running jobs).
-    `alone` says no other trainer lives, so every job taken but not started is stranded.
+    `holder` is the caller's Liveness token: the recovery lock carries it, so a worker that
+    died while recovering does not keep the next one from recovering (its lock is taken over
+    once its liveness key is gone). `dead_names` are worker names known dead whatever their
+    liveness key says: at start-up, the worker's own name (a previous process of that name
+    cannot still be running jobs). `alone` says no other trainer lives, so every job taken
+    but not started is stranded.
     """
+    token = holder or uuid.uuid4().hex
     with translated(conn, "hand back the jobs of dead trainer workers"):
-        if not conn.set(RECOVERY_LOCK, uuid.uuid4().hex, nx=True, px=30_000):
-            return []  # another worker is recovering right now
+        if not _take_lock(conn, token):
+            return []  # another live worker is recovering right now
         try:
             queue = train_queue(conn)
             return _recover_started(conn, queue, dead_names) + _recover_taken(conn, queue, alone=alone)
         finally:
-            conn.delete(RECOVERY_LOCK)
+            _release_lock(conn, token)
+
+
+def _take_lock(conn: redis.Redis, token: str) -> bool:
+    """Take the recovery lock, or take it over from a holder whose liveness key is gone."""
+    if conn.set(RECOVERY_LOCK, token, nx=True, px=RECOVERY_LOCK_MS):
+        return True
+    with conn.pipeline() as pipe:
+        try:
+            pipe.watch(RECOVERY_LOCK)
+            held = pipe.get(RECOVERY_LOCK)
+            if held is not None and ("#" not in (owner := text(held)) or owner_alive(conn, owner)):
+                return False  # held by a live worker (or by a caller without a liveness key)
+            pipe.multi()
+            pipe.set(RECOVERY_LOCK, token, px=RECOVERY_LOCK_MS)
+            pipe.execute()
+        except redis.WatchError:
+            return False  # another worker took it first
+    if held is not None:
+        log.warning("recovery.lock_taken_over from=%s: its holder died while recovering", text(held))
+    return True
+
+
+def _release_lock(conn: redis.Redis, token: str) -> None:
+    with conn.pipeline() as pipe:
+        try:
+            pipe.watch(RECOVERY_LOCK)
+            if (held := pipe.get(RECOVERY_LOCK)) is not None and text(held) == token:
+                pipe.multi()
+                pipe.delete(RECOVERY_LOCK)
+                pipe.execute()
+        except redis.WatchError:
+            pass  # taken over meanwhile: it is no longer ours to delete
 
 
 def _recover_started(conn: redis.Redis, queue: Queue, dead_names: frozenset[str]) -> list[str]:

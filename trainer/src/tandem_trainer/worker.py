@@ -165,11 +165,14 @@ def serve(settings: TrainerSettings, conn: redis.Redis, name: str, *, burst: boo
     ride_out_outages(conn, settings.redis_outage_s)
     claim_name(conn, name)
     started = time.perf_counter()
-    recovered = recover_abandoned(conn, dead_names=frozenset({name}), alone=not any_trainer_alive(conn))
+    alone = not any_trainer_alive(conn)
+    thread_conn = ride_out_outages(settings.redis.connect(), settings.redis_outage_s)
+    liveness = Liveness(thread_conn, name,
+                        on_tick=lambda: recover_abandoned(thread_conn, holder=liveness.token))
+    liveness.beat()  # the recovery lock names this process; others see it is alive
+    recovered = recover_abandoned(conn, holder=liveness.token, dead_names=frozenset({name}), alone=alone)
     log.info("recovery.end requeued=%d duration_s=%.3f jobs=%s",
              len(recovered), time.perf_counter() - started, recovered)
-    thread_conn = ride_out_outages(settings.redis.connect(), settings.redis_outage_s)
-    liveness = Liveness(thread_conn, name, on_tick=lambda: recover_abandoned(thread_conn))
     liveness.start()
     try:
         setup(settings, conn, liveness)
