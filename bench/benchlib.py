@@ -87,6 +87,8 @@ class Ctx:
     stack: BenchStack | None = None
     client: Client | None = None
     served_model: str = ""
+    shape: str = "tiny"
+    """The model's shape (a key of SHAPES), or "tiny"."""
     lr: float = 5e-3
     """Learning rate of the toy task (pipeline scenario); larger shapes want less."""
     notes: list[str] = field(default_factory=list)

@@ -150,7 +150,7 @@ def main() -> int:
                          cpu_threads=1 if args.engine == "transformers" else None)
     ctx = Ctx(out=out, quick=args.quick, model=model, engine=args.engine, tandem_python=args.tandem_python,
               sglang_python=args.sglang_python, trainer_python=args.trainer_python, engine_env=env, store_root=state / "adapters",
-              run_name="bench", device=device, served_model="base",
+              run_name="bench", device=device, served_model="base", shape=args.shape,
               lr=5e-3 if args.shape == "tiny" else 2e-3)
     meta = {
         "timestamp": stamp, "quick": args.quick, "engine": args.engine, "shape": args.shape, "model": model,

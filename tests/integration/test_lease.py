@@ -6,7 +6,7 @@ import time
 import pytest
 
 from tandem.errors import LeaseTimeout, ValidationFailed
-from tandem.lease import GpuLease, LeaseState
+from tandem.lease import INFERENCE, GpuLease, LeaseState
 
 pytestmark = pytest.mark.integration
 
@@ -58,3 +58,26 @@ def test_a_lease_state_that_is_not_one_is_validation_failed_naming_the_key(redis
     redis_conn.hset("tandem:gpu:lease", "state", "bogus")
     with pytest.raises(ValidationFailed, match="tandem:gpu:lease"):
         GpuLease(redis_conn).state()
+
+
+def test_each_side_is_woken_by_the_bell_the_other_rings(redis_conn) -> None:
+    trainer = GpuLease(redis_conn, ttl_s=30, holder="t1")
+    inference = GpuLease(redis_conn, ttl_s=30)
+    assert not inference.wait_bell(INFERENCE, 0.05)  # nothing rang yet
+    rang: list[bool] = []
+    waiter = threading.Thread(target=lambda: rang.append(inference.wait_bell(INFERENCE, 60)))
+    waiter.start()
+    assert trainer.request()  # rings inference's bell: it wakes long before its 60 s
+    waiter.join(10)
+    assert rang == [True] and inference.state() is LeaseState.REQUESTED
+
+    granted: list[float] = []
+    acquiring = threading.Thread(target=lambda: granted.append(trainer.acquire(wait_s=60, poll_s=60)))
+    acquiring.start()
+    inference.grant()  # rings the trainer's bell: acquire returns without waiting out its poll
+    acquiring.join(10)
+    assert len(granted) == 1
+
+    trainer.release()  # rings inference's bell again: the GPU is back
+    assert inference.wait_bell(INFERENCE, 60) and inference.state() is None
+    assert not inference.wait_bell(INFERENCE, 0.05)  # a ring wakes one wait

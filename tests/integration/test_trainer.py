@@ -133,7 +133,7 @@ def test_an_adapter_that_cannot_be_written_is_a_checkpoint_error(trainer: Traine
     trainer.train(make_job())  # an adapter is active
     gone = tmp_path / "no-such-dir"
     with pytest.raises(CheckpointError, match="no-such-dir"):
-        backend.save_adapter(gone)
+        backend.stage_adapter().write(gone)
     with pytest.raises(CheckpointError, match="no-such-dir"):
         backend.save_state(gone, trainer_state={})
 

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
 
-from tandem.adapters import AdapterStore, Manifest, read_adapter_config
+from tandem.adapters import AdapterStore, Manifest, file_checksum, read_adapter_config
 from tandem.errors import AdapterRejected, VersionExists
 
 
@@ -26,6 +27,38 @@ def test_publish_then_verify(tmp_path: Path) -> None:
     assert store.verify("r", 1) == store.read_manifest("r", 1)
     assert store.versions("r") == [1]
     assert not any(p.name.startswith(".tmp") for p in (tmp_path / "r").iterdir())
+
+
+def test_new_versions_are_hashed_with_xxh3_and_old_sha256_manifests_still_verify(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path)
+    m = publish(store)
+    assert m.checksum == "xxh3_128" and m.files["adapter/adapter_model.safetensors"] == file_checksum(
+        tmp_path / "r" / "v000001" / "adapter" / "adapter_model.safetensors", "xxh3_128")
+    old = publish(store, version=2, payload=b"older weights")
+    vdir = tmp_path / "r" / "v000002"
+    raw = json.loads((vdir / "manifest.json").read_text())
+    del raw["checksum"]  # as written before manifests named their checksum
+    raw["files"] = {rel: hashlib.sha256((vdir / rel).read_bytes()).hexdigest() for rel in raw["files"]}
+    (vdir / "manifest.json").write_text(json.dumps(raw))
+    assert store.verify("r", 2).checksum == "sha256" and store.verify("r", 2).files != old.files
+    (vdir / "adapter" / "adapter_model.safetensors").write_bytes(b"older weightz")
+    with pytest.raises(AdapterRejected, match="checksum of adapter/adapter_model.safetensors"):
+        store.verify("r", 2)
+
+
+def test_checksums_from_the_writer_are_taken_as_given_and_the_rest_are_computed(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path)
+    with store.staging("r", 1) as tmp:
+        (tmp / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 8}))
+        (tmp / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
+        m = store.publish(tmp, Manifest(run="r", version=1, parent=0, step=1, job_id="j", base_model="m",
+                                        lora_rank=8),
+                          checksums={"adapter/adapter_model.safetensors": "from-the-writer"}, durable=False)
+    assert m.files["adapter/adapter_model.safetensors"] == "from-the-writer"
+    assert m.files["adapter/adapter_config.json"] == file_checksum(tmp_path / "r/v000001/adapter/adapter_config.json")
+    store.sync("r", 1)  # fsync after the fact: the files, the directories, the run's entry
+    with pytest.raises(AdapterRejected, match="checksum"):  # a writer that lied is caught on verify
+        store.verify("r", 1)
 
 
 def test_versions_are_immutable(tmp_path: Path) -> None:

@@ -103,9 +103,10 @@ class AdapterLoader:
             return Outcome.REFUSED
         attempt = await asyncio.to_thread(self.announcer.next_attempt, run, version)
         name = adapter_name(run, version, attempt)
+        t_checked = time.monotonic()
         log.info("adapter_load start run=%s version=%d adapter=%s", run, version, name)
         # the checksums run while the engine loads; the alias switches only when both succeeded
-        checksums = asyncio.create_task(asyncio.to_thread(self._verify, run, version))
+        checksums = asyncio.create_task(asyncio.to_thread(self._timed_verify, run, version))
         refused: AdapterLoadRefused | None = None
         try:
             load_ms = await self.engine.load_adapter(name, str(adapter_dir))
@@ -132,17 +133,20 @@ class AdapterLoader:
         if refused is not None and not held:
             await self.reject(run, version, str(refused), job_id)
             return Outcome.REFUSED
-        manifest = checked
+        manifest, verify_ms = checked
+        t_both = time.monotonic()
         self.table.add_version(run, version, name)
         self.rejected.pop((run, version), None)
         self.metrics.loads.labels(run).inc()
         self.metrics.load_seconds.observe(load_ms / 1000.0)
         ready_to_loaded_ms = (time.time() - ready_ts) * 1000.0 if ready_ts is not None else None
+        stages = {"check": (t_checked - t0) * 1000, "verify": verify_ms,
+                  "load_and_verify": (t_both - t_checked) * 1000}
         if announce:
-            await asyncio.to_thread(self.announcer.loaded, manifest, name, load_ms, ready_to_loaded_ms)
-        log.info("adapter_load end run=%s version=%d adapter=%s load_ms=%.1f ready_to_loaded_ms=%s "
-                 "duration_ms=%.1f",
-                 run, version, name, load_ms,
+            await asyncio.to_thread(self.announcer.loaded, manifest, name, load_ms, ready_to_loaded_ms, stages)
+        log.info("adapter_load end run=%s version=%d adapter=%s check_ms=%.1f load_ms=%.1f verify_ms=%.1f "
+                 "ready_to_loaded_ms=%s duration_ms=%.1f",
+                 run, version, name, stages["check"], load_ms, verify_ms,
                  f"{ready_to_loaded_ms:.1f}" if ready_to_loaded_ms is not None else "-",
                  (time.monotonic() - t0) * 1000)
         return Outcome.LOADED
@@ -223,6 +227,10 @@ class AdapterLoader:
                 "train with a smaller rank or raise the engine's --max-lora-rank"
             )
         return self.store.adapter_dir(run, version)
+
+    def _timed_verify(self, run: str, version: int) -> tuple[Manifest, float]:
+        t0 = time.perf_counter()
+        return self._verify(run, version), (time.perf_counter() - t0) * 1000
 
     def _verify(self, run: str, version: int) -> Manifest:
         """The checksums of what the engine loads; any failure to check them is a rejection."""

@@ -33,17 +33,24 @@ class Announcer:
         """
         return self.registry.next_load_attempt(run, version)
 
-    def loaded(self, manifest: Manifest, name: str, load_ms: float, ready_to_loaded_ms: float | None) -> None:
-        """Record the run's serving version and append `adapter_loaded` for `manifest`'s version."""
+    def loaded(self, manifest: Manifest, name: str, load_ms: float, ready_to_loaded_ms: float | None,
+               stages_ms: dict[str, float] | None = None) -> None:
+        """Record the run's serving version and append `adapter_loaded` for `manifest`'s version.
+
+        `stages_ms`: the load's stages (the checks before the engine saw it, the checksums
+        beside the engine's load), for anyone timing the sync path."""
         self.registry.set_serving(manifest.run, self.table.serving(manifest.run))
+        data: dict[str, object] = {
+            "adapter": name,
+            "load_ms": round(load_ms, 3),
+            "ready_to_loaded_ms": None if ready_to_loaded_ms is None else round(ready_to_loaded_ms, 3),
+            "step": manifest.step,
+        }
+        if stages_ms:
+            data["stages_ms"] = {k: round(v, 3) for k, v in stages_ms.items()}
         self.events.append(Event(
             kind=EventKind.ADAPTER_LOADED, run=manifest.run, version=manifest.version, job_id=manifest.job_id,
-            data={
-                "adapter": name,
-                "load_ms": round(load_ms, 3),
-                "ready_to_loaded_ms": None if ready_to_loaded_ms is None else round(ready_to_loaded_ms, 3),
-                "step": manifest.step,
-            },
+            data=data,
         ))
 
     def rejected(self, run: str, version: int | None, message: str, job_id: str | None) -> None:

@@ -16,7 +16,7 @@ import time
 
 import redis
 
-from tandem.lease import GpuLease
+from tandem.lease import INFERENCE, GpuLease
 from tandem.settings import InferenceSettings
 from tandem_inference.engine_client import EngineClient
 from tandem_inference.routing import RoutingTable
@@ -57,7 +57,7 @@ class GpuSharing:
         table: RoutingTable,
         admission: Admission,
         *,
-        poll_s: float = 0.05,
+        poll_s: float = 0.5,
     ) -> None:
         self.lease = GpuLease(conn, ttl_s=settings.gpus.lease_ttl_s, holder="inference")
         self.tags = list(settings.gpus.release_tags)
@@ -74,10 +74,11 @@ class GpuSharing:
         while True:
             try:
                 await self.tick()
+                # the trainer rings on request and release: no polling delay on either
+                await asyncio.to_thread(self.lease.wait_bell, INFERENCE, self.poll_s)
             except Exception:  # noqa: BLE001 - logged; the GPU must keep changing hands
                 log.exception("gpu sharing step failed; trying again")
                 await asyncio.sleep(1.0)
-            await asyncio.sleep(self.poll_s)
 
     async def tick(self) -> None:
         state = await asyncio.to_thread(self.lease.state)

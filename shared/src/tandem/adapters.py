@@ -8,17 +8,23 @@ Layout under the store root::
     <run>/.tmp-v000007-<uuid>/      a version being written; never read
     <run>/.tmp-state-v000007-<uuid>/  trainer state being written; never read
 
-A version becomes visible only by `rename` of a complete, fsynced directory, so a crash while
-writing never leaves a partial version behind. `adapter/` and the manifest never change once
-published; `trainer/` is attached once, later, by its own rename (it carries no checksums: a
-crash leaves either all of it or none). Every path that comes from Redis or a request
-is resolved inside the root; anything outside it is refused.
+A version becomes visible only by `rename` of a complete directory, so a crash of a process
+while writing never leaves a partial version behind. `publish` fsyncs before that rename
+unless told not to; the trainer renames first and calls `sync` after the announcement, off
+the path to serving (see "Durability" in docs/architecture.md): a power loss in between can
+leave a visible version with torn files, which the checksums refuse wherever it is opened.
+`adapter/` and the manifest never change once published; `trainer/` is attached once, later,
+by its own rename of an fsynced directory (it carries no checksums: a crash leaves either all
+of it or none). Every path that comes from Redis or a request is resolved inside the root;
+anything outside it is refused.
 
 `check` is the one place that decides whether an engine may open a version: the event's
 path must be the version's `adapter/`, no component from the root down may be a symlink, the
 manifest must name the version, and `adapter/` must hold exactly the files the manifest lists,
 all regular files. It reads no file contents, so it runs before any engine sees the version;
-`verify` adds the checksums, which detect torn or corrupt writes (they are not a signature).
+`verify` adds the checksums, which detect torn or corrupt writes (they are not a signature:
+whoever can write the store can rewrite the manifest too). New versions use xxh3-128, which
+costs a few milliseconds per hundred megabytes; manifests from before name none and are sha256.
 """
 
 from __future__ import annotations
@@ -33,8 +39,9 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Literal
 
+import xxhash
 from pydantic import BaseModel, Field
 
 from tandem.errors import AdapterRejected, VersionExists
@@ -43,6 +50,11 @@ from tandem.runs import adapter_name, check_run_name
 MANIFEST = "manifest.json"
 ADAPTER_DIR = "adapter"
 TRAINER_DIR = "trainer"
+
+#: The checksum of the files of a manifest; new versions get `CHECKSUM`.
+Checksum = Literal["sha256", "xxh3_128"]
+CHECKSUM: Checksum = "xxh3_128"
+_READ_CHUNK = 8 << 20
 
 
 class Manifest(BaseModel):
@@ -60,7 +72,9 @@ class Manifest(BaseModel):
     lora_rank: int = Field(ge=1)
     created_at: float = Field(default_factory=time.time)
     files: dict[str, str] = Field(default_factory=dict)
-    """Path relative to the version directory -> sha256 hex."""
+    """Path relative to the version directory -> its checksum, hex."""
+    checksum: Checksum = "sha256"
+    """The algorithm of `files` (manifests written before it was named are sha256)."""
     metrics: dict[str, float] = Field(default_factory=dict)
 
     @property
@@ -68,12 +82,20 @@ class Manifest(BaseModel):
         return adapter_name(self.run, self.version)
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def new_hasher(algorithm: Checksum) -> Any:
+    """A streaming hasher (`update`, `hexdigest`) of `algorithm`."""
+    return xxhash.xxh3_128() if algorithm == "xxh3_128" else hashlib.sha256()
+
+
+def file_checksum(path: Path, algorithm: Checksum = CHECKSUM) -> str:
+    """The checksum of a file's bytes, hex."""
+    h = new_hasher(algorithm)
+    with path.open("rb", buffering=0) as f:
+        buffer = bytearray(_READ_CHUNK)
+        view = memoryview(buffer)
+        while n := f.readinto(buffer):
+            h.update(view[:n])
+    return str(h.hexdigest())
 
 
 def read_adapter_config(directory: str | Path) -> dict[str, Any]:
@@ -224,30 +246,48 @@ class AdapterStore:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def publish(self, staged: Path, manifest: Manifest) -> Manifest:
-        """Checksum, fsync and rename a staged directory into place as `manifest.version`.
+    def publish(
+        self, staged: Path, manifest: Manifest, *, checksums: dict[str, str] | None = None, durable: bool = True
+    ) -> Manifest:
+        """Checksum and rename a staged directory into place as `manifest.version`.
 
-        Raises VersionExists when that version is already published (versions are immutable).
+        `checksums` (path relative to `staged` -> xxh3-128 hex) are those its writer computed
+        from the bytes it wrote; every other file is read and hashed here. `durable`: fsync
+        the files before the rename, so the version is on disk once visible; with False the
+        caller must `sync` it, and until then a power loss may leave it torn (its checksums
+        then refuse it). Raises VersionExists when that version is already published
+        (versions are immutable).
         """
         final = self.version_dir(manifest.run, manifest.version)
+        given = checksums or {}
         with ThreadPoolExecutor(max_workers=1) as pool:
-            synced = pool.submit(_fsync_tree, staged)  # the bytes go to disk while they are hashed
-            files = {
-                str(p.relative_to(staged)): sha256_file(p)
-                for p in sorted(staged.rglob("*"))
-                if p.is_file() and p.name != MANIFEST
-            }
-            synced.result()
-        manifest = manifest.model_copy(update={"files": files, "created_at": time.time()})
+            synced = pool.submit(_fsync_tree, staged) if durable else None  # to disk while hashed
+            files = {}
+            for p in sorted(staged.rglob("*")):
+                if p.is_file() and p.name != MANIFEST:
+                    rel = str(p.relative_to(staged))
+                    files[rel] = given.get(rel) or file_checksum(p)
+            if synced is not None:
+                synced.result()
+        manifest = manifest.model_copy(update={"files": files, "checksum": CHECKSUM, "created_at": time.time()})
         (staged / MANIFEST).write_text(manifest.model_dump_json(indent=2))
-        _fsync(staged / MANIFEST)
-        _fsync(staged)
+        if durable:
+            _fsync(staged / MANIFEST)
+            _fsync(staged)
         if final.exists():
             shutil.rmtree(staged, ignore_errors=True)
             raise VersionExists(f"{manifest.run} v{manifest.version} is already published at {final}")
         os.rename(staged, final)
-        _fsync(final.parent)
+        if durable:
+            _fsync(final.parent)
         return manifest
+
+    def sync(self, run: str, version: int) -> None:
+        """fsync a published version's files and directories, and its entry in the run's
+        directory: afterwards a power loss cannot tear it. Cheap when already on disk."""
+        vdir = self.version_dir(run, version)
+        _fsync_tree(vdir)
+        _fsync(vdir.parent)
 
     def check(
         self, run: str, version: int, *, path: str | Path | None = None, only: str | None = None
@@ -318,7 +358,7 @@ class AdapterStore:
             if only is not None and PurePosixPath(rel).parts[0] != only:
                 continue
             try:
-                actual = sha256_file(vdir / rel)
+                actual = file_checksum(vdir / rel, manifest.checksum)
             except OSError as exc:
                 raise AdapterRejected(f"{run} v{version}: cannot read {rel}: {exc}") from exc
             if actual != digest:

@@ -68,6 +68,11 @@ def gpu_lease() -> str:
     return f"{PREFIX}:gpu:lease"
 
 
+def gpu_lease_bell(side: str) -> str:
+    """A list the other side pushes to when the GPU lease changes in a way `side` waits for."""
+    return f"{PREFIX}:gpu:lease:bell:{side}"
+
+
 def trainer_alive(worker_name: str) -> str:
     """Short-TTL key a live trainer worker keeps refreshing; value = its instance token."""
     return f"{PREFIX}:trainer:{worker_name}:alive"

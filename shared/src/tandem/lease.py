@@ -7,7 +7,11 @@ lease has an expiry that its holder renews, so a trainer that dies holding it ca
 the GPU from inference for longer than one TTL.
 
 Redis layout (key `tandem:gpu:lease`, a hash): holder, state (`requested` -> `granted`),
-expires_at. Expiry is Redis' own (PEXPIRE), renewed by the holder. Every public method raises
+expires_at. Expiry is Redis' own (PEXPIRE), renewed by the holder. Each side also has a bell,
+a list of at most one entry (`tandem:gpu:lease:bell:<side>`) that the other side rings on a
+change it waits for (request and release ring inference's, grant rings the trainer's), so a
+waiter blocks on the bell and wakes at once instead of polling; the lease itself stays the
+truth, and a waiter looks at it again after every ring or timeout. Every public method raises
 `BackendUnavailable`, naming the Redis URL, when Redis fails; no redis-py error leaves this
 module.
 """
@@ -23,6 +27,9 @@ import redis
 from tandem import keys
 from tandem.connection import text, translated
 from tandem.errors import LeaseTimeout, ValidationFailed
+
+#: The two sides of the lease, as their bells name them.
+TRAINER, INFERENCE = "trainer", "inference"
 
 
 class LeaseState(StrEnum):
@@ -51,18 +58,21 @@ class GpuLease:
             _, holder = pipe.execute()
             if holder is None or text(holder) != self.holder:
                 return False
-            self.conn.hsetnx(self.key, "state", LeaseState.REQUESTED.value)
+            if self.conn.hsetnx(self.key, "state", LeaseState.REQUESTED.value):
+                self.ring(INFERENCE)
             self.conn.pexpire(self.key, self.ttl_ms)
         return True
 
-    def acquire(self, *, wait_s: float, poll_s: float = 0.05) -> float:
-        """Request the GPU and wait until inference granted it; returns seconds waited."""
+    def acquire(self, *, wait_s: float, poll_s: float = 0.5) -> float:
+        """Request the GPU and wait until inference granted it; returns seconds waited.
+
+        Between looks at the lease it waits for the trainer's bell, at most `poll_s`."""
         t0 = time.monotonic()
         deadline = t0 + wait_s
-        while time.monotonic() < deadline:
+        while (left := deadline - time.monotonic()) > 0:
             if self.request() and self.state() is LeaseState.GRANTED:
                 return time.monotonic() - t0
-            time.sleep(poll_s)
+            self.wait_bell(TRAINER, min(poll_s, left))
         self.release()
         raise LeaseTimeout(
             f"inference did not release the GPU within {wait_s:.0f} s (lease {self.key}); "
@@ -83,6 +93,7 @@ class GpuLease:
             holder = self.conn.hget(self.key, "holder")
             if holder is not None and text(holder) == self.holder:
                 self.conn.delete(self.key)
+                self.ring(INFERENCE)
 
     # inference side ------------------------------------------------------------
     def state(self) -> LeaseState | None:
@@ -105,3 +116,21 @@ class GpuLease:
         with translated(self.conn, f"grant the GPU lease {self.key}"):
             if self.conn.exists(self.key):
                 self.conn.hset(self.key, "state", LeaseState.GRANTED.value)
+                self.ring(TRAINER)
+
+    # bells -------------------------------------------------------------------
+    def ring(self, side: str) -> None:
+        """Wake whoever waits on `side`'s bell (one pending ring is kept, for a minute)."""
+        bell = keys.gpu_lease_bell(side)
+        with translated(self.conn, f"ring the GPU lease bell {bell}"):
+            pipe = self.conn.pipeline()
+            pipe.lpush(bell, "1")
+            pipe.ltrim(bell, 0, 0)
+            pipe.pexpire(bell, 60_000)
+            pipe.execute()
+
+    def wait_bell(self, side: str, timeout_s: float) -> bool:
+        """Block until `side`'s bell rings or `timeout_s` passes; whether it rang."""
+        bell = keys.gpu_lease_bell(side)
+        with translated(self.conn, f"wait for the GPU lease bell {bell}"):
+            return self.conn.blpop([bell], timeout=max(timeout_s, 0.01)) is not None

@@ -273,12 +273,11 @@ class TrainerBackendSettings(BaseModel):
     """Token budget of one micro-batch (padded tokens); larger batches accumulate gradients."""
     gradient_checkpointing: bool = True
     """Recompute activations in backward on CUDA (less memory, ~30% more compute); ignored on CPU."""
-    adapter_dtype: Literal["float32", "auto", "bfloat16", "float16"] = "float32"
+    adapter_dtype: Literal["float32", "auto", "bfloat16", "float16"] = "auto"
     """Dtype of the published adapter weights, the bytes on the path to serving. `auto` is the
-    trainer's compute dtype (bfloat16 on GPUs). A narrower adapter halves the bytes to write,
-    check and load; the float32 master weights then go into the version's trainer state, so
-    resuming loses no precision. float32 by default: with Unsloth on a 0.5B shape, saving a
-    bfloat16 adapter measured 620 ms a version against ~75 ms (docs/benchmarks.md)."""
+    trainer's compute dtype: bfloat16 on GPUs that have it (engines serve in it anyway), float32
+    on the CPU. A narrower adapter halves the bytes to copy, write, check and load; the float32
+    master weights then go into the version's trainer state, so resuming loses no precision."""
 
 
 #: Where `tandem up` (run from this directory) writes the gateway and Redis URLs of its stack.

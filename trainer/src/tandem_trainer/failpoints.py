@@ -29,7 +29,8 @@ POINTS = (
     "weights_written",    # the adapter is in the staging directory; no manifest, not renamed
     "after_rename",       # the version is renamed into place; not registered
     "after_register",     # registered in Redis; `adapter_ready` not appended
-    "after_announce",     # `adapter_ready` appended; trainer state not written
+    "after_announce",     # `adapter_ready` appended; the version's files not fsynced yet
+    "after_sync",         # the version's files fsynced; trainer state not written
     "state_written",      # trainer state written to its staging directory; not renamed
     "after_state",        # trainer state in place; the job function has not returned
     "before_finish",      # the job function returned; rq has not stored the result

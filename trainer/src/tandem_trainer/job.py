@@ -17,6 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import redis
 import torch
@@ -30,6 +31,7 @@ from tandem.registry import Registry
 from tandem.runs import RunSpec
 from tandem.settings import TrainerSettings
 from tandem_trainer import failpoints
+from tandem_trainer.adapter_files import StagedAdapter
 from tandem_trainer.backends.base import Backend, ModelInfo
 from tandem_trainer.errors import CheckpointError, JobRejected, TrainStepFailed
 from tandem_trainer.gpu_sharing import SharedGpu
@@ -40,6 +42,17 @@ from tandem_trainer.run_lock import RunLock
 from tandem_trainer.turns import check_trained_spans
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Trained:
+    """A step's outcome before it is published: the version's manifest and its staged adapter."""
+
+    manifest: Manifest
+    adapter: StagedAdapter
+    train_s: float
+    stepped_at: float
+    """Wall clock when the optimizer step was done on the device."""
 
 
 def _names(payload: TrainJob | JsonValue, queued_as: str | None) -> tuple[str, str | None]:
@@ -106,12 +119,13 @@ class Trainer:
                         version = latest + 1
                         self._check_versions(job, spec, latest)
                         if self.gpu is None:
-                            result = self._train(job, spec, info, latest)
+                            trained = self._train(job, spec, info, latest)
                         else:
                             with self.gpu.held() as waited:
-                                result = self._train(job, spec, info, latest, gpu_wait_s=waited)
-                        # off the path to serving: after the announcement, and after the GPU went
-                        # back to inference in shared mode
+                                trained = self._train(job, spec, info, latest, gpu_wait_s=waited)
+                        # in shared mode the GPU is back with inference while the files are written
+                        result = self._publish(job, trained)
+                        # off the path to serving: after the announcement
                         self._save_state(job, version, result.parent)
                 finally:
                     lock.release()
@@ -226,18 +240,19 @@ class Trainer:
         return 0
 
     def _missing(self, run: str, version: int) -> str | None:
-        """What is missing from a version's directory (its manifest, a file it lists), or None."""
+        """Why a version's files cannot be trained from (its manifest or a file it lists is
+        missing, or a checksum does not match: a version torn by a power loss before its
+        files reached the disk), or None."""
         try:
-            manifest = self.store.read_manifest(run, version)
+            self.store.verify(run, version)
         except AdapterRejected as exc:
             return str(exc)
-        vdir = self.store.version_dir(run, version)
-        gone = sorted(rel for rel in manifest.files if not (vdir / rel).is_file())
-        return f"{run} v{version}: {', '.join(gone)} missing" if gone else None
+        return None
 
     def _train(self, job: TrainJob, spec: RunSpec, info: ModelInfo, latest: int,
-               gpu_wait_s: float | None = None) -> TrainResult:
-        """One step from the run's newest intact version; publishes version `latest + 1`.
+               gpu_wait_s: float | None = None) -> Trained:
+        """One step from the run's newest intact version, staged in host memory as version
+        `latest + 1`: everything of the job that needs the device.
 
         `gpu_wait_s` (shared mode: how long the job waited for the GPU) goes into the version's
         metrics with the rest, so `adapter_ready` carries it too: a client that takes its result
@@ -281,8 +296,10 @@ class Trainer:
                 if fwd.entropy is not None:
                     stats.add({"entropy": float((fwd.entropy * mb.mask).sum())})
             grad_norms.append(self.backend.step(spec.optimizer.max_grad_norm))
+        self.backend.synchronize()  # the step is done when the device is, not when it was queued
         train_s = time.perf_counter() - started
         stepped_at = time.time()
+        adapter = self.backend.stage_adapter()
         metrics = {
             **stats.metrics(), **reward_stats(rewards), "grad_norm": grad_norms[-1],
             "tokens": float(sum(mb.tokens for mb in batches)), "sequences": float(len(samples)),
@@ -295,8 +312,11 @@ class Trainer:
             run=job.run, version=latest + 1, parent=parent, step=job.step, job_id=job.job_id,
             base_model=spec.base_model, lora_rank=spec.lora.r, metrics=metrics,
         )
-        result = self.publisher.publish(job, manifest, self.backend.save_adapter, train_s=train_s,
-                                        stepped_at=stepped_at)
+        return Trained(manifest, adapter, train_s=train_s, stepped_at=stepped_at)
+
+    def _publish(self, job: TrainJob, trained: Trained) -> TrainResult:
+        result = self.publisher.publish(job, trained.manifest, trained.adapter, train_s=trained.train_s,
+                                        stepped_at=trained.stepped_at)
         self.backend.mark_active(job.run, result.version, self.store.version_dir(job.run, result.version))
         return result
 

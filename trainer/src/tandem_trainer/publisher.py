@@ -1,7 +1,12 @@
 """Publishing a trained version, and finding again what a job already published.
 
-A version is published in three steps: its files are renamed into the store (the store makes
-that atomic), it is registered in Redis, and `adapter_ready` is appended to the event stream.
+A version is published in four steps: its files are written and renamed into the store (the
+store makes that atomic), it is registered in Redis, `adapter_ready` is appended to the event
+stream, and then its files are fsynced. The fsync comes after the announcement, off the path
+to serving: until it is done a power loss can tear files that are already visible, and their
+checksums, checked by the controller beside every load and by the trainer before it resumes
+from a version, refuse them (docs/architecture.md, "Durability"). A job returns only after the
+fsync, so a finished job's version is on disk.
 A crash can cut that short between any two, so a job that runs again looks for what its first
 attempt did before it trains: a version registered under its job id is returned again (and
 announced, if the crash came before the announcement); a version that reached the store but
@@ -13,10 +18,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
-from pathlib import Path
 
 import redis
+from pydantic import JsonValue
 
 from tandem.adapters import ADAPTER_DIR, AdapterStore, Manifest
 from tandem.errors import AdapterRejected
@@ -24,6 +28,7 @@ from tandem.events import Event, EventKind, EventStream
 from tandem.jobs import TrainJob, TrainResult
 from tandem.registry import Registry
 from tandem_trainer import failpoints
+from tandem_trainer.adapter_files import StagedAdapter
 from tandem_trainer.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -52,47 +57,60 @@ class Publisher:
         self.registry, self.events = Registry(conn), EventStream(conn)
 
     # publishing ---------------------------------------------------------------
-    def publish(self, job: TrainJob, manifest: Manifest, write_adapter: Callable[[Path], None], *,
+    def publish(self, job: TrainJob, manifest: Manifest, adapter: StagedAdapter, *,
                 train_s: float, stepped_at: float) -> TrainResult:
-        """Stage the version, let `write_adapter` fill its `adapter/`, rename it into place, announce it."""
+        """Write the staged adapter into a new version, rename it into place, announce it, fsync it."""
         removed = self.store.remove_stale_staging(job.run)
         if removed:
             log.info("store.staging.cleaned run=%s removed=%d", job.run, removed)
         t0 = time.perf_counter()
         with self.store.staging(job.run, manifest.version) as staged:
             failpoints.hit("staging_created")
-            write_adapter(staged / ADAPTER_DIR)
+            checksums = adapter.write(staged / ADAPTER_DIR)
             failpoints.hit("weights_written")
             t1 = time.perf_counter()
-            manifest = self.store.publish(staged, manifest)
+            manifest = self.store.publish(staged, manifest, checksums=checksums, durable=False)
         failpoints.hit("after_rename")
         published_at = time.time()
         t2 = time.perf_counter()
-        self.announce(manifest, published_at=published_at, stepped_at=stepped_at)
+        stages = {"copy": adapter.copy_ms, "write": (t1 - t0) * 1000, "rename": (t2 - t1) * 1000}
+        self.announce(manifest, published_at=published_at, stepped_at=stepped_at, stages_ms=stages)
         failpoints.hit("after_announce")
-        log.info("publish run=%s version=%d save_ms=%.1f checksum_fsync_rename_ms=%.1f announce_ms=%.1f",
-                 job.run, manifest.version, (t1 - t0) * 1000, (t2 - t1) * 1000, (time.perf_counter() - t2) * 1000)
+        t3 = time.perf_counter()
+        self.store.sync(job.run, manifest.version)
+        failpoints.hit("after_sync")
+        log.info("publish run=%s version=%d bytes=%d copy_ms=%.1f write_ms=%.1f rename_ms=%.1f announce_ms=%.1f "
+                 "fsync_ms=%.1f (after the announcement)", job.run, manifest.version, adapter.nbytes,
+                 adapter.copy_ms, stages["write"], stages["rename"], (t3 - t2) * 1000,
+                 (time.perf_counter() - t3) * 1000)
         return result_of(manifest, reused=False, train_s=train_s, published_at=published_at)
 
-    def announce(self, manifest: Manifest, *, published_at: float, stepped_at: float | None = None) -> None:
+    def announce(self, manifest: Manifest, *, published_at: float, stepped_at: float | None = None,
+                 stages_ms: dict[str, float] | None = None) -> None:
         """Register the version and append `adapter_ready`.
 
-        `stepped_at` (the last optimizer step) and `published_at` (the version renamed into
-        place) let anyone reading the stream time each stage of the sync path.
+        `stepped_at` (the last optimizer step, done on the device), `published_at` (the
+        version renamed into place) and `stages_ms` (the publish's stages: device -> host
+        copy, write with checksums, rename) let anyone reading the stream time each stage of
+        the sync path.
         """
         self.registry.register_version(manifest)
         failpoints.hit("after_register")
-        self._append_ready(manifest, published_at=published_at, stepped_at=stepped_at)
+        self._append_ready(manifest, published_at=published_at, stepped_at=stepped_at, stages_ms=stages_ms)
 
-    def _append_ready(self, manifest: Manifest, *, published_at: float, stepped_at: float | None = None) -> None:
+    def _append_ready(self, manifest: Manifest, *, published_at: float, stepped_at: float | None = None,
+                      stages_ms: dict[str, float] | None = None) -> None:
         adapter = self.store.adapter_dir(manifest.run, manifest.version)
+        data: dict[str, JsonValue] = {
+            "path": str(adapter.relative_to(self.store.root)),
+            "step": manifest.step, "parent": manifest.parent, "metrics": dict(manifest.metrics),
+            "published_at": published_at, "stepped_at": stepped_at,
+        }
+        if stages_ms:
+            data["stages_ms"] = {k: round(v, 3) for k, v in stages_ms.items()}
         self.events.append(Event(
             kind=EventKind.ADAPTER_READY, run=manifest.run, version=manifest.version, job_id=manifest.job_id,
-            data={
-                "path": str(adapter.relative_to(self.store.root)),
-                "step": manifest.step, "parent": manifest.parent, "metrics": manifest.metrics,
-                "published_at": published_at, "stepped_at": stepped_at,
-            },
+            data=data,
         ))
 
     # finding what a job already did ---------------------------------------------
@@ -106,7 +124,15 @@ class Publisher:
             log.warning("announce.resumed run=%s version=%d job_id=%s: registered but never announced",
                         manifest.run, manifest.version, manifest.job_id)
             self._append_ready(manifest, published_at=manifest.created_at)
+        self._sync(manifest)  # its first run may have died before the fsync
         return result_of(manifest, reused=True)
+
+    def _sync(self, manifest: Manifest) -> None:
+        try:
+            self.store.sync(manifest.run, manifest.version)
+        except FileNotFoundError:
+            log.warning("sync.skipped run=%s version=%d: its directory is gone from the store",
+                        manifest.run, manifest.version)
 
     def announced(self, manifest: Manifest) -> bool:
         """Whether the stream holds this version's `adapter_ready`.
@@ -141,6 +167,7 @@ class Publisher:
                 log.warning("orphan %s v%d failed verification (%s); moved aside", job.run, version, exc)
                 break
             self.announce(manifest, published_at=time.time())
+            self._sync(manifest)
             log.info("orphan.adopted run=%s version=%d job_id=%s", job.run, version, manifest.job_id)
         return self.reused(job)
 

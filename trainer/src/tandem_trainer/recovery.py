@@ -156,7 +156,7 @@ def _take_lock(conn: redis.Redis, token: str) -> bool:
         return True
     with conn.pipeline() as pipe:
         try:
-            pipe.watch(RECOVERY_LOCK)
+            pipe.watch(RECOVERY_LOCK)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
             held = pipe.get(RECOVERY_LOCK)
             if held is not None and ("#" not in (owner := text(held)) or owner_alive(conn, owner)):
                 return False  # held by a live worker (or by a caller without a liveness key)
@@ -173,7 +173,7 @@ def _take_lock(conn: redis.Redis, token: str) -> bool:
 def _release_lock(conn: redis.Redis, token: str) -> None:
     with conn.pipeline() as pipe:
         try:
-            pipe.watch(RECOVERY_LOCK)
+            pipe.watch(RECOVERY_LOCK)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
             if (held := pipe.get(RECOVERY_LOCK)) is not None and text(held) == token:
                 pipe.multi()
                 pipe.delete(RECOVERY_LOCK)

@@ -24,6 +24,7 @@ from tandem.runs import RunSpec
 if TYPE_CHECKING:
     import torch
 
+    from tandem_trainer.adapter_files import StagedAdapter
     from tandem_trainer.microbatch import MicroBatch
 
 #: File names inside a version's `adapter/` (what engines load) and `trainer/` (resume state).
@@ -96,8 +97,14 @@ class Backend(ABC):
         """
 
     @abstractmethod
-    def save_adapter(self, adapter_dir: Path) -> None:
-        """Write adapter_config.json + adapter_model.safetensors (what the engine loads)."""
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (a no-op on the CPU): call before reading a clock."""
+
+    @abstractmethod
+    def stage_adapter(self) -> StagedAdapter:
+        """Copy the adapter to host memory in the adapter's dtype, waiting for the copies; the
+        StagedAdapter writes adapter_config.json + adapter_model.safetensors (what engines
+        load) without the device. Valid until the next call."""
 
     @abstractmethod
     def save_state(self, trainer_dir: Path, *, trainer_state: dict[str, JsonValue]) -> None:

@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from tandem.runs import RunSpec
+from tandem_trainer.adapter_files import HostBuffers, StagedAdapter
 from tandem_trainer.backends.base import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -72,6 +73,7 @@ class PeftBackend(Backend):
         self._optimizer: torch.optim.Optimizer | None = None
         self._params: list[tuple[str, torch.nn.Parameter]] = []
         self._active: tuple[str, int, str, str] | None = None
+        self._host = HostBuffers(self.device)
 
     # model ------------------------------------------------------------------
     def model_info(self, base_model: str) -> ModelInfo:
@@ -147,6 +149,7 @@ class PeftBackend(Backend):
 
     def _drop_all(self) -> None:
         self._drop_adapter()
+        self._host.clear()
         self._base, self._base_name = None, None
         gc.collect()
         if self.device.type == "cuda":
@@ -271,24 +274,23 @@ class PeftBackend(Backend):
         self._optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def save_adapter(self, adapter_dir: Path) -> None:
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def stage_adapter(self) -> StagedAdapter:
         model, spec = self._require_model(), self._spec
         assert spec is not None
-        # one copy per tensor: gathering them on the device first (torch.cat, one copy) measured
-        # 630 ms a version with Unsloth against 74 ms (docs/benchmarks.md)
-        weights = {k: v.detach().to("cpu", dtype=self.adapter_dtype if v.is_floating_point() else v.dtype)
-                   .contiguous() for k, v in get_peft_model_state_dict(model).items()}
         config = copy.deepcopy(model.peft_config["default"])
         assert isinstance(config, LoraConfig), "the adapter was made from a LoraConfig"
         config.inference_mode = True
         config.base_model_name_or_path = spec.base_model
         if not isinstance(config.target_modules, str | None):  # a set in memory; stable bytes on disk
             config.target_modules = sorted(config.target_modules)
-        try:
-            save_file(weights, str(adapter_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-            config.save_pretrained(str(adapter_dir))
-        except (OSError, SafetensorError) as exc:
-            raise CheckpointError(f"{spec.name}: cannot write the adapter to {adapter_dir}: {exc}") from exc
+        # one copy per tensor into buffers kept from the last version: gathering them on the
+        # device first (torch.cat, one copy) measured 630 ms a version with Unsloth against 74
+        # ms (docs/benchmarks.md)
+        return self._host.stage(get_peft_model_state_dict(model), self.adapter_dtype, config)
 
     def save_state(self, trainer_dir: Path, *, trainer_state: dict[str, JsonValue]) -> None:
         assert self._optimizer is not None

@@ -1,0 +1,88 @@
+"""The adapter's way out: host buffers reused across versions, and safetensors written from them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from tandem.adapters import file_checksum
+from tandem_trainer.adapter_files import HostBuffers, write_safetensors
+from tandem_trainer.errors import CheckpointError
+
+
+def lora_tensors(seed: int, rank: int = 4) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "base_model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(rank, 32, generator=g),
+        "base_model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(32, rank, generator=g),
+        "base_model.model.layers.1.mlp.down_proj.lora_A.weight": torch.randn(rank, 64, generator=g),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_file_reads_back_with_safetensors_bit_for_bit(tmp_path: Path, dtype: torch.dtype) -> None:
+    tensors = {k: v.to(dtype) for k, v in lora_tensors(1).items()}
+    path = tmp_path / "adapter_model.safetensors"
+    digest = write_safetensors(path, tensors, {"format": "pt"})
+    back = load_file(path)
+    assert back.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert back[name].dtype == dtype and torch.equal(back[name], tensor), name
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    assert digest == file_checksum(path)  # hashed as written equals hashed when read back
+
+
+def test_odd_shapes_and_an_empty_tensor_keep_the_data_aligned(tmp_path: Path) -> None:
+    tensors = {"a": torch.arange(3, dtype=torch.bfloat16), "empty": torch.zeros(0, 5),
+               "scalar": torch.tensor(2.5), "b": torch.ones(7, 3, dtype=torch.float16)}
+    path = tmp_path / "w.safetensors"
+    write_safetensors(path, tensors)
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    assert header_len % 8 == 0
+    back = load_file(path)
+    assert {k: v.shape for k, v in back.items()} == {k: v.shape for k, v in tensors.items()}
+    assert torch.equal(back["a"], tensors["a"]) and torch.equal(back["scalar"], tensors["scalar"])
+
+
+def test_a_tensor_that_is_not_contiguous_on_the_cpu_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="'t'.*contiguous"):
+        write_safetensors(tmp_path / "w.safetensors", {"t": torch.ones(4, 4).t()})
+
+
+def test_buffers_are_kept_across_versions_and_cast_to_the_adapter_dtype() -> None:
+    host = HostBuffers(torch.device("cpu"))
+    first = host.fill(lora_tensors(1), torch.bfloat16)
+    kept = {k: v.data_ptr() for k, v in first.items()}
+    assert all(v.dtype == torch.bfloat16 for v in first.values())
+    second = host.fill(lora_tensors(2), torch.bfloat16)
+    assert {k: v.data_ptr() for k, v in second.items()} == kept  # the same memory, refilled
+    for name, tensor in lora_tensors(2).items():
+        assert torch.equal(second[name], tensor.to(torch.bfloat16))
+
+
+def test_buffers_follow_a_change_of_rank_and_drop_tensors_that_are_gone() -> None:
+    host = HostBuffers(torch.device("cpu"))
+    host.fill(lora_tensors(1, rank=4), torch.float32)
+    wider = lora_tensors(1, rank=8)
+    del wider["base_model.model.layers.1.mlp.down_proj.lora_A.weight"]
+    filled = host.fill(wider, torch.float32)
+    assert filled.keys() == wider.keys() and host._buffers.keys() == wider.keys()
+    assert all(filled[k].shape == wider[k].shape for k in wider)
+
+
+def test_the_staged_adapter_writes_what_peft_and_the_manifest_need(tmp_path: Path) -> None:
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], base_model_name_or_path="base")
+    staged = HostBuffers(torch.device("cpu")).stage(lora_tensors(3), torch.bfloat16, config)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    checksums = staged.write(adapter)
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert checksums == {f"adapter/{p.name}": file_checksum(p) for p in adapter.iterdir()}
+    assert LoraConfig.from_pretrained(str(adapter)).r == 4
+    assert staged.nbytes == sum(t.numel() * 2 for t in lora_tensors(3).values())

@@ -1,0 +1,156 @@
+"""The adapter on its way out: device tensors -> reusable host buffers -> the version's files.
+
+Publishing is on the path to serving, so the bytes are touched as few times as the format
+allows. `HostBuffers.fill` copies each LoRA tensor, already cast to the adapter's dtype on
+the device, into a host buffer kept from the previous version (pinned on CUDA, so the copies
+are asynchronous and the one synchronise at the end waits for all of them); the trainer can
+give the GPU back right after. `StagedAdapter.write` then writes `adapter_model.safetensors`
+straight from those buffers and hashes the same bytes as they go out: no serialised copy of
+the adapter is ever built, and nothing reads the file back to checksum it.
+
+The safetensors layout (an 8-byte little-endian header length, a JSON header naming each
+tensor's dtype, shape and byte range, then the tensors' bytes back to back) is written here
+because the library's writer serialises every tensor to a new `bytes` first; files are read
+back with the library everywhere (engines, peft, the tests).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import struct
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig
+
+from tandem.adapters import ADAPTER_DIR, CHECKSUM, file_checksum, new_hasher
+from tandem_trainer.backends.base import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from tandem_trainer.errors import CheckpointError
+
+#: safetensors' names of the dtypes an adapter may hold.
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+class HostBuffers:
+    """Host tensors that hold the adapter between the device and the file, kept across versions.
+
+    A buffer is made again only when its tensor's shape or dtype changes (another run or
+    rank); one whose tensor is gone is dropped. On CUDA the buffers are pinned.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def fill(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Copy `tensors` (floating ones cast to `dtype` on their device) into the buffers and
+        wait for the copies; returns the filled buffers, by name, in `tensors`' order."""
+        filled: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            source = tensor.detach()
+            if source.is_floating_point() and source.dtype != dtype:
+                source = source.to(dtype)  # on the device: half the bytes cross the bus
+            buffer = self._buffers.get(name)
+            if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+                buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=self.pinned)
+                self._buffers[name] = buffer
+            buffer.copy_(source, non_blocking=self.pinned)
+            filled[name] = buffer
+        for name in self._buffers.keys() - filled.keys():
+            del self._buffers[name]
+        if self.pinned:
+            torch.cuda.synchronize(self.device)
+        return filled
+
+    def stage(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, config: LoraConfig) -> StagedAdapter:
+        """`fill`, as a StagedAdapter that remembers how long the copies took."""
+        t0 = time.perf_counter()
+        filled = self.fill(tensors, dtype)
+        return StagedAdapter(filled, config, copy_ms=(time.perf_counter() - t0) * 1000)
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+@dataclass
+class StagedAdapter:
+    """One version's adapter in host memory, ready to be written into a version directory."""
+
+    tensors: dict[str, torch.Tensor]
+    """Host tensors in the adapter's dtype (the backend's reused buffers: write before the next stage)."""
+    config: LoraConfig
+    """What goes into adapter_config.json."""
+    copy_ms: float
+    """Device -> host, synchronised: the time the stage took."""
+    metadata: dict[str, str] = field(default_factory=lambda: {"format": "pt"})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def write(self, adapter_dir: Path) -> dict[str, str]:
+        """Write adapter_model.safetensors and adapter_config.json into `adapter_dir`; returns
+        their checksums (`CHECKSUM`) by path relative to the version directory. Raises
+        CheckpointError naming the directory when it cannot be written."""
+        try:
+            digest = write_safetensors(adapter_dir / ADAPTER_WEIGHTS, self.tensors, self.metadata)
+            copy.deepcopy(self.config).save_pretrained(str(adapter_dir))
+        except OSError as exc:
+            raise CheckpointError(f"cannot write the adapter to {adapter_dir}: {exc}") from exc
+        return {
+            f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}": digest,
+            f"{ADAPTER_DIR}/{ADAPTER_CONFIG}": file_checksum(adapter_dir / ADAPTER_CONFIG, CHECKSUM),
+        }
+
+
+def safetensors_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The length prefix and JSON header of a safetensors file holding `tensors` in their order."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot hold here")
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor],
+                      metadata: Mapping[str, str] | None = None) -> str:
+    """Write `tensors` (contiguous, on the CPU) as a safetensors file; returns the file's
+    checksum (`CHECKSUM`), computed from the bytes as they are written. Raises OSError."""
+    for name, tensor in tensors.items():
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise CheckpointError(f"tensor {name!r} must be contiguous on the CPU to be written (it is on "
+                             f"{tensor.device}, contiguous={tensor.is_contiguous()})")
+    head = safetensors_header(tensors, metadata)
+    hasher = new_hasher(CHECKSUM)
+    hasher.update(head)
+    with path.open("wb", buffering=0) as f:
+        f.write(head)
+        for tensor in tensors.values():
+            if tensor.numel() == 0:
+                continue
+            data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy().data)
+            hasher.update(data)
+            _write_all(f, data)
+    return str(hasher.hexdigest())
+
+
+def _write_all(f: Any, data: memoryview) -> None:
+    """An unbuffered write may take fewer bytes than given (Linux caps one call near 2 GiB)."""
+    while data:
+        data = data[f.write(data):]
