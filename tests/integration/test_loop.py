@@ -9,11 +9,14 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+import httpx
 import pytest
+from helpers.waiting import wait_until
 
 from tandem import Client, LoraConfig, OptimizerConfig
 from tandem.dev import toy
 from tandem.dev.stack import Stack, StackConfig
+from tandem.replicas import Replicas, ReplicaState, RunHolding
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -69,4 +72,25 @@ def test_async_loop_never_serves_rollouts_older_than_max_staleness(stack: Stack,
         assert all(parent - v <= 1 for v in r["versions"]), (r["step"], sorted(set(r["versions"])))
     assert not [e for e in run.history() if e.kind in ("train_failed", "adapter_rejected")]
     assert run.status()["serving_version"] == 14
+    client.close()
+
+
+def test_the_inference_service_reports_itself_as_a_replica(stack: Stack, tiny_model: Path) -> None:
+    client = Client(stack.gateway_url, stack.redis_url)
+    run = client.create_run("replica-seen", base_model=str(tiny_model), lora=LoraConfig(r=4))
+    play(run, toy.digit_token_ids(tiny_model), 1, wait=True)
+
+    def heartbeat_serves_v1() -> list[ReplicaState]:
+        live = Replicas(client.conn).live()
+        return live if live and live[0].runs.get(run.name, RunHolding()).serving == 1 else []
+
+    wait_until(heartbeat_serves_v1, 30, "the replica's heartbeat to show v1 serving")
+    [replica] = Replicas(client.conn).live()
+    assert replica.ready and replica.runs[run.name].loaded == [1]
+    assert replica.url.endswith(":" + stack.gateway_url.rsplit(":", 1)[1])
+    [loaded] = [e for e in run.history() if e.kind == "adapter_loaded"]
+    assert loaded.data["replica"] == replica.id
+    reply = httpx.post(f"{stack.gateway_url}/v1/completions", json={"model": run.name, "prompt": "1", "max_tokens": 1},
+                       timeout=30)
+    assert reply.headers["x-tandem-replica"] == replica.id and reply.headers["x-tandem-version"] == "1"
     client.close()

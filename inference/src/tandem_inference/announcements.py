@@ -19,8 +19,10 @@ class Announcer:
     """The controller's writes to Redis (and the gauges that mirror a run's status)."""
 
     def __init__(self, registry: Registry, events: EventStream, table: RoutingTable,
-                 metrics: ControllerMetrics) -> None:
+                 metrics: ControllerMetrics, *, replica: str = "") -> None:
         self.registry = registry
+        self.replica = replica
+        """This replica's id: `adapter_loaded` and `adapter_rejected` name it."""
         self.events = events
         self.table = table
         self.metrics = metrics
@@ -42,6 +44,7 @@ class Announcer:
         self.registry.set_serving(manifest.run, self.table.serving(manifest.run))
         data: dict[str, object] = {
             "adapter": name,
+            "replica": self.replica,
             "load_ms": round(load_ms, 3),
             "ready_to_loaded_ms": None if ready_to_loaded_ms is None else round(ready_to_loaded_ms, 3),
             "step": manifest.step,
@@ -56,7 +59,7 @@ class Announcer:
     def rejected(self, run: str, version: int | None, message: str, job_id: str | None) -> None:
         """Append `adapter_rejected` with the reason."""
         event = Event(kind=EventKind.ADAPTER_REJECTED, run=run, version=version, job_id=job_id,
-                      data={"message": message})
+                      data={"message": message, "replica": self.replica})
         self.events.append(event)
 
     def write_status(self, run: str) -> None:

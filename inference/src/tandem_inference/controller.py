@@ -75,7 +75,7 @@ class Controller:
         self.metrics = ControllerMetrics(metrics if metrics is not None else CollectorRegistry())
         self.unloader = Unloader(engine, table, self.metrics.unloads, restart_engine)
         """Retired versions and strays, unloaded by the follow loop (see tandem_inference.unloading)."""
-        self.announcer = Announcer(registry, self.events, table, self.metrics)
+        self.announcer = Announcer(registry, self.events, table, self.metrics, replica=settings.replica.id)
         self.loader = AdapterLoader(settings, engine, store, table, registry, self.announcer, self.unloader,
                                     self.metrics)
         self.reconciler = Reconciler(settings, engine, table, registry, self.loader, self.announcer, self.unloader,

@@ -26,11 +26,15 @@ import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.errors import ConfigError, TandemError
 from tandem.settings import GatewaySettings, InferenceSettings
 from tandem_inference.bodies import is_loopback
+
+if TYPE_CHECKING:
+    from tandem_inference.controller import Controller
+    from tandem_inference.engine_client import EngineClient
 
 log = logging.getLogger("tandem_inference.main")  # not __name__: that is "__main__" under python -m
 
@@ -53,6 +57,7 @@ async def serve(settings: InferenceSettings) -> None:
     from tandem_inference.gateway.app import create_gateway_app
     from tandem_inference.gateway.schemas import MAX_N
     from tandem_inference.gpu_sharing import Admission, GpuSharing
+    from tandem_inference.heartbeat import Heartbeat
     from tandem_inference.routing import RoutingTable
     from tandem_inference.sglang_launcher import Launcher
 
@@ -90,6 +95,7 @@ async def serve(settings: InferenceSettings) -> None:
             if settings.gpus.mode == "shared":
                 admission = Admission()
                 jobs.append(GpuSharing(settings, conn, engine, table, admission).run)
+            jobs.append(Heartbeat(settings, conn, table, ready=lambda: _ready(engine, controller)).run)
             for job in jobs:
                 running.push_async_callback(_cancelled, asyncio.create_task(job()))
             app = create_gateway_app(settings, engine=engine, table=table, tokenizer=tokenizer,
@@ -100,6 +106,11 @@ async def serve(settings: InferenceSettings) -> None:
             await uvicorn.Server(config).serve()
     finally:
         conn.close()
+
+
+async def _ready(engine: EngineClient, controller: Controller) -> bool:
+    """What /ready answers: the engine answers and the controller has reconciled."""
+    return bool(controller.reconciled) and bool(await engine.health())
 
 
 async def _cancelled(task: asyncio.Task[None]) -> None:

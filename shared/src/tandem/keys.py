@@ -82,6 +82,15 @@ def trainer_alive(worker_name: str) -> str:
 TRAINER_RECOVERY = f"{PREFIX}:trainer:recovery"
 
 
+REPLICAS = f"{PREFIX}:replicas"
+"""Set of the ids of inference replicas that announced themselves (see tandem.replicas)."""
+
+
+def replica(replica_id: str) -> str:
+    """One inference replica's heartbeat: its state as JSON, expiring unless renewed."""
+    return f"{PREFIX}:replica:{replica_id}"
+
+
 def episode(episode_id: str) -> str:
     """JSON of a multi-turn episode the gateway keeps: its messages and token ids (expires)."""
     return f"{PREFIX}:episode:{episode_id}"

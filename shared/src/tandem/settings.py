@@ -9,6 +9,7 @@ resolved settings, secrets redacted, with `tandem settings <service>`.
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -176,6 +177,28 @@ class ControllerSettings(BaseModel):
     adapters the engine holds that nothing routes to."""
 
 
+def _host_id() -> str:
+    """The host name as a replica id: its first 63 characters of letters, digits, `.`, `_`, `-`."""
+    name = "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "-" for c in socket.gethostname())
+    return name.lstrip("._-")[:63] or "replica"
+
+
+class ReplicaSettings(BaseModel):
+    """This inference service as one replica among others sharing the Redis (tandem.replicas)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    id: str = Field(default_factory=lambda: _host_id(), pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+    """The replica's name in Redis, events (`adapter_loaded`) and responses (`x-tandem-replica`);
+    by default the host name (a container's or pod's name). Unique per replica."""
+    url: str | None = None
+    """Where this replica's gateway answers for a router; unset: http://<host name>:<gateway.port>."""
+    heartbeat_s: float = Field(2.0, gt=0, le=60)
+    """How often the replica writes its heartbeat (state and versions held), in seconds."""
+    ttl_s: float = Field(10.0, gt=0, le=600)
+    """How long a heartbeat lasts: a replica silent this long is gone, in seconds."""
+
+
 class GatewaySettings(BaseModel):
     """The OpenAI-compatible gateway."""
 
@@ -325,6 +348,15 @@ class InferenceSettings(_ServiceSettings):
     engine: EngineSettings = EngineSettings()
     controller: ControllerSettings = ControllerSettings()
     gateway: GatewaySettings = GatewaySettings()
+    replica: ReplicaSettings = ReplicaSettings()
+
+    @model_validator(mode="after")
+    def _replica_url(self) -> InferenceSettings:
+        """Unset `replica.url`: this host's name and the gateway's port."""
+        if self.replica.url is None:
+            self.replica = self.replica.model_copy(
+                update={"url": f"http://{socket.gethostname()}:{self.gateway.port}"})
+        return self
 
     @model_validator(mode="after")
     def _fan_out(self) -> InferenceSettings:

@@ -5,7 +5,8 @@ routing table picks the adapter. The gateway applies the chat template itself wi
 model's tokenizer and calls the engine's native `/generate` with `input_ids`, so the response
 can carry the exact prompt and completion token ids and their logprobs for training, with no
 re-tokenisation anywhere. Responses are OpenAI-shaped (any OpenAI client works) plus a
-`tandem` object and `x-tandem-run` / `x-tandem-version` headers saying which version served.
+`tandem` object and `x-tandem-run` / `x-tandem-version` / `x-tandem-replica` headers saying which
+version of the run, on which replica, served.
 
 A request's `n` samples are one engine call (`sampling_params.n`), or n calls with
 `gateway.fan_out_n` (SGLang's unload can deadlock after n>1 sampling). Generation is admitted

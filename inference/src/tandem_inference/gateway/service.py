@@ -191,7 +191,8 @@ class Gateway:
         gen = Generation(kind, input_ids, params, body.n, logprobs, hold, permit)
         route = gen.route
         request.state.tandem_model = route.run or self.table.base_model
-        headers = {"x-tandem-run": route.run or "", "x-tandem-version": str(route.version)}
+        headers = {"x-tandem-run": route.run or "", "x-tandem-version": str(route.version),
+                   "x-tandem-replica": self.settings.replica.id}
         fan_out = bool(self.settings.gateway.fan_out_n)  # unset only before InferenceSettings resolves it
         if body.stream:
             return await stream_reply(self.engine, gen, self.format, fan_out=fan_out, headers=headers,

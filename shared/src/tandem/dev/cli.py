@@ -103,6 +103,7 @@ def cmd_settings(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from tandem.registry import Registry
+    from tandem.replicas import Replicas
 
     settings = ClientSettings()
     try:
@@ -117,6 +118,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     for name in names:
         spec = reg.get_run(name)
         print(f"{name}: base {spec.base_model}, latest v{reg.latest_version(name)}, serving v{reg.serving(name)}")
+    for replica in Replicas(reg.conn).live():
+        runs = [f"{run} v{held.serving} (loaded {', '.join(f'v{v}' for v in held.loaded) or 'none'})"
+                for run, held in sorted(replica.runs.items()) if not args.run or run == args.run]
+        print(f"replica {replica.id} at {replica.url}: {'ready' if replica.ready else 'NOT READY'}"
+              f"{'; ' + '; '.join(runs) if runs else ''}")
     return 0
 
 
