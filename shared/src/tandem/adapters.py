@@ -11,7 +11,7 @@ Layout under the store root::
 A version becomes visible only by `rename` of a complete directory, so a crash of a process
 while writing never leaves a partial version behind. `publish` fsyncs before that rename
 unless told not to; the trainer renames first and calls `sync` after the announcement, off
-the path to serving (see "Durability" in docs/architecture.md): a power loss in between can
+the path to serving (docs/architecture.md, "Checksums and durability"): a power loss in between can
 leave a visible version with torn files, which the checksums refuse wherever it is opened.
 `adapter/` and the manifest never change once published; `trainer/` is attached once, later,
 by its own rename of an fsynced directory (it carries no checksums: a crash leaves either all

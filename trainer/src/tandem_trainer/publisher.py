@@ -5,7 +5,7 @@ store makes that atomic), it is registered in Redis, `adapter_ready` is appended
 stream, and then its files are fsynced. The fsync comes after the announcement, off the path
 to serving: until it is done a power loss can tear files that are already visible, and their
 checksums, checked by the controller beside every load and by the trainer before it resumes
-from a version, refuse them (docs/architecture.md, "Durability"). A job returns only after the
+from a version, refuse them (docs/architecture.md, "Checksums and durability"). A job returns only after the
 fsync, so a finished job's version is on disk.
 A crash can cut that short between any two, so a job that runs again looks for what its first
 attempt did before it trains: a version registered under its job id is returned again (and
