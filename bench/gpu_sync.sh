@@ -5,7 +5,8 @@
 #              over: see bench/lock_parity.py) and build both random models into /tmp/gc
 #   PART=run   SHAPE=0.5b|8b: bench/suite.py --only sync; CODE=<dir> runs the tandem code of
 #              another checkout (a `git archive` of an older commit: the "before" of a change)
-#              on the same environments. Results go to $OUT/<tag>/ (TAG, default the shape).
+#              on the same environments. Results go to $OUT/<tag>/ (TAG, default the shape);
+#              the suite is stopped after LIMIT seconds (default 560) so that its logs still come back.
 # Run from the repo root: bash bench/gpu_sync.sh
 set -uo pipefail
 out=${OUT:?set OUT}
@@ -36,7 +37,7 @@ nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | awk -F, 
 case $shape in 8b) mem=0.5 ;; *) mem=0.6 ;; esac
 mkdir -p "$out/$tag"
 t0=$SECONDS
-(cd "$code" && /tmp/tandem-"$tag" bench/suite.py --engine sglang --mode shared --shape "$shape" --only sync \
+(cd "$code" && timeout "${LIMIT:-560}" /tmp/tandem-"$tag" bench/suite.py --engine sglang --mode shared --shape "$shape" --only sync \
   --model "/tmp/gc/model-$shape" --tandem-python "/tmp/tandem-$tag" --sglang-python /tmp/sgpython \
   --trainer-python "/tmp/trainer-$tag" --inference-gpus '[0]' --trainer-gpus '[0]' --mem-fraction "$mem" \
   --out "/tmp/sync-$tag" --state "/tmp/sync-state-$tag") >"/tmp/sync-$tag.log" 2>&1
