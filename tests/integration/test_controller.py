@@ -65,7 +65,7 @@ def committed_past(conn: redis.Redis, entry_id: str) -> bool:
         ms, seq = eid.split("-")
         return int(ms), int(seq)
 
-    return key(Cursor(conn, "inference").get()) >= key(entry_id)
+    return key(Cursor(conn, f"inference:{InferenceSettings().replica.id}").get()) >= key(entry_id)
 
 
 def events_of(events: EventStream, kind: EventKind, run: str) -> list[Event]:

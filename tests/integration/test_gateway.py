@@ -404,6 +404,8 @@ def test_metrics_and_readiness(
         "status": "ready",
         "engine": True,
         "reconciled": True,
+        "in_rotation": True,
+        "behind": {},
     }
     text = httpx.get(f"{url}/metrics").text
     assert f'tandem_gateway_requests_total{{model="{run}",route="/v1/completions",status="200"}} 1.0' in text

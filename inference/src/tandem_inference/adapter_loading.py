@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -28,6 +29,7 @@ from tandem.errors import AdapterRejected
 from tandem.registry import Registry
 from tandem.runs import adapter_name
 from tandem.settings import InferenceSettings
+from tandem_inference.agreement import Held
 from tandem_inference.announcements import Announcer
 from tandem_inference.controller_metrics import ControllerMetrics
 from tandem_inference.engine_calls import CallKind
@@ -87,9 +89,11 @@ class AdapterLoader:
 
     async def load(
         self, run: str, version: int, *, path: str | None = None, ready_ts: float | None = None,
-        job_id: str | None = None, announce: bool = True,
+        job_id: str | None = None, announce: bool = True, hold: Callable[[Held], None] | None = None,
     ) -> Outcome:
-        """Check and load one version under a fresh name, then switch the alias.
+        """Check and load one version under a fresh name, then switch the alias -- or, with
+        `hold`, hand it over held (loaded, the alias unchanged, nothing announced) for the
+        replicas to agree on (tandem_inference.agreement).
 
         REFUSED (and an `adapter_rejected`) if the version fails a check or the engine refuses
         it; PENDING if the engine did not answer in time.
@@ -135,14 +139,16 @@ class AdapterLoader:
             return Outcome.REFUSED
         manifest, verify_ms = checked
         t_both = time.monotonic()
-        self.table.add_version(run, version, name)
+        self.table.add_version(run, version, name, serve=hold is None)
         self.rejected.pop((run, version), None)
         self.metrics.loads.labels(run).inc()
         self.metrics.load_seconds.observe(load_ms / 1000.0)
         ready_to_loaded_ms = (time.time() - ready_ts) * 1000.0 if ready_ts is not None else None
         stages = {"check": (t_checked - t0) * 1000, "verify": verify_ms,
                   "load_and_verify": (t_both - t_checked) * 1000}
-        if announce:
+        if hold is not None:
+            hold(Held(run, version, manifest, name, load_ms, ready_ts, stages))
+        elif announce:
             await asyncio.to_thread(self.announcer.loaded, manifest, name, load_ms, ready_to_loaded_ms, stages)
         log.info("adapter_load end run=%s version=%d adapter=%s check_ms=%.1f load_ms=%.1f verify_ms=%.1f "
                  "ready_to_loaded_ms=%s duration_ms=%.1f",

@@ -1,4 +1,5 @@
-"""What the controller tells Redis: `adapter_loaded` and `adapter_rejected`, each run's status, load attempts.
+"""What the controller tells Redis: `adapter_held`, `adapter_loaded` and `adapter_rejected`, each run's status,
+load attempts.
 
 Clients wait on these (a synchronous `train()` returns on `adapter_loaded`), `tandem status`
 and the gateway's /v1/runs read the run status, and the attempt count keeps adapter names
@@ -55,6 +56,11 @@ class Announcer:
             kind=EventKind.ADAPTER_LOADED, run=manifest.run, version=manifest.version, job_id=manifest.job_id,
             data=data,
         ))
+
+    def held(self, run: str, version: int, job_id: str | None) -> None:
+        """Append `adapter_held`: this replica loaded the version and waits for the others to hold it."""
+        self.events.append(Event(kind=EventKind.ADAPTER_HELD, run=run, version=version, job_id=job_id,
+                                 data={"replica": self.replica}))
 
     def rejected(self, run: str, version: int | None, message: str, job_id: str | None) -> None:
         """Append `adapter_rejected` with the reason."""

@@ -2,12 +2,15 @@
 
 On start it waits for the engine, then reconciles with the registry (reconciliation.py), so a
 missed event can never leave a run serving a stale version. Then it follows `tandem:events`
-from its persisted cursor, committing after each event, so a restart neither misses nor repeats
-work; every `controller.reconcile_s` it reconciles again.
+from its persisted cursor (one per replica, `<controller.consumer>:<replica.id>`; a replica new
+to the stream starts where the stream ended before that first reconcile), committing after each
+event, so a restart neither misses nor repeats work; every `controller.reconcile_s` it
+reconciles again.
 
 Only registered runs exist: an event for any other run is refused and makes no run. Each
 `adapter_ready` is checked and loaded under a fresh name (adapter_loading.py); any refusal
-appends `adapter_rejected` and the previous version keeps serving. Versions that leave the
+appends `adapter_rejected` and the previous version keeps serving. A loaded version serves once
+the other ready replicas hold it too (agreement.py). Versions that leave the
 keep-window stop being routed at once and are unloaded when no request uses them
 (unloading.py); a failed unload is retried later and never stops the controller.
 
@@ -32,9 +35,11 @@ from tandem.adapters import AdapterStore
 from tandem.errors import BackendUnavailable
 from tandem.events import Cursor, Event, EventKind, EventStream
 from tandem.registry import Registry
+from tandem.replicas import Replicas
 from tandem.runs import RUN_NAME
 from tandem.settings import InferenceSettings
 from tandem_inference.adapter_loading import AdapterLoader, Outcome
+from tandem_inference.agreement import Agreement
 from tandem_inference.announcements import Announcer
 from tandem_inference.controller_metrics import ControllerMetrics
 from tandem_inference.engine_client import EngineClient
@@ -71,7 +76,7 @@ class Controller:
         self.table = table
         self.registry = registry = Registry(conn)
         self.events = EventStream(conn)
-        self.cursor = Cursor(conn, settings.controller.consumer)
+        self.cursor = Cursor(conn, f"{settings.controller.consumer}:{settings.replica.id}")
         self.metrics = ControllerMetrics(metrics if metrics is not None else CollectorRegistry())
         self.unloader = Unloader(engine, table, self.metrics.unloads, restart_engine)
         """Retired versions and strays, unloaded by the follow loop (see tandem_inference.unloading)."""
@@ -80,6 +85,10 @@ class Controller:
                                     self.metrics)
         self.reconciler = Reconciler(settings, engine, table, registry, self.loader, self.announcer, self.unloader,
                                      self.metrics)
+        self.agreement = Agreement(Replicas(conn), settings.replica.id, table, settings.replica.agree_s)
+        self.on_change: Callable[[], Awaitable[None]] | None = None
+        """Called when what this replica holds, serves or whether it is in rotation changed (the
+        service writes its heartbeat at once, so the other replicas see it)."""
         self.reconciled = False
         """True once the start-up reconciliation finished (the gateway's /ready needs it)."""
         self._next_reconcile = 0.0
@@ -109,8 +118,9 @@ class Controller:
         while True:
             try:
                 await self.wait_for_engine()
+                start = await asyncio.to_thread(self.events.last_id)  # what the reconcile covers
                 await self.reconcile()
-                await self.follow()
+                await self.follow(start)
             except EngineUnreachable as exc:  # down, or healthy by /health yet answering 503
                 log.warning("engine unavailable (%s); waiting %.0f s and for its health, then reconciling",
                             exc, RESTART_PAUSE_S)
@@ -152,9 +162,9 @@ class Controller:
                 {r: self.table.serving(r) for r in runs})
 
     # the event stream -------------------------------------------------------
-    async def follow(self) -> None:
-        """Handle events after the persisted cursor, forever; commit after each."""
-        after = await asyncio.to_thread(self.cursor.get)
+    async def follow(self, start: str = "0-0") -> None:
+        """Handle events after the persisted cursor (`start` when there is none), forever; commit after each."""
+        after = await asyncio.to_thread(self.cursor.get, start)
         block_ms = self.settings.controller.block_ms
         self._next_reconcile = time.monotonic() + self.settings.controller.reconcile_s
         log.info("following %s from %s", keys.EVENTS, after)
@@ -169,11 +179,17 @@ class Controller:
             if page.last_id != after:  # the page ended with malformed entries: read on past them
                 after = page.last_id
                 await asyncio.to_thread(self.cursor.commit, after)
+            await self.advance()
             await self.unload_retired()
             await self._tick()
 
     async def handle(self, event: Event) -> None:
-        """Act on one event; only `adapter_ready` needs anything."""
+        """Act on one event: load an `adapter_ready`; note another replica's refusal."""
+        if event.kind is EventKind.ADAPTER_REJECTED and event.version is not None:
+            replica = event.data.get("replica")
+            if isinstance(replica, str):
+                self.agreement.refused_by(event.run, event.version, replica)
+            return
         if event.kind is not EventKind.ADAPTER_READY:
             return
         try:
@@ -221,10 +237,33 @@ class Controller:
             message = f"{run} v{version}: data.path {quoted(path)} is not a string"
             await self.loader.reject(run, version, message, event.job_id)
             return
-        outcome = await self.loader.load(run, version, path=path, ready_ts=event.ts, job_id=event.job_id)
+        outcome = await self.loader.load(run, version, path=path, ready_ts=event.ts, job_id=event.job_id,
+                                         hold=self.agreement.hold)
         if outcome is Outcome.LOADED:
-            self.unloader.retire_old(run, self.settings.controller.keep_versions)  # unloaded outside the lock
-            await asyncio.to_thread(self.announcer.write_status, run)
+            if await asyncio.to_thread(self.agreement.others):  # replicas to agree with: tell them at once
+                if self.on_change is not None:
+                    await self.on_change()
+                await asyncio.to_thread(self.announcer.held, run, version, event.job_id)
+            await self._advance()
+
+    async def advance(self) -> None:
+        """Serve the held versions the replicas agree on; recheck whether this replica is behind."""
+        async with self._lock:
+            await self._advance()
+
+    async def _advance(self) -> None:
+        others = await asyncio.to_thread(self.agreement.others)
+        due = self.agreement.due(others)
+        for held in due:
+            self.table.serve(held.run, held.version)
+            stages = {**held.stages_ms, "agree": (time.monotonic() - held.since) * 1000}
+            await asyncio.to_thread(self.announcer.loaded, held.manifest, held.adapter, held.load_ms,
+                                    held.ready_to_loaded_ms(), stages)
+            self.unloader.retire_old(held.run, self.settings.controller.keep_versions)  # unloaded outside the lock
+            await asyncio.to_thread(self.announcer.write_status, held.run)
+        changed = self.agreement.check_behind(others)
+        if (due or changed) and self.on_change is not None:
+            await self.on_change()
 
     async def _tick(self) -> None:
         """The periodic reconcile, every `controller.reconcile_s`."""
@@ -243,6 +282,9 @@ class Controller:
     def status(self) -> dict[str, Any]:
         return {
             "reconciled": self.reconciled,
+            "in_rotation": self.agreement.in_rotation,
+            "behind": self.agreement.behind,
+            "held": sorted(f"{run}@v{version}" for run, version in self.agreement.held),
             "retiring": sorted(self.unloader.queued),
             "pending_loads": sorted(self.loader.pending),
             "runs": self.table.snapshot(),

@@ -95,7 +95,9 @@ async def serve(settings: InferenceSettings) -> None:
             if settings.gpus.mode == "shared":
                 admission = Admission()
                 jobs.append(GpuSharing(settings, conn, engine, table, admission).run)
-            jobs.append(Heartbeat(settings, conn, table, ready=lambda: _ready(engine, controller)).run)
+            heartbeat = Heartbeat(settings, conn, table, ready=lambda: _ready(engine, controller))
+            controller.on_change = heartbeat.beat
+            jobs.append(heartbeat.run)
             for job in jobs:
                 running.push_async_callback(_cancelled, asyncio.create_task(job()))
             app = create_gateway_app(settings, engine=engine, table=table, tokenizer=tokenizer,
@@ -109,8 +111,9 @@ async def serve(settings: InferenceSettings) -> None:
 
 
 async def _ready(engine: EngineClient, controller: Controller) -> bool:
-    """What /ready answers: the engine answers and the controller has reconciled."""
-    return bool(controller.reconciled) and bool(await engine.health())
+    """What /ready answers: the engine answers, the controller has reconciled, and this replica
+    serves what the other ready replicas serve (tandem_inference.agreement)."""
+    return bool(controller.reconciled) and controller.agreement.in_rotation and bool(await engine.health())
 
 
 async def _cancelled(task: asyncio.Task[None]) -> None:

@@ -116,6 +116,8 @@ class Reconciler:
         for manifest in reversed(manifests):
             if manifest.version <= serving or self.loader.pending_for(run, manifest.version):
                 break
+            if self.table.adapter(run, manifest.version) is not None:
+                break  # held: it serves once the replicas agree (tandem_inference.agreement)
             if self.loader.rejected.get((run, manifest.version)) == manifest.created_at:
                 continue
             outcome = await self.loader.load(run, manifest.version, ready_ts=manifest.created_at,

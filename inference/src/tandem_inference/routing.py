@@ -1,9 +1,10 @@
 """The routing table: which adapter version serves a gateway `model`, held in memory.
 
 The controller and the gateway run in one process so that a version switch is a change to
-this table, not a Redis round trip per request. Per run it holds the loaded versions (the
-serving one is the newest), per version the number of requests in flight, so the controller
-unloads a version only once nothing uses it.
+this table, not a Redis round trip per request. Per run it holds the loaded versions and
+the one the run's alias points at (the newest, or an older one while a newer one waits for the
+other replicas to hold it: tandem_inference.agreement), per version the number of requests in
+flight, so the controller unloads a version only once nothing uses it.
 
 Model strings the gateway accepts:
 
@@ -88,6 +89,7 @@ class RoutingTable:
         self._lock = threading.Lock()
         self._runs: set[str] = set()
         self._loaded: dict[str, dict[int, str]] = defaultdict(dict)  # run -> version -> adapter name
+        self._alias: dict[str, int] = {}  # run -> newest version the alias may point at
         self._in_flight: dict[Route, int] = defaultdict(int)
 
     # what the controller changes -------------------------------------------
@@ -98,15 +100,31 @@ class RoutingTable:
         with self._lock:
             self._runs.add(run)
 
-    def add_version(self, run: str, version: int, adapter: str | None = None) -> None:
+    def add_version(self, run: str, version: int, adapter: str | None = None, *, serve: bool = True) -> None:
         """Record a version the engine confirmed loaded under `adapter` (its first-attempt name
-        when None); the run's alias moves to its newest."""
+        when None); the run's alias moves to it if it is the newest, unless `serve` is False:
+        then it is held (routable only as `run@vN`) until `serve` is called for it."""
         if version < 1:
             raise ValueError(f"version {version} of {run!r}: only versions >= 1 are adapters")
         with self._lock:
             if run not in self._runs:
                 raise ValueError(f"unknown run {run!r}: add_run it (from the registry) before its versions")
             self._loaded[run][version] = adapter or adapter_name(run, version)
+            if serve:
+                self._alias[run] = max(self._alias.get(run, 0), version)
+
+    def serve(self, run: str, version: int) -> None:
+        """Move the run's alias to a held version (no older than what it serves)."""
+        with self._lock:
+            if version not in self._loaded.get(run, {}):
+                raise ValueError(f"{run} v{version} is not loaded; it cannot serve")
+            self._alias[run] = max(self._alias.get(run, 0), version)
+
+    def held(self, run: str) -> list[int]:
+        """Loaded versions newer than the one serving (waiting to serve), oldest first."""
+        with self._lock:
+            serving = self._serving(run)
+            return sorted(v for v in self._loaded.get(run, ()) if v > serving)
 
     def retire(self, run: str, version: int) -> int:
         """Stop routing to a version (before unloading it); returns its in-flight count."""
@@ -136,7 +154,12 @@ class RoutingTable:
     def serving(self, run: str) -> int:
         """Version the run's alias points at (0 = base model)."""
         with self._lock:
-            return max(self._loaded.get(run) or (0,))
+            return self._serving(run)
+
+    def _serving(self, run: str) -> int:
+        """The newest loaded version the alias may point at (the next older one once it is retired)."""
+        alias = self._alias.get(run, 0)
+        return max((v for v in self._loaded.get(run, ()) if v <= alias), default=0)
 
     def in_flight(self, run: str | None, version: int) -> int:
         with self._lock:
@@ -160,7 +183,7 @@ class RoutingTable:
         with self._lock:
             return {
                 run: {
-                    "serving_version": max(self._loaded.get(run) or (0,)),
+                    "serving_version": self._serving(run),
                     "loaded_versions": sorted(self._loaded.get(run, ())),
                     "adapters": {str(v): name for v, name in sorted(self._loaded.get(run, {}).items())},
                     "in_flight": {str(r.version): n for r, n in self._in_flight.items()
@@ -194,7 +217,7 @@ class RoutingTable:
             )
         loaded = self._loaded.get(run, {})
         if version is None:
-            version = max(loaded or (0,))
+            version = self._serving(run)
         if version == 0:
             return Route(run, 0)
         if version in loaded:

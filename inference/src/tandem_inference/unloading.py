@@ -64,8 +64,10 @@ class Unloader:
         self.queued.setdefault(name, Retiring(run, version, routed))
 
     def retire_old(self, run: str, keep: int) -> None:
-        """Stop routing to the run's versions outside the newest `keep`; they unload once idle."""
-        for version in self.table.loaded(run)[:-keep]:
+        """Stop routing to the run's versions outside the newest `keep` up to the serving one
+        (held versions newer than it stay); they unload once idle."""
+        serving = self.table.serving(run)
+        for version in [v for v in self.table.loaded(run) if v <= serving][:-keep]:
             name = self.table.adapter(run, version) or adapter_name(run, version)
             busy = self.table.retire(run, version)
             self.add(name, run, version, routed=True)

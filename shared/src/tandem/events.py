@@ -37,8 +37,10 @@ MAX_LEN = 100_000
 class EventKind(StrEnum):
     ADAPTER_READY = "adapter_ready"
     """The trainer published and registered a version."""
+    ADAPTER_HELD = "adapter_held"
+    """An inference replica (`data.replica`) loaded a version and waits for the other replicas to hold it."""
     ADAPTER_LOADED = "adapter_loaded"
-    """The inference side loaded a version and routes the run to it."""
+    """An inference replica (`data.replica`) loaded a version and routes the run to it."""
     ADAPTER_REJECTED = "adapter_rejected"
     """The inference side refused a version; the previous one keeps serving."""
     TRAIN_FAILED = "train_failed"
@@ -208,10 +210,11 @@ class Cursor:
         self.conn = conn
         self.key = keys.cursor(consumer)
 
-    def get(self) -> str:
+    def get(self, default: str = "0-0") -> str:
+        """The committed position; `default` when the consumer never committed one."""
         with translated(self.conn, f"read the cursor {self.key}"):
             raw = self.conn.get(self.key)
-        return text(raw) if raw else "0-0"
+        return text(raw) if raw else default
 
     def commit(self, entry_id: str) -> None:
         with translated(self.conn, f"write the cursor {self.key}"):

@@ -2,7 +2,9 @@
 
 `Run.train(..., wait=False)` returns a `TrainHandle`; `handle.result()` reads the durable event
 stream from just before the job was submitted until the inference side announces that the
-job's version (or a newer one) serves, or that the job failed or its version was rejected. It
+job's version (or a newer one) serves on every ready inference replica (tandem.replicas), or
+that the job failed, or that its version was refused by every replica that answered and served
+by none. It
 rides out a Redis outage shorter than its timeout: once Redis answers again it reads on from
 where it was. A failure that left no event (a worker killed with no retries left) is caught in
 rq's record of the job.
@@ -23,6 +25,7 @@ from tandem.connection import ADVICE, call_until, redis_url, retryable
 from tandem.errors import BackendUnavailable, TrainFailed, TrainTimeout, describe
 from tandem.events import Event, EventKind, EventPage
 from tandem.jobs import TrainResult
+from tandem.replicas import Replicas
 
 if TYPE_CHECKING:
     from tandem.client import Run
@@ -43,6 +46,10 @@ class TrainHandle:
     _result: TrainResult | None = None
     _version: int | None = None
     _ready: Event | None = None
+    _served: dict[str, float] = field(default_factory=dict)
+    """Replica -> when it announced that it serves the version (or a newer one)."""
+    _refused: dict[str, str] = field(default_factory=dict)
+    """Replica -> why it refused the version."""
 
     def done(self) -> bool:
         return self._result is not None
@@ -57,10 +64,11 @@ class TrainHandle:
             page = self._read(deadline, timeout)
             for event in page:
                 self.after = event.id or self.after
-                if self._handle(event):
-                    assert self._result is not None
-                    return self._result
+                self._handle(event)
             self.after = page.last_id
+            if self._settled(deadline):
+                assert self._result is not None
+                return self._result
             self._check_rq()
         raise TrainTimeout(
             f"job {self.job_id} (run {self.run.name!r}, step {self.step}) did not serve within "
@@ -85,9 +93,9 @@ class TrainHandle:
                 f"{ADVICE}, then wait on the job again with run.wait_all() or handle.result()"
             ) from exc
 
-    def _handle(self, event: Event) -> bool:
+    def _handle(self, event: Event) -> None:
         if event.run != self.run.name:
-            return False
+            return
         if (
             event.kind is EventKind.TRAIN_FAILED
             and event.job_id == self.job_id
@@ -98,15 +106,31 @@ class TrainHandle:
             self._version = event.version
             self._ready = event
         if event.kind is EventKind.ADAPTER_REJECTED and self._version is not None and event.version == self._version:
-            raise TrainFailed(f"version {self._version} was rejected by inference: {event.data.get('message')}")
+            self._refused[str(event.data.get("replica") or "")] = str(event.data.get("message"))
         if (
             event.kind is EventKind.ADAPTER_LOADED
             and self._version is not None
             and event.version is not None
             and event.version >= self._version
         ):
-            self._result = self._fetch_result(served_at=event.ts)
+            replica = str(event.data.get("replica") or "")
+            self._served[replica] = max(self._served.get(replica, 0.0), event.ts)
+
+    def _settled(self, deadline: float) -> bool:
+        """True once every ready replica serves the version (those that refused it aside), with
+        the result set; TrainFailed once every ready replica refused it and none serves it."""
+        if not self._served and not self._refused:
+            return False
+        replicas = call_until(deadline, Replicas(self.run.client.conn).live,
+                              what=f"reading the inference replicas for job {self.job_id}")
+        needed = {r.id for r in replicas if r.ready}
+        if self._served and needed <= self._served.keys() | self._refused.keys():
+            self._result = self._fetch_result(served_at=max(self._served.values()))
             return True
+        if not self._served and needed <= self._refused.keys():
+            reasons = "; ".join(m if len(self._refused) == 1 else f"replica {r}: {m}"
+                                for r, m in sorted(self._refused.items()))
+            raise TrainFailed(f"version {self._version} was rejected by inference: {reasons}")
         return False
 
     def _fetch_result(self, served_at: float) -> TrainResult:

@@ -166,7 +166,7 @@ class ControllerSettings(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True)
 
     consumer: str = "inference"
-    """Name of the controller's cursor on the event stream."""
+    """Name of the controller's cursor on the event stream; each replica keeps its own, `<consumer>:<replica.id>`."""
     keep_versions: int = Field(2, ge=1, le=64)
     """How many newest versions per run stay loaded (older ones are unloaded when idle)."""
     block_ms: int = Field(1000, ge=1, le=60000)
@@ -188,7 +188,8 @@ class ReplicaSettings(BaseModel):
 
     model_config = ConfigDict(use_attribute_docstrings=True)
 
-    id: str = Field(default_factory=lambda: _host_id(), pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+    id: str = Field(default_factory=lambda: _host_id(), pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$",
+                    json_schema_extra={"shown_default": "the host name"})
     """The replica's name in Redis, events (`adapter_loaded`) and responses (`x-tandem-replica`);
     by default the host name (a container's or pod's name). Unique per replica."""
     url: str | None = None
@@ -197,6 +198,9 @@ class ReplicaSettings(BaseModel):
     """How often the replica writes its heartbeat (state and versions held), in seconds."""
     ttl_s: float = Field(10.0, gt=0, le=600)
     """How long a heartbeat lasts: a replica silent this long is gone, in seconds."""
+    agree_s: float = Field(10.0, gt=0, le=3600)
+    """Longest a replica holding a new version waits for the other ready replicas to hold it before it
+    serves it anyway, in seconds; a replica still without it then leaves rotation until it catches up."""
 
 
 class GatewaySettings(BaseModel):

@@ -115,9 +115,11 @@ async def health() -> dict[str, str]:
 async def ready(gw: GatewayDep) -> JSONResponse:
     engine_ok = await gw.engine.health()
     reconciled = gw.controller is None or gw.controller.reconciled
-    body = {"status": "ready" if engine_ok and reconciled else "not ready",
-            "engine": engine_ok, "reconciled": reconciled}
-    return JSONResponse(body, status_code=200 if engine_ok and reconciled else 503)
+    behind = {} if gw.controller is None else dict(gw.controller.agreement.behind)
+    ok = engine_ok and reconciled and not behind
+    body = {"status": "ready" if ok else "not ready", "engine": engine_ok, "reconciled": reconciled,
+            "in_rotation": not behind, "behind": behind}
+    return JSONResponse(body, status_code=200 if ok else 503)
 
 
 @operations.get("/metrics")

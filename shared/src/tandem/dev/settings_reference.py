@@ -50,6 +50,9 @@ def _rows(model: type[BaseModel], env: str, path: str) -> list[str]:
             continue
         default = info.get_default(call_default_factory=True)
         shown = "(unset)" if default is None else f"`{default}`"
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        if "shown_default" in extra:  # computed where it runs (a host name), not here
+            shown = str(extra["shown_default"])
         kind = _type_name(ann)
         bounds = _bounds(info.metadata)
         desc = (info.description or "").replace("\n", " ")
