@@ -1,6 +1,7 @@
 """The `tandem` command: start the local stack, show settings, show runs.
 
-    tandem up [--model PATH] [--gateway-port 8000]     start everything as local processes
+    tandem up [--model PATH] [--gateway-port 8000] [--replicas N]
+                                                        start everything as local processes
     tandem settings trainer|inference|client            resolved settings, secrets redacted
     tandem settings --markdown                          the configuration reference (docs/configuration.md)
     tandem status [RUN]                                 runs, versions, what serves
@@ -44,13 +45,24 @@ def ensure_tiny_model(path: str) -> None:
         ) from exc
 
 
+def _replicas(raw: str) -> int:
+    """--replicas: a whole number from 1 to 16."""
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 16:
+        raise argparse.ArgumentTypeError(f"--replicas {raw!r}: give a whole number from 1 to 16")
+    return n
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from tandem.dev.stack import Stack, StackConfig
 
     if args.model == TINY_MODEL:
         ensure_tiny_model(args.model)
     stack = Stack(StackConfig(state_dir=Path(args.state_dir), model=args.model, gateway_port=args.gateway_port,
-                              redis_port=args.redis_port))
+                              redis_port=args.redis_port, replicas=args.replicas))
     for sig in (signal.SIGINT, signal.SIGTERM):  # both stop the stack, even where a shell ignored SIGINT (`&`)
         signal.signal(sig, _interrupt)
     try:
@@ -137,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--state-dir", default=".tandem/stack", help="logs, adapters and Redis data")
     up.add_argument("--gateway-port", type=int, default=8000)
     up.add_argument("--redis-port", type=int, default=0, help="0 = a free port")
+    up.add_argument("--replicas", type=_replicas, default=1,
+                    help="inference replicas, each with its own engine, behind the router (HAProxy) on the gateway port")
     up.set_defaults(func=cmd_up)
     st = sub.add_parser("settings", help="print resolved settings, secrets redacted")
     st.add_argument("service", nargs="?", choices=sorted(SERVICES))

@@ -4,7 +4,10 @@
 engine, the inference service (controller + gateway) and the trainer, each as a process
 with its own log file, waits until each is healthy, starts again any that dies (after a
 pause that grows while it keeps dying), and stops them in reverse order on Ctrl-C. It is the
-same set of services `docker compose` runs, without containers.
+same set of services `docker compose` runs, without containers. With `replicas` > 1 it runs
+that many inference replicas, each with its own engine, behind the router compose uses
+(HAProxy with images/router/haproxy.cfg, its replicas listed by port), which takes the
+gateway port.
 
 Everything listens on loopback, and nothing is open to other local users: Redis has a
 password and the engine an admin key, both generated once and kept in the state directory
@@ -16,8 +19,10 @@ read when run from the same directory (see tandem.settings.LOCAL_STACK_ENV).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -35,6 +40,9 @@ from tandem.dev.credentials import load_secrets, write_private
 from tandem.errors import ConfigError, StackError
 
 log = logging.getLogger(__name__)
+
+#: The router's configuration, the same file the router image runs.
+ROUTER_CONF = Path(__file__).resolve().parents[4] / "images" / "router" / "haproxy.cfg"
 
 
 def free_port(low: int | None = None, high: int | None = None) -> int:
@@ -95,6 +103,8 @@ class StackConfig:
     redis_port: int = 0
     redis_url: str | None = None
     """Use this Redis instead of starting one."""
+    replicas: int = 1
+    """Inference replicas, each with its own engine; more than one puts the router in front."""
     extra_env: dict[str, str] = field(default_factory=dict)
     ready_timeout_s: float = 180.0
     cpu_threads: int | None = 1
@@ -126,6 +136,18 @@ class Stack:
         )
         self.gateway_url = f"http://127.0.0.1:{self.gateway_port}"
         self.engine_url = f"http://127.0.0.1:{self.engine_port}"
+        self.replicas: list[tuple[int, int]] = []
+        """(engine port, gateway port) of each replica when there are several."""
+        taken = {self.engine_port, self.gateway_port, self.redis_port}
+        for _ in range(config.replicas if config.replicas > 1 else 0):
+            ports = []
+            for low in (30000, None):
+                port = free_port(low, 31000 if low else None)
+                while port in taken:
+                    port = free_port(port + 1, 31000) if low else free_port()
+                taken.add(port)
+                ports.append(port)
+            self.replicas.append((ports[0], ports[1]))
         self.services: list[Service] = []
 
     # environment shared by every tandem service ----------------------------
@@ -161,14 +183,43 @@ class Stack:
         if self.config.redis_url is None:
             services.append(Service("redis", [redis_server_binary(), str(self._redis_conf())],
                                     ready=self._redis_ready))
-        services += [
-            Service("engine", [py, "-m", "tandem_inference.engine"],
-                    ready=lambda: self._http_ok(f"{self.engine_url}/health")),
-            Service("inference", [py, "-m", "tandem_inference.main"],
-                    ready=lambda: self._http_ok(f"{self.gateway_url}/ready")),
-            Service("trainer", [py, "-m", "tandem_trainer.main"], ready=self._trainer_ready),
-        ]
+        if not self.replicas:
+            services += [
+                Service("engine", [py, "-m", "tandem_inference.engine"],
+                        ready=lambda: self._http_ok(f"{self.engine_url}/health")),
+                Service("inference", [py, "-m", "tandem_inference.main"],
+                        ready=lambda: self._http_ok(f"{self.gateway_url}/ready")),
+            ]
+        for i, (engine_port, gateway_port) in enumerate(self.replicas, start=1):
+            engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
+            env = {"TANDEM_ENGINE__URL": engine_url, "TANDEM_ENGINE__PORT": str(engine_port),
+                   "TANDEM_GATEWAY__PORT": str(gateway_port), "TANDEM_REPLICA__ID": f"replica-{i}",
+                   "TANDEM_REPLICA__URL": gateway_url}
+            services += [
+                Service(f"engine-{i}", [py, "-m", "tandem_inference.engine"], env=env,
+                        ready=functools.partial(self._http_ok, f"{engine_url}/health")),
+                Service(f"inference-{i}", [py, "-m", "tandem_inference.main"], env=env,
+                        ready=functools.partial(self._http_ok, f"{gateway_url}/ready")),
+            ]
+        if self.replicas:
+            services.append(Service("router", [haproxy_binary(), "-db", "-f", str(self._router_conf())],
+                                    ready=lambda: self._http_ok(f"{self.gateway_url}/ready")))
+        services.append(Service("trainer", [py, "-m", "tandem_trainer.main"], ready=self._trainer_ready))
         return services
+
+    def _router_conf(self) -> Path:
+        """The router's configuration of the images, with one `server` line per local replica."""
+        if not ROUTER_CONF.is_file():
+            raise ConfigError(f"the router's configuration {ROUTER_CONF} is missing: run `tandem up` from "
+                              "a checkout of tandem (it ships in images/router/)")
+        servers = "\n".join(f"    server replica-{i} 127.0.0.1:{gateway_port} check"
+                             for i, (_, gateway_port) in enumerate(self.replicas, start=1))
+        text = re.sub(r"^\s*server-template .*$", servers, ROUTER_CONF.read_text(), count=1, flags=re.M)
+        text = text.replace('"${ROUTER_BIND}:${ROUTER_PORT}"', f"127.0.0.1:{self.gateway_port}")
+        path = self.state / "router" / "haproxy.cfg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return path
 
     def _redis_conf(self) -> Path:
         """redis.conf with the password (0600): a command line would show it to every local user."""
@@ -349,6 +400,15 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def haproxy_binary() -> str:
+    """The router's binary: haproxy from PATH."""
+    found = shutil.which("haproxy")
+    if found is None:
+        raise ConfigError("several replicas need the router, HAProxy, which is not installed: "
+                          "`apt-get install haproxy` (Debian, Ubuntu), or run one replica")
+    return found
 
 
 def port_free(port: int) -> bool:
