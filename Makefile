@@ -23,10 +23,14 @@ INFERENCE_GPU ?= $(or $(call dotenv,INFERENCE_GPU),0)
 TRAINER_GPU ?= $(if $(filter shared,$(GPU_MODE)),$(INFERENCE_GPU),$(or $(call dotenv,TRAINER_GPU),1))
 # CLIENT=1 adds compose.client.yaml: Redis on 127.0.0.1:$$REDIS_PORT for a tandem.Client's train().
 CLIENT ?=
+# REPLICAS=N (N > 1) adds compose.replicas.yaml: N inference replicas behind the router.
+REPLICAS ?=
 # compose.override.yaml (local, git-ignored) comes last when it exists, as plain `docker compose` reads it.
 COMPOSE_FILES = -f compose.yaml $(if $(filter cpu,$(STACK)),-f compose.cpu.yaml) $(if $(filter 1,$(CLIENT)),-f compose.client.yaml) \
+	$(if $(filter-out 1,$(REPLICAS)),-f compose.replicas.yaml) \
 	$(if $(wildcard compose.override.yaml),-f compose.override.yaml)
-DC = GPU_MODE=$(GPU_MODE) INFERENCE_GPU=$(INFERENCE_GPU) TRAINER_GPU=$(TRAINER_GPU) $(COMPOSE) $(COMPOSE_FILES)
+DC = GPU_MODE=$(GPU_MODE) INFERENCE_GPU=$(INFERENCE_GPU) TRAINER_GPU=$(TRAINER_GPU) \
+	$(if $(filter-out 1,$(REPLICAS)),INFERENCE_REPLICAS=$(REPLICAS)) $(COMPOSE) $(COMPOSE_FILES)
 PYTEST_ARGS ?=
 # Extra flags of `make up`'s `docker compose up -d`, e.g. "--wait --wait-timeout 1200" (CI).
 UP_FLAGS ?=

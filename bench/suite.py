@@ -11,6 +11,8 @@ bench/results/<timestamp>/ with results.json, report.md and the PNG plots:
     5 pipeline      sync vs async RL on the toy task (max_staleness 0, 1, 2)
     7 load          the gateway saturated: a small request's and /ready's latency, the share refused (429)
     2 hotload       hot-load vs engine restart vs merged-weights reload (after the stack stops)
+    8 replicas      one inference replica against two behind the router: throughput, latency,
+                    publish -> served on every replica (stacks of its own, CPU only)
 
     python bench/suite.py                      # the whole suite, < 10 min on 2 CPU cores
     python bench/suite.py --quick              # every scenario, small (CI), < 2 min
@@ -41,7 +43,7 @@ from tandem import Client
 from tandem.dev.stack import StackConfig
 
 ON_STACK = ["sync", "swaps", "gateway_overhead", "prefix_cache", "pipeline", "load"]
-AFTER_STACK = ["hotload"]
+AFTER_STACK = ["hotload", "replicas"]
 ALIASES = {"gateway": "gateway_overhead", "prefix": "prefix_cache", "async": "pipeline"}
 
 

@@ -19,15 +19,20 @@ from __future__ import annotations
 import json
 import os
 import queue
+import secrets
 import shlex
 import shutil
 import subprocess
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+import pytest
+from helpers.loopback import free_port
 from helpers.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,6 +68,8 @@ class ComposeStack:
     engine_admin_key: str
     dashboard_url: str
     files: tuple[str, ...] = ("compose.yaml", "compose.cpu.yaml", "compose.client.yaml")
+    services: tuple[str, ...] = SERVICES
+    """The services `wait_healthy` waits for by default."""
     timings: dict[str, float] = field(default_factory=dict)
 
     def compose(self, *args: str, timeout_s: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -76,19 +83,27 @@ class ComposeStack:
         return proc
 
     def container(self, service: str) -> str:
-        # -a: compose v2 lists running containers only, and a killed one must still be found
-        cid = self.compose("ps", "-a", "-q", service).stdout.strip()
-        assert cid, f"no container for service {service}"
+        [cid] = self.containers(service)
         return cid
 
+    def containers(self, service: str) -> list[str]:
+        """The service's containers (one per replica)."""
+        # -a: compose v2 lists running containers only, and a killed one must still be found
+        cids = self.compose("ps", "-a", "-q", service).stdout.split()
+        assert cids, f"no container for service {service}"
+        return cids
+
     def health(self, service: str) -> str:
-        out = subprocess.run(["docker", "inspect", "--format", "{{.State.Status}} {{if .State.Health}}"
-                              "{{.State.Health.Status}}{{end}}", self.container(service)],
-                             capture_output=True, text=True, check=True)
-        return out.stdout.strip()
+        """'running healthy' when every container of the service is; else the first other state."""
+        states = []
+        for cid in self.containers(service):
+            out = subprocess.run(["docker", "inspect", "--format", "{{.State.Status}} {{if .State.Health}}"
+                                  "{{.State.Health.Status}}{{end}}", cid], capture_output=True, text=True, check=True)
+            states.append(out.stdout.strip())
+        return next((state for state in states if state != "running healthy"), states[0])
 
     def wait_healthy(self, *services: str, timeout_s: float = 240) -> None:
-        for service in services or SERVICES:
+        for service in services or self.services:
             wait_for(lambda s=service: self.health(s) == "running healthy", timeout_s, f"{service} to be healthy")
 
     def logs(self, tail: int = 300) -> str:
@@ -173,3 +188,61 @@ class Probe:
         for stream in (self.proc.stdout, self.proc.stderr):
             if stream is not None:
                 stream.close()
+
+
+def started_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, *,
+                  files: tuple[str, ...] = (), env: str = "",
+                  services: tuple[str, ...] = SERVICES) -> Iterator[ComposeStack]:
+    """Build and start the CPU stack with `files` on top and `env` lines in its .env; take it down after."""
+    if not docker_answers():
+        pytest.skip("no docker engine answers (images/install-docker.sh installs and starts one)")
+    subprocess.run(["images/build-base.sh"], cwd=ROOT, check=True, timeout=900)
+    workdir = tmp_path_factory.mktemp("compose")
+    gateway_port, redis_port, dashboard_port = free_port(), free_port(), free_port()
+    env_file = workdir / ".env"
+    password, admin_key = secrets.token_hex(16), secrets.token_hex(16)
+    env_file.write_text(
+        f"REDIS_PASSWORD={password}\nENGINE_ADMIN_KEY={admin_key}\nGATEWAY_PORT={gateway_port}\n"
+        f"REDIS_PORT={redis_port}\nRQ_DASHBOARD_PORT={dashboard_port}\n{env}"
+    )
+    s = ComposeStack(
+        project=f"tandem-e2e-{os.getpid()}" + ("-" + "-".join(Path(f).stem.split(".")[-1] for f in files) if files else ""),
+        env_file=env_file,
+        gateway_url=f"http://127.0.0.1:{gateway_port}",
+        redis_url=f"redis://:{password}@127.0.0.1:{redis_port}/0",
+        redis_password=password,
+        engine_admin_key=admin_key,
+        dashboard_url=f"http://127.0.0.1:{dashboard_port}",
+        services=services,
+    )
+    if files:
+        s.files = (*s.files, *files)
+    failed_before = request.session.testsfailed
+    started = False
+    try:
+        t0 = time.monotonic()
+        s.compose("--profile", "monitoring", "build", timeout_s=1200)
+        s.timings["build_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        s.compose("up", "-d", timeout_s=600)
+        s.wait_healthy()
+        wait_for(lambda: httpx.get(f"{s.gateway_url}/ready", timeout=3).status_code == 200, 60,
+                 "the published gateway to be ready")
+        s.timings["up_s"] = time.monotonic() - t0
+        print(f"\ne2e stack {s.project}: build {s.timings['build_s']:.0f} s, up {s.timings['up_s']:.0f} s")
+        started = True
+        yield s
+    finally:
+        logs = s.logs()
+        out = ROOT / ".tandem" / "e2e" / f"{s.project}.log"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(logs)
+        if not started or request.session.testsfailed > failed_before:
+            capture = request.config.pluginmanager.getplugin("capturemanager")
+            with capture.global_and_fixture_disabled():
+                print(f"\n===== docker-compose logs ({s.project}; all of it in {out}) =====\n{logs}")
+        if os.environ.get("TANDEM_E2E_KEEP") == "1":
+            print(f"TANDEM_E2E_KEEP=1: leaving {s.project} up (env file {env_file})")
+        else:
+            s.compose("--profile", "monitoring", "down", "-v", "--remove-orphans", "-t", "30", check=False,
+                      timeout_s=300)

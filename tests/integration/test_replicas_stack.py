@@ -63,7 +63,7 @@ def test_two_replicas_learn_through_the_router_and_agree_on_every_version(stack:
 
     history = run.history()
     for version in range(1, 19):
-        held = {e.data["replica"]: e.ts for e in history if e.kind == "adapter_held" and e.version == version}
+        held = {e.data["replica"]: e.data["held_at"] for e in history if e.kind == "adapter_held" and e.version == version}
         loaded = {e.data["replica"]: e.ts for e in history if e.kind == "adapter_loaded" and e.version == version}
         assert set(loaded) == {"replica-1", "replica-2"}, (version, loaded)
         # neither served it before the other held it: each replica's hold came before the other's switch

@@ -43,6 +43,8 @@ class Held:
     ready_ts: float | None
     stages_ms: dict[str, float] = field(default_factory=dict)
     since: float = field(default_factory=time.monotonic)
+    held_at: float = field(default_factory=time.time)
+    """Wall-clock time the engine's load was confirmed (`adapter_held` says it)."""
 
     def ready_to_loaded_ms(self) -> float | None:
         """From the `adapter_ready` to now (the switch), the wait for the others included."""

@@ -57,10 +57,11 @@ class Announcer:
             data=data,
         ))
 
-    def held(self, run: str, version: int, job_id: str | None) -> None:
-        """Append `adapter_held`: this replica loaded the version and waits for the others to hold it."""
+    def held(self, run: str, version: int, job_id: str | None, held_at: float) -> None:
+        """Append `adapter_held`: this replica loaded the version (at `held_at`, before its heartbeat
+        said so) and waits for the others to hold it."""
         self.events.append(Event(kind=EventKind.ADAPTER_HELD, run=run, version=version, job_id=job_id,
-                                 data={"replica": self.replica}))
+                                 data={"replica": self.replica, "held_at": held_at}))
 
     def rejected(self, run: str, version: int | None, message: str, job_id: str | None) -> None:
         """Append `adapter_rejected` with the reason."""

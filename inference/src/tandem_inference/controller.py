@@ -243,7 +243,9 @@ class Controller:
             if await asyncio.to_thread(self.agreement.others):  # replicas to agree with: tell them at once
                 if self.on_change is not None:
                     await self.on_change()
-                await asyncio.to_thread(self.announcer.held, run, version, event.job_id)
+                held = self.agreement.held.get((run, version))
+                await asyncio.to_thread(self.announcer.held, run, version, event.job_id,
+                                        held.held_at if held is not None else time.time())
             await self._advance()
 
     async def advance(self) -> None:

@@ -6,7 +6,8 @@ They share a process so that a version switch is an in-memory change of the rout
 not a Redis round trip per request. The engine is reached over HTTP only: with
 `engine.kind = sglang` this process also launches SGLang from its own environment and
 supervises it (`tandem_inference.sglang_launcher`); with `transformers` the engine runs
-separately (`tandem-engine`). In shared GPU mode it also lends the GPU to the trainer on
+separately (`tandem-engine`), or, with `engine.launch`, as this process's supervised child
+(one engine per replica). In shared GPU mode it also lends the GPU to the trainer on
 request (`tandem_inference.gpu_sharing`).
 
 This module owns every lifecycle: it starts the engine (SGLang), the controller, the
@@ -82,6 +83,9 @@ async def serve(settings: InferenceSettings) -> None:
             if settings.engine.kind == "sglang":
                 log_dir = Path(settings.store.root).parent / "logs"
                 launcher = Launcher(settings, http, log_path=log_dir / "sglang.log", pid_path=log_dir / "sglang.pid")
+            elif settings.engine.launch:  # the transformers engine as this replica's own, logging to this output
+                launcher = Launcher(settings, http, argv=[sys.executable, "-m", "tandem_inference.engine"])
+            if launcher is not None:
                 running.callback(launcher.stop)  # the engine stops with this service, whatever ends it
                 await launcher.start()
                 jobs.append(launcher.supervise)

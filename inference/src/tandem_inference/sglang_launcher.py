@@ -192,14 +192,15 @@ class Launcher:
         return self.boot_s
 
     def _spawn(self) -> subprocess.Popen[bytes]:
-        """Start the engine's process, its output into the log file, and record it in the pid file."""
+        """Start the engine's process, its output into the log file (or this process's output when
+        there is none), and record it in the pid file."""
         out = None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             out = self.log_path.open("ab")
         try:
             self.proc = subprocess.Popen(
-                guarded(self.argv), env=self.env, stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                guarded(self.argv), env=self.env, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         finally:

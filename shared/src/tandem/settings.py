@@ -94,6 +94,10 @@ class EngineSettings(BaseModel):
     """Which engine serves rollouts."""
     url: str = "http://127.0.0.1:30000"
     """Base URL of the engine's HTTP API (private: never publish it)."""
+    launch: bool = False
+    """With kind=transformers: the inference service starts the engine as its own supervised child,
+    listening on host:port (one engine per replica), instead of reaching one at `url`. SGLang is always
+    started by the service."""
     model: str = ".tandem/models/tiny"
     """Base model: a local path or a hub id."""
     served_model_name: str = "base"

@@ -1,0 +1,123 @@
+"""Two inference replicas behind the router, as containers: compose.replicas.yaml on the CPU stack.
+
+Each replica is an `inference` container with its own transformers engine; the router (HAProxy)
+takes the published gateway port and finds the replicas through compose's DNS. The loop learns
+through the router; every version is held by both replicas before it serves; requests spread
+over both; a replica SIGKILLed mid-run costs no request (the router sends its requests to the
+other), and once started again (`docker start`: a `docker kill` is not restarted by policy) it
+reconciles and rejoins. (A replica that refuses a version and leaves rotation is shown on real
+processes in tests/integration/test_replica_agreement.py: compose gives every replica the same
+settings.)
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections import Counter
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from compose_stack import ComposeStack, started_stack, wait_for
+
+from tandem import Client, LoraConfig, OptimizerConfig
+from tandem.dev import toy
+from tandem.replicas import Replicas
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MODEL = "/models/tiny"
+PROMPTS = ["Write some numbers.", "Count for me.", "Say something.", "What is the answer?"]
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeStack]:
+    yield from started_stack(request, tmp_path_factory, files=("compose.replicas.yaml",), env="INFERENCE_REPLICAS=2\n",
+                             services=("redis", "inference", "router", "trainer"))
+
+
+@pytest.fixture(scope="module")
+def client(stack: ComposeStack) -> Iterator[Client]:
+    c = Client(stack.gateway_url, stack.redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def digits(stack: ComposeStack, tmp_path_factory: pytest.TempPathFactory) -> frozenset[int]:
+    local = tmp_path_factory.mktemp("tokenizer")
+    (local / "tokenizer.json").write_text(stack.exec("trainer", "cat", f"{MODEL}/tokenizer.json"))
+    return toy.digit_token_ids(local)
+
+
+def ready_replicas(client: Client, run: str) -> dict[str, int]:
+    """Ready replica -> the version of `run` it serves."""
+    return {r.id: r.runs[run].serving for r in Replicas(client.conn).live() if r.ready and run in r.runs}
+
+
+def test_two_replicas_learn_through_the_router_and_agree_on_every_version(
+    stack: ComposeStack, client: Client, digits: frozenset[int],
+) -> None:
+    assert len(stack.containers("inference")) == 2
+    run = client.create_run("digits", base_model=MODEL, lora=LoraConfig(r=8, alpha=16),
+                            optimizer=OptimizerConfig(lr=5e-3), max_staleness_steps=0)
+    rewards, seen = [], Counter[str]()
+    for step in range(1, STEPS + 1):
+        rolled = toy.roll_out(run, digits, PROMPTS)
+        assert set(rolled.versions) == {step - 1}  # train() returned once both replicas served it
+        rewards.append(rolled.mean_reward)
+        run.train(rolled.groups, wait=True)
+        for prompt in PROMPTS:
+            reply = httpx.post(f"{stack.gateway_url}/v1/completions", timeout=30,
+                               json={"model": run.name, "prompt": f"{step} {prompt}", "max_tokens": 1})
+            assert reply.status_code == 200 and reply.headers["x-tandem-version"] == str(step)
+            seen[reply.headers["x-tandem-replica"]] += 1
+    assert statistics.fmean(rewards[-5:]) >= statistics.fmean(rewards[:5]) + 0.3, [round(r, 3) for r in rewards]
+    assert len(seen) == 2, seen  # requests spread over both replicas
+
+    history = run.history()
+    for version in range(1, STEPS + 1):
+        held = {e.data["replica"]: e.data["held_at"] for e in history if e.kind == "adapter_held" and e.version == version}
+        loaded = {e.data["replica"]: e.ts for e in history if e.kind == "adapter_loaded" and e.version == version}
+        assert len(loaded) == 2, (version, loaded)
+        for replica, served_at in loaded.items():  # neither served it before the other held it
+            other = next(r for r in loaded if r != replica)
+            assert held.get(other, loaded[other]) <= served_at, (version, held, loaded)
+
+
+def test_a_replica_killed_mid_run_costs_no_request_and_rejoins(
+    stack: ComposeStack, client: Client, digits: frozenset[int],
+) -> None:
+    run = client.run("digits")
+    start = run.status()["serving_version"]
+    statuses: Counter[int] = Counter()
+    stop = threading.Event()
+
+    def keep_asking() -> None:
+        with httpx.Client(base_url=stack.gateway_url, timeout=60) as http:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                reply = http.post("/v1/completions", json={"model": run.name, "prompt": f"{i} count", "max_tokens": 2})
+                statuses[reply.status_code] += 1
+
+    asker = threading.Thread(target=keep_asking, daemon=True)
+    asker.start()
+    victim = stack.containers("inference")[1]
+    try:
+        stack.docker("kill", "--signal", "KILL", victim)
+        for _ in range(2):  # the run goes on while the replica is down
+            run.train(toy.roll_out(run, digits, PROMPTS).groups, wait=True)
+        stack.docker("start", victim)
+        newest = start + 2
+        wait_for(lambda: set(ready_replicas(client, run.name).values()) == {newest}
+                 and len(ready_replicas(client, run.name)) == 2, 180, f"both replicas ready, serving v{newest}")
+        run.train(toy.roll_out(run, digits, PROMPTS).groups, wait=True)
+        loaded = {e.data["replica"] for e in run.history() if e.kind == "adapter_loaded" and e.version == newest + 1}
+        assert len(loaded) == 2, loaded
+    finally:
+        stop.set()
+        asker.join(60)
+    assert statuses[200] > 0 and set(statuses) == {200}, statuses
