@@ -29,8 +29,8 @@ REPLICAS ?=
 COMPOSE_FILES = -f compose.yaml $(if $(filter cpu,$(STACK)),-f compose.cpu.yaml) $(if $(filter 1,$(CLIENT)),-f compose.client.yaml) \
 	$(if $(filter-out 1,$(REPLICAS)),-f compose.replicas.yaml) \
 	$(if $(wildcard compose.override.yaml),-f compose.override.yaml)
-DC = GPU_MODE=$(GPU_MODE) INFERENCE_GPU=$(INFERENCE_GPU) TRAINER_GPU=$(TRAINER_GPU) \
-	$(if $(filter-out 1,$(REPLICAS)),INFERENCE_REPLICAS=$(REPLICAS)) $(COMPOSE) $(COMPOSE_FILES)
+DC = $(strip GPU_MODE=$(GPU_MODE) INFERENCE_GPU=$(INFERENCE_GPU) TRAINER_GPU=$(TRAINER_GPU) \
+	$(if $(filter-out 1,$(REPLICAS)),INFERENCE_REPLICAS=$(REPLICAS)) $(COMPOSE) $(COMPOSE_FILES))
 PYTEST_ARGS ?=
 # Extra flags of `make up`'s `docker compose up -d`, e.g. "--wait --wait-timeout 1200" (CI).
 UP_FLAGS ?=
