@@ -12,6 +12,7 @@ CPU only: on GPUs each replica needs a GPU of its own.
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -101,7 +102,9 @@ def run(ctx: Ctx) -> dict[str, Any]:
     results: dict[int, dict[str, Any]] = {}
     for n in (1, 2):
         ctx.progress(f"replicas: starting the stack with {n} replica(s)")
-        config = StackConfig(state_dir=out / f"stack-{n}", model=ctx.model, gateway_port=0, replicas=n)
+        state = out / f"stack-{n}"
+        shutil.rmtree(state, ignore_errors=True)  # a fresh Redis: no run of an earlier try in its history
+        config = StackConfig(state_dir=state, model=ctx.model, gateway_port=0, replicas=n)
         with Stack(config) as stack:
             ctx.progress(f"replicas: {n}: {CLIENTS} clients for {seconds:.0f} s")
             measured = load(stack.gateway_url, seconds)
