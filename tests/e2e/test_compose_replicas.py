@@ -5,9 +5,10 @@ takes the published gateway port and finds the replicas through compose's DNS. T
 through the router; every version is held by both replicas before it serves; requests spread
 over both; a replica SIGKILLed mid-run costs no request (the router sends its requests to the
 other), and once started again (`docker start`: a `docker kill` is not restarted by policy) it
-reconciles and rejoins. (A replica that refuses a version and leaves rotation is shown on real
-processes in tests/integration/test_replica_agreement.py: compose gives every replica the same
-settings.)
+reconciles and rejoins; a third replica that cannot load the run's versions (its engine takes a
+lower LoRA rank) stays out of rotation and holds nothing back. (A ready replica that refuses a
+version and then leaves rotation is shown on real processes in
+tests/integration/test_replica_agreement.py.)
 """
 
 from __future__ import annotations
@@ -121,3 +122,32 @@ def test_a_replica_killed_mid_run_costs_no_request_and_rejoins(
         stop.set()
         asker.join(60)
     assert statuses[200] > 0 and set(statuses) == {200}, statuses
+
+
+def test_a_replica_that_cannot_load_the_versions_stays_out_of_rotation_and_stalls_nothing(
+    stack: ComposeStack, client: Client, digits: frozenset[int],
+) -> None:
+    # a third replica whose engine takes LoRA rank 4 at most: it refuses the run's rank-8 versions
+    stack.compose("run", "-d", "--no-deps", "--name", f"{stack.project}-refuser", "-e", "TANDEM_REPLICA__ID=refuser",
+                  "-e", "TANDEM_ENGINE__MAX_LORA_RANK=4", "inference")
+    run = client.run("digits")
+    newest = run.status()["serving_version"]
+
+    def refused_the_newest() -> bool:
+        return any(e.kind == "adapter_rejected" and e.data.get("replica") == "refuser" and e.version == newest
+                   for e in run.history())
+
+    wait_for(lambda: refused_the_newest() and any(r.id == "refuser" for r in Replicas(client.conn).live()), 180,
+             "the third replica up, refusing the newest version")
+    [refuser] = [r for r in Replicas(client.conn).live() if r.id == "refuser"]
+    assert not refuser.ready  # reconciling, then behind: never in rotation
+    assert run.name not in refuser.runs or refuser.runs[run.name].serving == 0
+    rejected = [e for e in run.history() if e.kind == "adapter_rejected" and e.data.get("replica") == "refuser"]
+    assert rejected and "max_lora_rank 4" in rejected[-1].data["message"]
+
+    result = run.train(toy.roll_out(run, digits, PROMPTS).groups, wait=True)  # not held back by the refuser
+    assert result.version == newest + 1
+    loaded = {e.data["replica"] for e in run.history() if e.kind == "adapter_loaded" and e.version == result.version}
+    assert len(loaded) == 2 and "refuser" not in loaded
+    assert ready_replicas(client, run.name) == dict.fromkeys(loaded, result.version)
+    stack.docker("rm", "-f", f"{stack.project}-refuser")

@@ -153,7 +153,16 @@ class Controller:
         start-up and after an engine restart, not in the periodic one."""
         t0 = time.monotonic()
         async with self._lock:
-            runs, lost = await self.reconciler.reconcile(adopt=adopt)
+            before = set(self.agreement.held)
+            runs, lost = await self.reconciler.reconcile(adopt=adopt, hold=self.agreement.hold)
+            new = [self.agreement.held[key] for key in self.agreement.held.keys() - before]
+            if new:  # loaded here, not from an event: tell the other replicas as an event load does
+                if self.on_change is not None:
+                    await self.on_change()
+                for held in new:
+                    await asyncio.to_thread(self.announcer.held, held.run, held.version, held.manifest.job_id,
+                                            held.held_at)
+            await self._advance()  # before it says it is ready: one that cannot load what the others serve is behind
         self.reconciled = True
         duration = time.monotonic() - t0
         self.metrics.reconcile_seconds.observe(duration)

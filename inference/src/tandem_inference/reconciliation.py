@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from tandem.errors import BackendUnavailable
 from tandem.registry import Registry
 from tandem.runs import RUN_NAME, parse_adapter_name
 from tandem.settings import InferenceSettings
 from tandem_inference.adapter_loading import AdapterLoader, Outcome
+from tandem_inference.agreement import Held
 from tandem_inference.announcements import Announcer
 from tandem_inference.controller_metrics import ControllerMetrics
 from tandem_inference.engine_client import EngineClient
@@ -54,7 +56,7 @@ class Reconciler:
         self.unloader = unloader
         self.metrics = metrics
 
-    async def reconcile(self, *, adopt: bool) -> tuple[list[str], bool]:
+    async def reconcile(self, *, adopt: bool, hold: Callable[[Held], None] | None = None) -> tuple[list[str], bool]:
         """Make the engine and the table serve every registered run's newest registered version.
 
         Versions the table routes to but the engine lost are loaded again. With `adopt` (at
@@ -62,7 +64,8 @@ class Reconciler:
         to if their files check out; without it (the periodic reconcile), an adapter the engine
         holds that nothing routes to is a stray and is unloaded, unless it is a timed-out load
         of a version still wanted (then it serves). Returns the registered runs, and whether
-        the engine had lost adapters.
+        the engine had lost adapters. With `hold`, a newest version loaded here is handed over held,
+        to serve once the replicas agree (tandem_inference.agreement), like one loaded from an event.
         """
         held = await self.engine.loaded_adapters()
         runs = await self.registered_runs()
@@ -83,7 +86,7 @@ class Reconciler:
         self.loader.forget_old_pending()
         for run in runs:
             try:
-                await self._load_newest(run)
+                await self._load_newest(run, hold)
             except (EngineUnreachable, BackendUnavailable):
                 raise
             except Exception:  # noqa: BLE001 - one run's bad registry entry must not stop the others
@@ -103,7 +106,7 @@ class Reconciler:
                 log.warning("the registry lists run %s, which is no valid run name; ignoring it", quoted(run))
         return runs
 
-    async def _load_newest(self, run: str) -> None:
+    async def _load_newest(self, run: str, hold: Callable[[Held], None] | None = None) -> None:
         """Load the run's newest registered version if it does not serve.
 
         A version refused before (same manifest) or whose timed-out load may still complete
@@ -121,7 +124,7 @@ class Reconciler:
             if self.loader.rejected.get((run, manifest.version)) == manifest.created_at:
                 continue
             outcome = await self.loader.load(run, manifest.version, ready_ts=manifest.created_at,
-                                             job_id=manifest.job_id)
+                                             job_id=manifest.job_id, hold=hold)
             if outcome is not Outcome.REFUSED:
                 break
 
