@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 #: Pause between health checks while waiting for the engine, in seconds (doubles up to the max).
 HEALTH_POLL_S = 0.25
 HEALTH_POLL_MAX_S = 5.0
+#: How often an idle controller checks the other replicas (is it behind?), in seconds.
+ADVANCE_S = 1.0
 #: Pause before the controller starts over after a failure, in seconds.
 RESTART_PAUSE_S = 1.0
 
@@ -92,6 +94,7 @@ class Controller:
         self.reconciled = False
         """True once the start-up reconciliation finished (the gateway's /ready needs it)."""
         self._next_reconcile = 0.0
+        self._next_advance = 0.0
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
 
@@ -188,7 +191,8 @@ class Controller:
             if page.last_id != after:  # the page ended with malformed entries: read on past them
                 after = page.last_id
                 await asyncio.to_thread(self.cursor.commit, after)
-            await self.advance()
+            if self.agreement.held or len(page) or time.monotonic() >= self._next_advance:
+                await self.advance()  # held versions, other replicas' news, else once a second
             await self.unload_retired()
             await self._tick()
 
@@ -228,6 +232,9 @@ class Controller:
             await self.loader.reject(run, version, message, event.job_id)
             return
         name = self.table.adapter(run, version)
+        if name is not None and version > self.table.serving(run):
+            log.info("%s v%d is already held; it serves once the replicas agree", run, version)
+            return
         if name is not None:  # e.g. loaded by the periodic reconcile before a retried trainer announced it
             log.info("%s v%d is already loaded as %s; announcing it again", run, version, name)
             manifest = await asyncio.to_thread(self.registry.manifest, run, version)
@@ -261,6 +268,7 @@ class Controller:
         """Serve the held versions the replicas agree on; recheck whether this replica is behind."""
         async with self._lock:
             await self._advance()
+        self._next_advance = time.monotonic() + ADVANCE_S
 
     async def _advance(self) -> None:
         others = await asyncio.to_thread(self.agreement.others)
