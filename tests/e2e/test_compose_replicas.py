@@ -149,5 +149,6 @@ def test_a_replica_that_cannot_load_the_versions_stays_out_of_rotation_and_stall
     assert result.version == newest + 1
     loaded = {e.data["replica"] for e in run.history() if e.kind == "adapter_loaded" and e.version == result.version}
     assert len(loaded) == 2 and "refuser" not in loaded
-    assert ready_replicas(client, run.name) == dict.fromkeys(loaded, result.version)
+    wait_for(lambda: ready_replicas(client, run.name) == dict.fromkeys(loaded, result.version), 30,
+             "the two replicas' heartbeats to show the new version")  # written just after adapter_loaded
     stack.docker("rm", "-f", f"{stack.project}-refuser")
