@@ -5,9 +5,13 @@ policies. No cluster runs here: these manifests are rendered and validated, not 
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +20,25 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ("cpu", "gpu")
+#: each overlay as it is, and with its optional components (the commented `components:` of its kustomization)
+VARIANTS = (*OVERLAYS, *(f"{overlay}+components" for overlay in OVERLAYS))
 KUBERNETES_VERSION = "1.33.0"
 #: compose's image of each base image name, per overlay (compose.yaml; compose.cpu.yaml for cpu)
 COMPOSE_IMAGES = {
-    "gpu": {"tandem-inference": "tandem-inference:dev", "tandem-trainer": "tandem-trainer:dev",
-            "tandem-redis": "tandem-redis:dev", "tandem-router": "tandem-router:dev"},
-    "cpu": {"tandem-inference": "tandem-inference-cpu:dev", "tandem-trainer": "tandem-trainer-cpu:dev",
-            "tandem-redis": "tandem-redis:dev", "tandem-router": "tandem-router:dev"},
+    "gpu": {
+        "tandem-inference": "tandem-inference:dev",
+        "tandem-trainer": "tandem-trainer:dev",
+        "tandem-redis": "tandem-redis:dev",
+        "tandem-router": "tandem-router:dev",
+        "tandem-rq-dashboard": "tandem-rq-dashboard:dev",
+    },
+    "cpu": {
+        "tandem-inference": "tandem-inference-cpu:dev",
+        "tandem-trainer": "tandem-trainer-cpu:dev",
+        "tandem-redis": "tandem-redis:dev",
+        "tandem-router": "tandem-router:dev",
+        "tandem-rq-dashboard": "tandem-rq-dashboard:dev",
+    },
 }
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
 
@@ -31,9 +47,16 @@ class ComposeLoader(yaml.SafeLoader):
     """Reads compose files, whose `!reset` and `!override` tags (Compose 2.24+) are kept as plain values."""
 
 
-ComposeLoader.add_multi_constructor("!", lambda loader, _tag, node: (
-    loader.construct_mapping(node) if isinstance(node, yaml.MappingNode)
-    else loader.construct_sequence(node) if isinstance(node, yaml.SequenceNode) else loader.construct_scalar(node)))
+ComposeLoader.add_multi_constructor(
+    "!",
+    lambda loader, _tag, node: (
+        loader.construct_mapping(node)
+        if isinstance(node, yaml.MappingNode)
+        else loader.construct_sequence(node)
+        if isinstance(node, yaml.SequenceNode)
+        else loader.construct_scalar(node)
+    ),
+)
 
 
 def compose_file(name: str) -> dict[str, Any]:
@@ -47,15 +70,45 @@ def tool(name: str) -> str:
     return found
 
 
-def render(overlay: str) -> list[dict[str, Any]]:
-    out = subprocess.run([tool("kubectl"), "kustomize", str(ROOT / "deploy" / "k8s" / "overlays" / overlay)],
-                         capture_output=True, text=True, check=True)
+def render(overlay: str, *, components: bool = False) -> list[dict[str, Any]]:
+    """`kubectl kustomize` of an overlay; with `components`, of the overlay with its commented
+    `components:` lines uncommented, as a user enables them (in a scratch copy, its paths rewritten)."""
+    directory = ROOT / "deploy" / "k8s" / "overlays" / overlay
+    with tempfile.TemporaryDirectory() as scratch:
+        if components:
+            text = (directory / "kustomization.yaml").read_text()
+            enabled = re.sub(
+                r"^# (components:\n)((?:#   - .*\n)+)",
+                lambda m: m[1] + m[2].replace("#", "", m[2].count("\n")),
+                text,
+                flags=re.MULTILINE,
+            )
+            assert enabled != text, f"{overlay}'s kustomization.yaml names no optional components"
+            kustomization = yaml.safe_load(enabled)
+
+            def moved(path: str) -> str:  # kustomize takes relative paths only
+                return os.path.relpath((directory / path).resolve(), Path(scratch).resolve())
+
+            for key in ("resources", "components"):
+                kustomization[key] = [moved(path) for path in kustomization.get(key, [])]
+            for patch in kustomization.get("patches", []):
+                if "path" in patch:
+                    patch["path"] = moved(patch["path"])
+            (Path(scratch) / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+            directory = Path(scratch)
+        out = subprocess.run(
+            [tool("kubectl"), "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(directory)],
+            capture_output=True,
+            text=True,
+        )
+    assert out.returncode == 0, out.stderr
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
-@pytest.fixture(scope="module", params=OVERLAYS)
+@pytest.fixture(scope="module", params=VARIANTS)
 def rendered(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
-    return request.param, render(request.param)
+    overlay, _, components = request.param.partition("+")
+    return overlay, render(overlay, components=bool(components))
 
 
 def find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
@@ -72,16 +125,25 @@ def env_of(container: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_every_overlay_validates_strictly_against_the_kubernetes_schemas(
-    rendered: tuple[str, list[dict[str, Any]]], tmp_path: Path,
+    rendered: tuple[str, list[dict[str, Any]]],
+    tmp_path: Path,
 ) -> None:
     overlay, docs = rendered
     path = tmp_path / f"{overlay}.yaml"
     path.write_text(yaml.safe_dump_all(docs))
-    checked = subprocess.run([tool("kubernetes-validate"), "--strict", "--quiet", "-k", KUBERNETES_VERSION, str(path)],
-                             capture_output=True, text=True)
+    checked = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", "--quiet", "-k", KUBERNETES_VERSION, str(path)], capture_output=True, text=True
+    )
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert {d["kind"] for d in docs} >= {"Namespace", "StatefulSet", "Deployment", "Service", "NetworkPolicy",
-                                         "PersistentVolumeClaim", "Job"}
+    assert {d["kind"] for d in docs} >= {
+        "Namespace",
+        "StatefulSet",
+        "Deployment",
+        "Service",
+        "NetworkPolicy",
+        "PersistentVolumeClaim",
+        "Job",
+    }
     assert all(d["metadata"].get("namespace") == "tandem" for d in docs if d["kind"] != "Namespace")
 
 
@@ -90,8 +152,9 @@ def test_a_manifest_with_an_unknown_field_is_refused(tmp_path: Path) -> None:
     find(docs, "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]["probe"] = {}
     path = tmp_path / "broken.yaml"
     path.write_text(yaml.safe_dump_all(docs))
-    checked = subprocess.run([tool("kubernetes-validate"), "--strict", "--quiet", "-k", KUBERNETES_VERSION, str(path)],
-                             capture_output=True, text=True)
+    checked = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", "--quiet", "-k", KUBERNETES_VERSION, str(path)], capture_output=True, text=True
+    )
     assert checked.returncode != 0 and "probe" in checked.stdout + checked.stderr
 
 
@@ -129,14 +192,70 @@ def test_environment_agrees_with_compose(rendered: tuple[str, list[dict[str, Any
     assert inference["TANDEM_REPLICA__ID"] == "$(POD_NAME)"
     assert trainer["TANDEM_WORKER_NAME"] == "trainer"
     if overlay == "cpu":
-        assert (inference["TANDEM_GPUS__MODE"], inference["TANDEM_ENGINE__KIND"], inference["TANDEM_ENGINE__LAUNCH"],
-                inference["TANDEM_ENGINE__MODEL"]) == ("cpu", "transformers", "true", "/models/tiny")
+        assert (
+            inference["TANDEM_GPUS__MODE"],
+            inference["TANDEM_ENGINE__KIND"],
+            inference["TANDEM_ENGINE__LAUNCH"],
+            inference["TANDEM_ENGINE__MODEL"],
+        ) == ("cpu", "transformers", "true", "/models/tiny")
         assert (trainer["TANDEM_GPUS__MODE"], trainer["TANDEM_BACKEND__KIND"]) == ("cpu", "peft")
     else:
         assert (inference["TANDEM_GPUS__MODE"], inference["TANDEM_ENGINE__KIND"]) == ("split", "sglang")
         compose = compose_file("compose.yaml")["services"]
         assert compose["inference"]["environment"]["TANDEM_ENGINE__KIND"] == "sglang"
         assert compose["trainer"]["environment"]["TANDEM_WORKER_NAME"] == "trainer"
+
+
+#: compose files whose settings each overlay's pods carry (later files override earlier ones)
+COMPOSE_STACKS = {
+    "gpu": ("compose.yaml", "compose.replicas.yaml"),
+    "cpu": ("compose.yaml", "compose.cpu.yaml", "compose.replicas.yaml"),
+}
+#: compose settings set otherwise on Kubernetes, and why
+KUBERNETES_ONLY = {
+    "HF_HOME": "/models/huggingface",  # the hub cache lives on the models volume
+    "TANDEM_GATEWAY__PUBLISHED_HOST": None,  # the router reaches the port beyond loopback: the key is required
+}
+
+
+def compose_environment(overlay: str, service: str) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for name in COMPOSE_STACKS[overlay]:
+        env |= compose_file(name)["services"].get(service, {}).get("environment") or {}
+    return env
+
+
+def compose_default(value: str) -> str:
+    """A compose value as it reads with no .env: `${X:-d}` is d; a required `${X:?...}` is Kubernetes' `$(X)`."""
+    value = re.sub(r"\$\{(\w+):\?[^}]*\}", r"$(\1)", value)
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", value)
+
+
+@pytest.mark.parametrize(("kind", "service"), [("StatefulSet", "inference"), ("Deployment", "trainer")])
+def test_every_compose_setting_is_set_alike(rendered: tuple[str, list[dict[str, Any]]], kind: str, service: str) -> None:
+    overlay, docs = rendered
+    env = env_of(find(docs, kind, service)["spec"]["template"]["spec"]["containers"][0])
+    differing = []
+    for name, value in compose_environment(overlay, service).items():
+        if name in KUBERNETES_ONLY:
+            alike = env.get(name) == KUBERNETES_ONLY[name]
+        elif isinstance(env.get(name), dict):  # from the Secret: compose takes it from .env
+            alike = "secretKeyRef" in env[name] and "${" in value
+        else:
+            alike = env.get(name, "<unset>") == compose_default(value)
+        if not alike:
+            differing.append(f"{name}: compose {value!r}, Kubernetes {env.get(name, '<unset>')!r}")
+    assert not differing, (overlay, service, differing)
+
+
+def test_the_engine_listens_on_the_pods_loopback(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    """The engine's admin routes stay inside the pod, whatever the image's default (the CPU image's
+    transformers engine binds 0.0.0.0 for compose's separate engine service)."""
+    overlay, docs = rendered
+    [container] = find(docs, "StatefulSet", "inference")["spec"]["template"]["spec"]["containers"]
+    env = env_of(container)
+    assert (env.get("TANDEM_ENGINE__HOST"), env["TANDEM_ENGINE__URL"]) == ("127.0.0.1", "http://127.0.0.1:30000"), overlay
+    assert [p["containerPort"] for p in container["ports"]] == [8000]
 
 
 def test_long_running_containers_have_probes(rendered: tuple[str, list[dict[str, Any]]]) -> None:
@@ -150,6 +269,31 @@ def test_long_running_containers_have_probes(rendered: tuple[str, list[dict[str,
     assert inference["readinessProbe"]["httpGet"]["path"] == "/ready"
     startup = inference["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # CUDA-graph capture takes minutes
+
+
+def test_the_trainer_is_healthy_exactly_while_its_liveness_key_is_in_redis(
+    rendered: tuple[str, list[dict[str, Any]]],
+    redis_conn: Any,
+    redis_url: str,
+) -> None:
+    """Each trainer probe runs as written in the manifest, against a real Redis: it fails until the
+    worker's liveness key is there, whatever the image's environment holds."""
+    from tandem import keys
+
+    overlay, docs = rendered
+    [container] = find(docs, "Deployment", "trainer")["spec"]["template"]["spec"]["containers"]
+    env = {name: value for name, value in env_of(container).items() if isinstance(value, str)}
+    env |= {"TANDEM_REDIS__URL": redis_url, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+    def probe(kind: str) -> int:
+        command = container[kind]["exec"]["command"]
+        return subprocess.run(command, env=env, capture_output=True, timeout=60).returncode
+
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert probe(kind) != 0, (overlay, kind, "healthy with no trainer alive")
+    redis_conn.set(keys.trainer_alive(env["TANDEM_WORKER_NAME"]), "token", ex=30)
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert probe(kind) == 0, (overlay, kind)
 
 
 def test_no_secret_is_inline(rendered: tuple[str, list[dict[str, Any]]]) -> None:
@@ -180,13 +324,21 @@ def test_network_policies_cover_redis_and_the_replicas(rendered: tuple[str, list
     assert policies["default-deny-ingress"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
 
     def allowed_from(component: str) -> list[dict[str, Any]]:
-        return [rule for spec in policies.values()
-                if spec["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/component") == component
-                for rule in spec.get("ingress", [])]
+        return [
+            rule
+            for spec in policies.values()
+            if spec["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/component") == component
+            for rule in spec.get("ingress", [])
+        ]
 
-    redis_from = {peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
-                  for rule in allowed_from("redis") for peer in rule["from"]}
-    assert redis_from == {"inference", "trainer", "client"}
+    redis_from = {
+        peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+        for rule in allowed_from("redis")
+        for peer in rule["from"]
+    }
+    dashboard = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rq-dashboard"]
+    assert redis_from == {"inference", "trainer", "client"} | ({"rq-dashboard"} if dashboard else set())
+    assert not allowed_from("rq-dashboard")  # reached only through `kubectl port-forward`
     inference_rules = allowed_from("inference")
     assert inference_rules and all(rule.get("from") for rule in inference_rules)  # never from anywhere
     assert {p["port"] for rule in inference_rules for p in rule["ports"]} == {8000}  # the gateway, not the engine
@@ -207,3 +359,51 @@ def test_the_adapter_volume_is_shared_and_read_only_in_inference(rendered: tuple
     shm = next(v for v in inference["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"]["medium"] == "Memory"
     assert find(docs, "Deployment", "trainer")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 300
+
+
+def test_the_toy_task_job_reads_a_hub_models_tokenizer(tmp_path: Path) -> None:
+    """The gpu overlay's Job names a hub model: its digit tokens come from the hub's tokenizer.json,
+    cached on a volume the Job can write, before it calls the stack."""
+    spec = find(render("gpu"), "Job", "toy-task")["spec"]["template"]["spec"]
+    [container] = spec["containers"]
+    env = {name: value for name, value in env_of(container).items() if isinstance(value, str)}
+    model = env["TOY_MODEL"]
+    assert "/" in model and not model.startswith(("/", ".")), model  # a hub id
+    cache = next(m for m in container["volumeMounts"] if env["HF_HOME"].startswith(m["mountPath"] + "/"))
+    assert not cache.get("readOnly"), cache  # the tokenizer is downloaded there
+
+    snapshot = tmp_path / "hub" / f"models--{model.replace('/', '--')}" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"0": 15, "1": 16, "a": 64}}}))
+    (tmp_path / "hub" / f"models--{model.replace('/', '--')}" / "refs").mkdir()
+    (tmp_path / "hub" / f"models--{model.replace('/', '--')}" / "refs" / "main").write_text("0" * 40)
+    nowhere = "127.0.0.1:9"  # nothing listens: the Job stops at its first call to the stack
+    env |= {
+        "HF_HOME": str(tmp_path),
+        "HF_HUB_OFFLINE": "1",
+        "TANDEM_GATEWAY_URL": f"http://{nowhere}",
+        "TANDEM_REDIS__URL": f"redis://{nowhere}/0",
+        "PATH": os.environ["PATH"],
+    }
+    ran = subprocess.run(
+        [sys.executable, *container["command"][1:], *container["args"]],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert f"2 digit tokens in {model}" in ran.stdout, ran.stdout + ran.stderr
+    assert ran.returncode != 0
+
+
+def test_the_dashboard_is_opt_in_and_adds_only_itself() -> None:
+    for overlay in OVERLAYS:
+        plain, with_components = render(overlay), render(overlay, components=True)
+        assert not [d for d in plain if "rq-dashboard" in d["metadata"]["name"]]
+        added = [d for d in with_components if d not in plain]
+        assert sorted((d["kind"], d["metadata"]["name"]) for d in added) == [
+            ("Deployment", "rq-dashboard"),
+            ("NetworkPolicy", "redis-from-rq-dashboard"),
+        ]
+        assert len(with_components) == len(plain) + len(added)
