@@ -88,6 +88,15 @@ def test_two_replicas_learn_through_the_router_and_agree_on_every_version(
             assert held.get(other, loaded[other]) <= served_at, (version, held, loaded)
 
 
+def test_each_replicas_engine_listens_on_its_loopback_only(stack: ComposeStack) -> None:
+    probe = ("import socket, sys\ns = socket.socket(); s.settimeout(3)\n"
+             "print(s.connect_ex((sys.argv[1], 30000)))")
+    for cid in stack.containers("inference"):
+        ip = stack.docker("inspect", "--format", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", cid).strip()
+        assert stack.exec("trainer", "python", "-c", probe, ip).strip() != "0", f"engine of {cid} open on {ip}"
+        assert stack.docker("exec", cid, "python", "-c", probe, "127.0.0.1").strip() == "0"
+
+
 def test_a_replica_killed_mid_run_costs_no_request_and_rejoins(
     stack: ComposeStack, client: Client, digits: frozenset[int],
 ) -> None:
