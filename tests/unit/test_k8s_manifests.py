@@ -166,6 +166,32 @@ def test_gpu_containers_have_gpu_limits_and_cpu_ones_none(rendered: tuple[str, l
         assert limits.get("nvidia.com/gpu") == (1 if overlay == "gpu" else None), (overlay, name, limits)
 
 
+def test_a_data_parallel_trainer_has_a_rank_per_gpu_it_sees(tmp_path: Path) -> None:
+    docs = render("gpu-trainer-gpus")
+    path = tmp_path / "gpu-trainer-gpus.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    checked = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", "--quiet", "-k", KUBERNETES_VERSION, str(path)], capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    gpu = render("gpu")
+    assert [d for d in docs if d["metadata"]["name"] != "trainer"] == [d for d in gpu if d["metadata"]["name"] != "trainer"]
+    container = find(docs, "Deployment", "trainer")["spec"]["template"]["spec"]["containers"][0]
+    env = env_of(container)
+    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+    assert gpus > 1
+    assert env["CUDA_VISIBLE_DEVICES"] == ",".join(str(i) for i in range(gpus))
+    assert env["TANDEM_PARALLEL__RANKS"] == str(gpus)
+    assert [e["name"] for e in container["env"]].count("CUDA_VISIBLE_DEVICES") == 1  # replaced, not added
+    compose = compose_file("compose.trainer-gpus.yaml")["services"]["trainer"]
+    [device] = compose["deploy"]["resources"]["reservations"]["devices"]
+    assert len(device["device_ids"]) == gpus  # the same count as compose's file for several GPUs
+    expected = compose_environment("gpu", "trainer") | compose["environment"]
+    differing = {k: (v, env.get(k)) for k, v in expected.items()
+                 if k not in KUBERNETES_ONLY and not isinstance(env.get(k), dict) and env.get(k) != compose_default(v)}
+    assert not differing
+
+
 def test_images_are_compose_images(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     overlay, docs = rendered
     images = {c["image"] for _, spec in pod_specs(docs) for c in spec["containers"] + spec.get("initContainers", [])}

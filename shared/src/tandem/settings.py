@@ -311,6 +311,28 @@ class TrainerBackendSettings(BaseModel):
     master weights then go into the version's trainer state, so resuming loses no precision."""
 
 
+class ParallelSettings(BaseModel):
+    """Data-parallel training: several trainer processes (ranks) train each job together."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    ranks: int | None = Field(None, ge=1, le=64)
+    """Trainer processes, started by torchrun. Unset: one per GPU of `gpus.trainer` in split mode,
+    else 1. Rank 0 takes jobs from the queue and publishes; every rank trains a share of each
+    job's micro-batches and the gradients are summed across ranks before the optimizer step
+    (NCCL on GPUs, gloo on the CPU). Every rank needs the model in its own memory."""
+    max_restarts: int = Field(100, ge=0, le=100000)
+    """How often torchrun starts the ranks again after one of them failed (a job in flight fails
+    with a message naming the rank); past it the trainer exits and its container's restart policy
+    takes over."""
+
+    def world(self, gpus: GpuSettings) -> int:
+        """How many ranks train: `ranks`, or one per trainer GPU in split mode."""
+        if self.ranks is not None:
+            return self.ranks
+        return len(gpus.trainer) if gpus.mode == "split" else 1
+
+
 #: Where `tandem up` (run from this directory) writes the gateway and Redis URLs of its stack.
 LOCAL_STACK_ENV = ".tandem/stack/client.env"
 
@@ -347,6 +369,25 @@ class TrainerSettings(_ServiceSettings):
     because Redis is away is tried again, with pauses growing to 2 s, for up to this long, so a job
     that ends while Redis is away completes once Redis is back; past it the worker exits and its
     restart recovers the job."""
+    parallel: ParallelSettings = ParallelSettings()
+
+    @model_validator(mode="after")
+    def _ranks_fit_gpus(self) -> TrainerSettings:
+        ranks = self.parallel.ranks
+        if ranks is None or ranks == 1:
+            return self
+        if self.gpus.mode == "shared":
+            raise ValueError(
+                f"parallel.ranks={ranks} in shared mode: the trainer shares the one inference GPU; "
+                "data-parallel training needs split mode with several gpus.trainer"
+            )
+        if self.gpus.mode == "split" and ranks != len(self.gpus.trainer):
+            raise ValueError(
+                f"parallel.ranks={ranks} but gpus.trainer={self.gpus.trainer} names "
+                f"{len(self.gpus.trainer)} GPU(s); a rank trains on one GPU each, so leave "
+                "parallel.ranks unset or list as many trainer GPUs"
+            )
+        return self
 
 
 class InferenceSettings(_ServiceSettings):

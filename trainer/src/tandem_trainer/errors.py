@@ -7,6 +7,8 @@
         │   └── TrainingBackendMissing   the torch backend or device asked for cannot run here
         ├── CheckpointError          a version's adapter or optimizer state cannot be read or written
         ├── TrainStepFailed          the step itself failed (out of memory, non-finite loss); may be retried
+        │   ├── RankFailed           data-parallel: one rank's share failed; the ranks carry on
+        │   └── RanksLost            data-parallel: a rank stopped; torchrun restarts the ranks
         ├── LockTimeout              another worker held the run's lock for the whole wait
         └── TinyModelDirTaken        the tiny model's directory holds something else (also a FileExistsError)
 
@@ -62,3 +64,12 @@ class LockTimeout(TrainerError):
 
 class TinyModelDirTaken(TrainerError, FileExistsError):
     """The tiny model's directory holds something other than that model; pass overwrite=True."""
+
+
+class RankFailed(TrainStepFailed):
+    """Data-parallel training: a rank's share of the step failed; every rank raises this."""
+
+
+class RanksLost(TrainStepFailed):
+    """Data-parallel training: the ranks can no longer talk (one of them stopped); torchrun
+    starts them all again."""

@@ -3,8 +3,10 @@
 `TANDEM_TRAINER_FAILPOINTS=after_register` (a comma-separated list of names from `POINTS`)
 makes the trainer send itself SIGKILL when it reaches that place, as an OOM kill or a power
 cut would: no cleanup, no `finally`. The kill tests use it to stop a trainer at an exact
-moment instead of racing it. The variable is read once, when this module is imported; unset,
-each point costs one lookup in an empty set. Leave it unset in production.
+moment instead of racing it. `mid_training@rank1` arms a point in one data-parallel rank only,
+and only in the ranks torchrun starts first (not after a restart), so that a test can kill
+one rank once. The variable is read once, when this module is imported; unset, each point
+costs one lookup in an empty set. Leave it unset in production.
 """
 
 from __future__ import annotations
@@ -38,11 +40,20 @@ POINTS = (
 
 
 def _armed(raw: str) -> frozenset[str]:
-    names = frozenset(n.strip() for n in raw.split(",") if n.strip())
+    names = set()
+    for item in (n.strip() for n in raw.split(",") if n.strip()):
+        name, _, rank = item.partition("@rank")
+        if rank and not rank.isdigit():
+            raise TrainerConfigError(f"{ENV}: {item!r}: a rank is a number, as in mid_training@rank1")
+        first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if not rank or (rank == os.environ.get("RANK", "0") and first_start):
+            names.add(name)
+        elif name not in POINTS:
+            names.add(name)  # reported as unknown below
     unknown = sorted(names - set(POINTS))
     if unknown:
         raise TrainerConfigError(f"{ENV}: unknown failpoint(s) {unknown}; known: {', '.join(POINTS)}")
-    return names
+    return frozenset(names)
 
 
 ARMED = _armed(os.environ.get(ENV, ""))

@@ -14,7 +14,6 @@ validates it once, with pydantic. A caller that holds a `TrainJob` passes it as 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,12 +32,14 @@ from tandem.settings import TrainerSettings
 from tandem_trainer import failpoints
 from tandem_trainer.adapter_files import StagedAdapter
 from tandem_trainer.backends.base import Backend, ModelInfo
-from tandem_trainer.errors import CheckpointError, JobRejected, TrainStepFailed
+from tandem_trainer.errors import CheckpointError, JobRejected, RanksLost, TrainStepFailed
 from tandem_trainer.gpu_sharing import SharedGpu
-from tandem_trainer.grpo import LossStats, group_advantages, grpo_loss, reward_stats
-from tandem_trainer.microbatch import Sample, accumulation_weights, build_microbatches
+from tandem_trainer.grpo import group_advantages, reward_stats
+from tandem_trainer.microbatch import Sample
+from tandem_trainer.parallel import Group
 from tandem_trainer.publisher import Publisher
 from tandem_trainer.run_lock import RunLock
+from tandem_trainer.step import StepOrder, train_step
 from tandem_trainer.turns import check_trained_spans
 
 log = logging.getLogger(__name__)
@@ -78,10 +79,13 @@ class Trainer:
         holder_alive: Callable[[str], bool] = lambda owner: True,
         entropy: bool = True,
         gpu: SharedGpu | None = None,
+        group: Group | None = None,
     ) -> None:
         self.settings, self.conn, self.backend = settings, conn, backend
         self.gpu = gpu
         """Shared mode: the GPU lease held around each job's compute (None in split/cpu mode)."""
+        self.group = group
+        """Data-parallel training: this process is rank 0 of these ranks (step.py)."""
         self.store = store or AdapterStore(settings.store.root)
         self.registry, self.events = Registry(conn), EventStream(conn)
         self.publisher = Publisher(conn, self.store)
@@ -131,7 +135,7 @@ class Trainer:
                     lock.release()
         except Exception as exc:
             if not isinstance(exc, JobRejected):
-                self.backend.invalidate()  # partial gradients or a half-done step: reload next time
+                self._invalidate()  # partial gradients or a half-done step: reload next time
             failure = self._translate(exc)
             field = failure.field if isinstance(failure, ValidationFailed) else None
             log.warning(
@@ -271,40 +275,23 @@ class Trainer:
                 Sample(t.prompt_ids, t.completion_ids, t.rollout_logprobs, t.mask, float(a))
                 for t, a in zip(group.trajectories, adv, strict=True)
             ]
-        self.backend.activate(spec, parent, self.store.version_dir(job.run, parent) if parent else None)
-        batches = build_microbatches(samples, self.settings.backend.micro_batch_tokens, pad_id=info.pad_id)
-        weights = accumulation_weights([mb.tokens for mb in batches])
-        stats, grad_norms = LossStats(), []
-        for _ in range(spec.loss.epochs):
-            for mb, weight in zip(batches, weights, strict=True):
-                if weight == 0:
-                    continue
-                mb = mb.to(self.backend.device)
-                fwd = self.backend.forward(mb, entropy=self.entropy)
-                ref = self.backend.reference_logprobs(mb) if spec.loss.kl_coef > 0 else None
-                terms = grpo_loss(
-                    fwd.logprobs, mb.rollout_logprobs, mb.advantages, mb.mask,
-                    clip_low=spec.loss.clip_low, clip_high=spec.loss.clip_high,
-                    ref_logprobs=ref, kl_coef=spec.loss.kl_coef,
-                )
-                loss_value = float(terms.loss.detach())
-                if not math.isfinite(loss_value):
-                    raise TrainStepFailed(f"the loss is {loss_value} on micro-batch {mb.indices}")
-                torch.autograd.backward(terms.loss * weight)
-                failpoints.hit("mid_training")
-                stats.add(terms.sums)
-                if fwd.entropy is not None:
-                    stats.add({"entropy": float((fwd.entropy * mb.mask).sum())})
-            grad_norms.append(self.backend.step(spec.optimizer.max_grad_norm))
-        self.backend.synchronize()  # the step is done when the device is, not when it was queued
+        order = StepOrder(
+            spec=spec, parent=parent, samples=samples, pad_id=info.pad_id, entropy=self.entropy,
+            version_dir=str(self.store.version_dir(job.run, parent)) if parent else None,
+            budget=self.settings.backend.micro_batch_tokens,
+        )
+        if self.group is not None:
+            self.group.send("step", order=order.model_dump(mode="json"))
+        step = train_step(self.backend, order, self.group)
         train_s = time.perf_counter() - started
         stepped_at = time.time()
         adapter = self.backend.stage_adapter()
         metrics = {
-            **stats.metrics(), **reward_stats(rewards), "grad_norm": grad_norms[-1],
-            "tokens": float(sum(mb.tokens for mb in batches)), "sequences": float(len(samples)),
+            **step.stats.metrics(), **reward_stats(rewards), "grad_norm": step.grad_norm,
+            "tokens": float(step.tokens), "sequences": float(len(samples)),
             "groups": float(len(job.groups)), "zero_advantage_groups": float(flat_groups),
-            "microbatches": float(len(batches)), "epochs": float(spec.loss.epochs), "train_s": train_s,
+            "microbatches": float(step.microbatches), "epochs": float(spec.loss.epochs), "train_s": train_s,
+            "ranks": float(self.group.world if self.group is not None else 1),
         }
         if gpu_wait_s is not None:
             metrics["gpu_wait_s"] = gpu_wait_s
@@ -317,8 +304,25 @@ class Trainer:
     def _publish(self, job: TrainJob, trained: Trained) -> TrainResult:
         result = self.publisher.publish(job, trained.manifest, trained.adapter, train_s=trained.train_s,
                                         stepped_at=trained.stepped_at)
-        self.backend.mark_active(job.run, result.version, self.store.version_dir(job.run, result.version))
+        version_dir = self.store.version_dir(job.run, result.version)
+        self.backend.mark_active(job.run, result.version, version_dir)
+        self._tell("published", run=job.run, version=result.version, version_dir=str(version_dir))
         return result
+
+    def _invalidate(self) -> None:
+        """Forget the version in memory, on every rank."""
+        self.backend.invalidate()
+        self._tell("invalidate")
+
+    def _tell(self, kind: str, **body: JsonValue) -> None:
+        """Tell the other ranks how the job ended; when they are gone, they restart anyway and
+        the job's outcome stands (the worker then stops, see worker.py)."""
+        if self.group is None or self.group.broken:
+            return
+        try:
+            self.group.send(kind, **body)
+        except RanksLost as exc:
+            log.warning("the other ranks are gone (%s); the worker stops after this job", exc)
 
     def _save_state(self, job: TrainJob, version: int, parent: int) -> None:
         """Attach the optimizer state to the published version; a failure costs only the state."""
@@ -335,4 +339,4 @@ class Trainer:
             log.warning("trainer state of %s v%d not saved (%s); resuming from it starts the optimizer fresh",
                         job.run, version, exc, exc_info=unexpected)
             if unexpected:
-                self.backend.invalidate()  # e.g. a device error: reload from the store next time
+                self._invalidate()  # e.g. a device error: reload from the store next time

@@ -133,6 +133,15 @@ def collate(samples: Sequence[Sample], indices: Sequence[int], *, pad_id: int = 
     )
 
 
+def split_budget(lengths: Sequence[int], budget: int, ranks: int) -> int:
+    """The micro-batch budget when `ranks` processes share a job: small enough that each rank
+    gets some of the job (about its total over `ranks`), never above `budget`, never below the
+    longest sequence (which cannot be split). One rank keeps `budget`."""
+    if ranks <= 1 or not lengths:
+        return budget
+    return min(budget, max(max(lengths), -(-sum(lengths) // ranks)))
+
+
 def build_microbatches(samples: Sequence[Sample], budget: int, *, pad_id: int = 0) -> list[MicroBatch]:
     """Pack and collate every sample of a job."""
     return [collate(samples, group, pad_id=pad_id) for group in pack([s.length for s in samples], budget)]

@@ -37,6 +37,7 @@ from tandem_trainer.errors import JobRejected, TrainerConfigError
 from tandem_trainer.gpu_sharing import SharedGpu
 from tandem_trainer.job import Trainer
 from tandem_trainer.outage import ride_out_outages
+from tandem_trainer.parallel import Group
 from tandem_trainer.recovery import (
     LIVENESS_INTERVAL_S,
     LIVENESS_TTL_S,
@@ -55,10 +56,16 @@ class TrainWorker(SimpleWorker):
     """rq's SimpleWorker on `GuardedJob`s: refused jobs fail at once, every failure is announced."""
 
     job_class = GuardedJob
+    group: Group | None = None
+    """Data-parallel training: the ranks this worker is rank 0 of."""
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         failpoints.hit("after_dequeue")
         super().execute_job(job, queue)
+        if self.group is not None and self.group.broken:
+            log.error("worker.stop: the trainer's ranks lost each other during job %s; the worker stops "
+                      "so that torchrun starts every rank again", job.id)
+            self._stop_requested = True
 
     def handle_job_success(self, job: Job, queue: Queue, started_job_registry: StartedJobRegistry,
                            execution: Execution) -> None:
@@ -90,14 +97,16 @@ class _Context:
 _context: _Context | None = None
 
 
-def setup(settings: TrainerSettings, conn: redis.Redis, liveness: Liveness) -> Trainer:
+def setup(settings: TrainerSettings, conn: redis.Redis, liveness: Liveness, group: Group | None = None) -> Trainer:
     """Create the process's Trainer (and its backend, which keeps the model) once."""
     global _context
     if _context is None:
+        index = group.device_index if group is not None else None
         trainer = Trainer(
-            settings, conn, select_backend(settings.backend), AdapterStore(settings.store.root),
+            settings, conn, select_backend(settings.backend, device_index=index), AdapterStore(settings.store.root),
             owner=liveness.token, holder_alive=lambda owner: owner_alive(conn, owner),
             gpu=SharedGpu(conn, settings.gpus, holder=liveness.token) if settings.gpus.mode == "shared" else None,
+            group=group,
         )
         _context = _Context(trainer=trainer, liveness=liveness)
     return _context.trainer
@@ -160,8 +169,10 @@ def claim_name(conn: redis.Redis, name: str) -> None:
             stale.register_death()  # type: ignore[no-untyped-call]
 
 
-def serve(settings: TrainerSettings, conn: redis.Redis, name: str, *, burst: bool = False) -> bool:
-    """Recover abandoned jobs, then work the train queue until a (warm) shutdown."""
+def serve(settings: TrainerSettings, conn: redis.Redis, name: str, *, burst: bool = False,
+          group: Group | None = None) -> bool:
+    """Recover abandoned jobs, then work the train queue until a (warm) shutdown; with `group`,
+    as rank 0 of data-parallel ranks, which are told to stop when the worker does."""
     ride_out_outages(conn, settings.redis_outage_s)
     claim_name(conn, name)
     started = time.perf_counter()
@@ -175,8 +186,11 @@ def serve(settings: TrainerSettings, conn: redis.Redis, name: str, *, burst: boo
              len(recovered), time.perf_counter() - started, recovered)
     liveness.start()
     try:
-        setup(settings, conn, liveness)
+        setup(settings, conn, liveness, group)
         worker = TrainWorker([train_queue(conn)], connection=conn, name=name, serializer=JSONSerializer)
+        worker.group = group
         return worker.work(burst=burst, with_scheduler=False)
     finally:
         liveness.stop()
+        if group is not None:
+            group.stop()

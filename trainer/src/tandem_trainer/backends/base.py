@@ -97,6 +97,11 @@ class Backend(ABC):
         """
 
     @abstractmethod
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The active adapter's trainable parameters, in a fixed order (what data-parallel ranks
+        sum the gradients of)."""
+
+    @abstractmethod
     def synchronize(self) -> None:
         """Wait for the device's queued work (a no-op on the CPU): call before reading a clock."""
 

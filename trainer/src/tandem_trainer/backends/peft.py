@@ -274,6 +274,9 @@ class PeftBackend(Backend):
         self._optimizer.zero_grad(set_to_none=True)
         return norm
 
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for _, p in self._params]
+
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

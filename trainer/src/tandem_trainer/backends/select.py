@@ -43,16 +43,18 @@ def unsloth_problem(device: Device) -> str | None:
     return None
 
 
-def select_backend(settings: TrainerBackendSettings) -> Backend:
-    """The backend `settings.kind` asks for; `auto` falls back to peft."""
+def select_backend(settings: TrainerBackendSettings, *, device_index: int | None = None) -> Backend:
+    """The backend `settings.kind` asks for; `auto` falls back to peft. `device_index` picks the
+    GPU of a data-parallel rank (default: the current CUDA device)."""
     device = resolve_device(settings.device)
+    place = f"cuda:{device_index}" if device == "cuda" and device_index is not None else device
     if settings.kind in ("auto", "unsloth"):
         problem = unsloth_problem(device)
         if problem is None:  # pragma: no cover - needs CUDA and unsloth (GPU tests)
             from tandem_trainer.backends.unsloth import UnslothBackend
 
             log.info("backend %s: using unsloth", settings.kind)
-            return UnslothBackend(device=device, adapter_dtype=settings.adapter_dtype)
+            return UnslothBackend(device=place, adapter_dtype=settings.adapter_dtype)
         if settings.kind == "unsloth":
             raise TrainingBackendMissing(
                 f"backend.kind='unsloth' cannot be used: {problem}; "
@@ -61,5 +63,5 @@ def select_backend(settings: TrainerBackendSettings) -> Backend:
         log.info("backend auto: using peft (%s)", problem)
     from tandem_trainer.backends.peft import PeftBackend
 
-    return PeftBackend(device=device, gradient_checkpointing=settings.gradient_checkpointing,
+    return PeftBackend(device=place, gradient_checkpointing=settings.gradient_checkpointing,
                        adapter_dtype=settings.adapter_dtype)

@@ -51,6 +51,8 @@ class UnslothBackend(PeftBackend):
             dtype=self.dtype,
             load_in_4bit=False,
             full_finetuning=False,
+            # a data-parallel rank's own GPU (Unsloth would pick cuda:LOCAL_RANK itself)
+            **({"device_map": str(self.device)} if self.device.index is not None else {}),
         )
         model.config.use_cache = False
         self._wrapped, self._wrapped_shape = None, None

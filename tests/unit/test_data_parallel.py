@@ -1,0 +1,91 @@
+"""Data-parallel pieces that need no second process: the split of a job, settings, failpoints, torchrun's arguments."""
+
+from __future__ import annotations
+
+import importlib
+import random
+
+import pytest
+from pydantic import ValidationError
+
+from tandem.settings import GpuSettings, ParallelSettings, TrainerSettings
+from tandem_trainer.errors import TrainerConfigError
+from tandem_trainer.main import torchrun_args
+from tandem_trainer.microbatch import pack, split_budget
+from tandem_trainer.parallel import Group
+
+pytestmark = pytest.mark.unit
+
+
+def group(rank: int, world: int) -> Group:
+    return Group(rank=rank, world=world, local_rank=rank, device_index=None, orders=None)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_micro_batch_goes_to_exactly_one_rank_and_the_loads_are_even(world: int) -> None:
+    rng = random.Random(world)
+    costs = [rng.randint(50, 4000) for _ in range(37)]
+    shares = [group(r, world).share(costs) for r in range(world)]
+    assert sorted(i for share in shares for i in share) == list(range(len(costs)))
+    loads = [sum(costs[i] for i in share) for share in shares]
+    assert max(loads) - min(loads) <= max(costs)  # greedy, largest first: within one micro-batch
+
+
+def test_more_ranks_than_micro_batches_leaves_some_ranks_without_work() -> None:
+    shares = [group(r, 4).share([100, 300]) for r in range(4)]
+    assert shares == [[1], [0], [], []]
+
+
+def test_the_split_budget_gives_each_rank_some_of_the_job() -> None:
+    lengths = [40] * 8  # 320 tokens: one micro-batch of 8 rows under a budget of 4096
+    assert len(pack(lengths, split_budget(lengths, 4096, 1))) == 1
+    two = pack(lengths, split_budget(lengths, 4096, 2))
+    assert len(two) == 2 and all(len(g) == 4 for g in two)
+    assert split_budget(lengths, 100, 2) == 100  # never above the configured budget
+    assert split_budget([500, 10, 10], 4096, 8) == 500  # never below the longest sequence
+
+
+def test_ranks_default_to_one_per_trainer_gpu_in_split_mode() -> None:
+    assert ParallelSettings().world(GpuSettings(mode="split", inference=[0], trainer=[1, 2, 3])) == 3
+    assert ParallelSettings().world(GpuSettings(mode="cpu")) == 1
+    assert ParallelSettings(ranks=2).world(GpuSettings(mode="cpu")) == 2
+
+
+def test_ranks_that_do_not_fit_the_gpus_are_refused_with_both_values_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_GPUS__MODE", "split")
+    monkeypatch.setenv("TANDEM_GPUS__INFERENCE", "[0]")
+    monkeypatch.setenv("TANDEM_GPUS__TRAINER", "[1,2]")
+    monkeypatch.setenv("TANDEM_PARALLEL__RANKS", "3")
+    with pytest.raises(ValidationError, match=r"parallel.ranks=3 but gpus.trainer=\[1, 2\]"):
+        TrainerSettings()
+    monkeypatch.setenv("TANDEM_GPUS__MODE", "shared")
+    monkeypatch.setenv("TANDEM_PARALLEL__RANKS", "2")
+    with pytest.raises(ValidationError, match="needs split mode"):
+        TrainerSettings()
+
+
+def test_torchrun_starts_the_trainer_module_once_per_rank_on_this_machine() -> None:
+    args = torchrun_args(4, 7, ["--burst"])
+    assert args[:3] == ["--standalone", "--nproc-per-node=4", "--max-restarts=7"]
+    assert args[-3:] == ["--module", "tandem_trainer.main", "--burst"]
+
+
+def test_a_failpoint_named_for_a_rank_fires_in_that_rank_and_only_in_its_first_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import tandem_trainer.failpoints as failpoints
+
+    def armed(env: dict[str, str]) -> frozenset[str]:
+        for key in ("RANK", "TORCHELASTIC_RESTART_COUNT"):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        return failpoints._armed("mid_training@rank1,after_register")
+
+    assert armed({"RANK": "1", "TORCHELASTIC_RESTART_COUNT": "0"}) == {"mid_training", "after_register"}
+    assert armed({"RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}) == {"after_register"}
+    assert armed({"RANK": "1", "TORCHELASTIC_RESTART_COUNT": "1"}) == {"after_register"}
+    with pytest.raises(TrainerConfigError, match="a rank is a number"):
+        failpoints._armed("mid_training@rankone")
+    with pytest.raises(TrainerConfigError, match="unknown failpoint"):
+        failpoints._armed("mid_trainin@rank1")
+    importlib.reload(failpoints)  # ARMED as the environment of this process says

@@ -1,0 +1,170 @@
+"""One job's optimizer step on the device, by one process or by every rank of a data-parallel group.
+
+`train_step` is what a job does on the device: make the run's adapter at the parent version
+the one that trains, pack the job's samples into micro-batches, accumulate the gradient of
+the GRPO loss over them, clip and step, once per epoch. Rank 0 (or the only process) calls it
+from `Trainer._train` with a `StepOrder` it built; in a data-parallel group it first sends the
+order to the other ranks, which run `follow`. Each rank then trains only its share of the
+micro-batches, with the weights of the whole job, so that the summed gradient is the one a
+single process would have: the number of ranks changes how fast a step is, not what it learns.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel
+
+from tandem.runs import RunSpec
+from tandem.settings import TrainerSettings
+from tandem_trainer import failpoints
+from tandem_trainer.backends.base import Backend
+from tandem_trainer.backends.select import resolve_device, select_backend
+from tandem_trainer.errors import RanksLost, TrainStepFailed
+from tandem_trainer.grpo import LossStats, grpo_loss
+from tandem_trainer.microbatch import MicroBatch, Sample, accumulation_weights, build_microbatches, split_budget
+from tandem_trainer.parallel import Group
+
+log = logging.getLogger(__name__)
+
+
+class StepOrder(BaseModel):
+    """Everything a rank needs to train one job's step (rank 0 sends it to the others as JSON)."""
+
+    spec: RunSpec
+    parent: int
+    """The version the step trains from (0: a fresh adapter)."""
+    version_dir: str | None
+    """The parent's directory in the store (None for version 0)."""
+    samples: list[Sample]
+    pad_id: int
+    budget: int
+    """`backend.micro_batch_tokens` of rank 0."""
+    entropy: bool
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    stats: LossStats
+    grad_norm: float
+    tokens: int
+    microbatches: int
+
+
+def train_step(backend: Backend, order: StepOrder, group: Group | None = None) -> StepOutcome:
+    """Train `order` on `backend`; with a group, this rank's share, then the group's sum.
+
+    In a group every rank raises the same `RankFailed` when any rank's share failed, and the
+    group is marked broken when this rank fails anywhere else, since the ranks may then no
+    longer agree on what comes next. (The optimizer step's own failure, a non-finite gradient
+    norm, is alike on every rank: they all hold the same summed gradient.)
+    """
+    try:
+        return _train_step(backend, order, group)
+    except TrainStepFailed:  # RankFailed, RanksLost, or the optimizer's step: alike on every rank
+        raise
+    except Exception:
+        if group is not None:
+            group.broken = True
+        raise
+
+
+def _train_step(backend: Backend, order: StepOrder, group: Group | None) -> StepOutcome:
+    spec = order.spec
+    world = group.world if group is not None else 1
+    lengths = [s.length for s in order.samples]
+    budget = split_budget(lengths, order.budget, world)
+    batches = build_microbatches(order.samples, budget, pad_id=order.pad_id)
+    weights = accumulation_weights([mb.tokens for mb in batches])
+    mine = group.share([mb.padded_tokens for mb in batches]) if group is not None else range(len(batches))
+    error: str | None = None
+    try:
+        backend.activate(spec, order.parent, Path(order.version_dir) if order.version_dir else None)
+    except Exception as exc:
+        if group is None:
+            raise
+        error = _describe(exc)
+    stats, grad_norms = LossStats(), []
+    for _ in range(spec.loss.epochs):
+        local = LossStats()
+        if error is None:
+            try:
+                for i in mine:
+                    if weights[i] > 0:
+                        _accumulate(backend, spec, batches[i].to(backend.device), weights[i], order.entropy, local)
+            except Exception as exc:
+                if group is None:
+                    raise
+                error = _describe(exc)
+        if group is not None:
+            local.sums = group.settle(error, local.sums)
+            group.all_reduce(backend.trainable_parameters())
+        stats.add(local.sums)
+        grad_norms.append(backend.step(spec.optimizer.max_grad_norm))
+    backend.synchronize()  # the step is done when the device is, not when it was queued
+    return StepOutcome(stats=stats, grad_norm=grad_norms[-1], tokens=sum(mb.tokens for mb in batches),
+                       microbatches=len(batches))
+
+
+def _accumulate(backend: Backend, spec: RunSpec, mb: MicroBatch, weight: float, entropy: bool,
+                stats: LossStats) -> None:
+    """Forward and backward of one micro-batch, its share of the job's loss added to the gradient."""
+    fwd = backend.forward(mb, entropy=entropy)
+    ref = backend.reference_logprobs(mb) if spec.loss.kl_coef > 0 else None
+    terms = grpo_loss(
+        fwd.logprobs, mb.rollout_logprobs, mb.advantages, mb.mask,
+        clip_low=spec.loss.clip_low, clip_high=spec.loss.clip_high,
+        ref_logprobs=ref, kl_coef=spec.loss.kl_coef,
+    )
+    loss_value = float(terms.loss.detach())
+    if not math.isfinite(loss_value):
+        raise TrainStepFailed(f"the loss is {loss_value} on micro-batch {mb.indices}")
+    torch.autograd.backward(terms.loss * weight)
+    failpoints.hit("mid_training")
+    stats.add(terms.sums)
+    if fwd.entropy is not None:
+        stats.add({"entropy": float((fwd.entropy * mb.mask).sum())})
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return f"out of memory while training ({exc}); lower TANDEM_BACKEND__MICRO_BATCH_TOKENS"
+    return f"{type(exc).__name__}: {exc}"
+
+
+# the other ranks ------------------------------------------------------------------
+def follow(settings: TrainerSettings, group: Group) -> None:
+    """Ranks > 0: train each step rank 0 orders until it says stop.
+
+    A step that failed on some rank (`RankFailed`, raised by every rank alike) or in its
+    optimizer step leaves this rank waiting for the next order; anything else ends the rank,
+    and with it the group, which torchrun then starts again.
+    """
+    device = resolve_device(settings.backend.device)
+    backend = select_backend(settings.backend, device_index=group.device_index if device == "cuda" else None)
+    log.info("rank.follow rank=%d world=%d backend=%s", group.rank, group.world, backend.name)
+    while True:
+        message = group.receive()
+        kind = message["kind"]
+        if kind == "stop":
+            log.info("rank.stop rank=%d: rank 0 stopped", group.rank)
+            return
+        if kind == "step":
+            order = StepOrder.model_validate(message["order"])
+            try:
+                train_step(backend, order, group)
+            except TrainStepFailed as exc:
+                if isinstance(exc, RanksLost) or group.broken:
+                    raise
+                log.warning("rank.step_failed rank=%d run=%s: %s", group.rank, order.spec.name, exc)
+                backend.invalidate()
+        elif kind == "published":
+            backend.mark_active(message["run"], message["version"], Path(message["version_dir"]))
+        elif kind == "invalidate":
+            backend.invalidate()
+        else:
+            raise RanksLost(f"rank {group.rank}: unknown order {kind!r} from rank 0")
