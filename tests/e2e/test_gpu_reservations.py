@@ -111,3 +111,15 @@ def test_several_gpus_for_a_service_are_one_id_per_entry(created: Create, tmp_pa
     )
     found = created(["compose.yaml"], {"GPU_MODE": "split", "TRAINER_GPU": "2"}, [override])
     assert found == {"inference": request("0", "1"), "trainer": request("2")}
+
+
+def test_the_trainer_gpus_file_reserves_four_gpus_for_four_ranks(created: Create) -> None:
+    found = created(["compose.yaml", "compose.trainer-gpus.yaml"], {"GPU_MODE": "split", "INFERENCE_GPU": "0"})
+    assert found == {"inference": request("0"), "trainer": request("1", "2", "3", "4")}
+    names = subprocess.run(["docker", "ps", "-a", "--filter", f"name=tandem-devreq-{os.getpid()}-", "--filter",
+                            "label=com.docker.compose.service=trainer", "--format", "{{.Names}}"],
+                           capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    assert len(names) == 1, names  # each test's projects are taken down after it
+    env = json.loads(subprocess.run(["docker", "inspect", "--format", "{{json .Config.Env}}", names[0]],
+                                    capture_output=True, text=True, check=True, timeout=60).stdout)
+    assert {"CUDA_VISIBLE_DEVICES=0,1,2,3", "TANDEM_PARALLEL__RANKS=4"} <= set(env)
