@@ -168,7 +168,7 @@ def main() -> int:
             result["unsloth"] = md.version("unsloth")
     except Exception as exc:  # noqa: BLE001 - the facts are extras
         result["versions_error"] = str(exc)
-    (args.out / f"{args.backend}.json").write_text(json.dumps(result, indent=2))
+    (args.out / f"{args.backend}-ranks{args.ranks}.json").write_text(json.dumps(result, indent=2))
     for row in rows:
         print(f"[gpu_ddp] v{row['version']}: max |diff| {row['max_abs_diff']:.3g} (max |w| {row['max_abs_weight']:.3g}) "
               f"loss {row['loss'][0]:.5f}/{row['loss'][1]:.5f} grad_norm {row['grad_norm'][0]:.4f}/{row['grad_norm'][1]:.4f} "
