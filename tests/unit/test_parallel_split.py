@@ -89,3 +89,17 @@ def test_a_failpoint_named_for_a_rank_fires_in_that_rank_and_only_in_its_first_s
     with pytest.raises(TrainerConfigError, match="unknown failpoint"):
         failpoints._armed("mid_trainin@rank1")
     importlib.reload(failpoints)  # ARMED as the environment of this process says
+
+
+def test_a_cuda_trainer_with_fewer_gpus_than_ranks_exits_before_torchrun(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TANDEM_GPUS__MODE": "split", "TANDEM_GPUS__INFERENCE": "[0]", "TANDEM_GPUS__TRAINER": "[1,2]",
+           "TANDEM_BACKEND__DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": "", "TANDEM_REDIS__URL": "redis://127.0.0.1:1/0"}
+    done = subprocess.run([sys.executable, "-m", "tandem_trainer.main"], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 2
+    assert "torch sees no CUDA device" in done.stderr or "torch sees 0 GPU(s)" in done.stderr, done.stderr[-2000:]
+    assert "torch.distributed.run" not in done.stderr and "trainer.launch" not in done.stderr

@@ -58,6 +58,11 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus  # before torch is imported
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # bars are noise in service logs
     if ranks > 1 and not launched():
+        try:
+            check_devices(settings, ranks)
+        except TandemError as exc:  # before torchrun: it would start the ranks again and again
+            log.error("trainer cannot run: %s", exc)
+            raise SystemExit(2) from exc
         launch(ranks, settings.parallel.max_restarts, args)
         return
     log.info("trainer.settings worker=%s %s", name, json.dumps(settings.redacted(), sort_keys=True))
@@ -91,6 +96,23 @@ def torchrun_args(ranks: int, max_restarts: int, args: list[str]) -> list[str]:
         "--standalone", f"--nproc-per-node={ranks}", f"--max-restarts={max_restarts}",
         "--monitor-interval=0.5", "--module", "tandem_trainer.main", *args,
     ]
+
+
+def check_devices(settings: TrainerSettings, ranks: int) -> None:
+    """Each rank of a CUDA trainer in split mode needs a GPU of its own."""
+    from tandem_trainer.backends.select import resolve_device
+    from tandem_trainer.errors import TrainerConfigError
+
+    if settings.gpus.mode != "split" or resolve_device(settings.backend.device) != "cuda":
+        return
+    import torch
+
+    if torch.cuda.device_count() < ranks:
+        raise TrainerConfigError(
+            f"{ranks} trainer ranks but torch sees {torch.cuda.device_count()} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); give the trainer "
+            "as many GPUs as parallel.ranks (in a container: its GPU reservation and CUDA_VISIBLE_DEVICES)"
+        )
 
 
 def launch(ranks: int, max_restarts: int, args: list[str]) -> None:
@@ -128,12 +150,11 @@ def run_rank(settings: TrainerSettings, name: str, *, burst: bool) -> None:
     """One rank under torchrun: rank 0 serves the queue, the others follow it. A rank that lost
     the others exits with 1, so that torchrun starts every rank again."""
     from tandem_trainer.backends.select import resolve_device
-    from tandem_trainer.parallel import Group, check_devices
+    from tandem_trainer.parallel import Group
 
     device = resolve_device(settings.backend.device)
     group = Group.start(settings, device)
     try:
-        check_devices(settings, device, group.world)
         if group.rank == 0:
             from tandem_trainer.worker import serve
 

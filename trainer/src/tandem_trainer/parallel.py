@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.settings import TrainerSettings
-from tandem_trainer.errors import RankFailed, RanksLost, TrainerConfigError
+from tandem_trainer.errors import RankFailed, RanksLost
 
 log = logging.getLogger(__name__)
 
@@ -147,21 +147,20 @@ class Group:
         return total
 
     def all_reduce(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Sum the parameters' gradients across the ranks, in one flat buffer per dtype (a rank
-        that trained no micro-batch adds zeros)."""
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for p in params:
-            by_dtype.setdefault(p.dtype, []).append(p)
+        """Sum the parameters' gradients across the ranks, in one float32 buffer (a rank that
+        trained no micro-batch adds zeros). LoRA gradients are small; summing them in float32
+        loses nothing to bfloat16 rounding and works on every collective backend."""
+        if not params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
         with self._collective("summing the gradients"):
-            for group in by_dtype.values():
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-                offset = 0
-                for p in group:
-                    n = p.numel()
-                    p.grad = flat[offset: offset + n].view_as(p).clone()
-                    offset += n
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset: offset + n].view_as(p).to(p.dtype)
+            offset += n
 
     # lifetime ------------------------------------------------------------------
     def stop(self) -> None:
@@ -204,13 +203,3 @@ def _attempt_store(rank: int, world: int) -> dist.Store:  # type: ignore[name-de
     )
     start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"tandem/start-{start}", store)  # type: ignore[attr-defined]
-
-
-def check_devices(settings: TrainerSettings, device: str, world: int) -> None:
-    """A CUDA trainer with several ranks needs a GPU per rank, unless it is a test on purpose."""
-    if device == "cuda" and settings.gpus.mode == "split" and torch.cuda.device_count() < world:
-        raise TrainerConfigError(
-            f"{world} trainer ranks but torch sees {torch.cuda.device_count()} GPU(s) "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); give the trainer's "
-            "container the GPUs of gpus.trainer"
-        )
