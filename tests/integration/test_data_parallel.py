@@ -126,3 +126,22 @@ def test_a_killed_rank_fails_its_job_and_the_ranks_restart(workers, redis_conn, 
     assert (second.version, second.parent) == (2, 1)
     assert [m.version for m in Registry(redis_conn).manifests("restart")] == [1, 2]
     assert ranked.stop() == 0
+
+
+def test_a_killed_rank_0_leaves_its_job_to_the_restarted_ranks(workers, redis_conn, tiny_model: Path) -> None:
+    create_run(redis_conn, "leader", tiny_model)
+    ranked = workers({**TWO_RANKS, "TANDEM_TRAINER_FAILPOINTS": "mid_training@rank0"})
+    enqueue(redis_conn, make_job("leader-1", run="leader", step=1, groups=2, size=4, seed=3))
+
+    # rank 0, the rq worker, dies with the job started and the run locked; the new rank 0 finds
+    # the job abandoned (its liveness key expired), requeues it and trains it once
+    wait_for(lambda: status(redis_conn, "leader-1") == JobStatus.FINISHED, 240, "the recovered job", ranked)
+    log = ranked.log()
+    assert "failpoint mid_training: the trainer kills itself" in log
+    assert "failed (exitcode: -9) local_rank: 0" in log
+    assert log.count("parallel.start rank=0 world=2") == 2
+    result = TrainResult.model_validate(
+        Job.fetch("leader-1", connection=redis_conn, serializer=JSONSerializer).return_value())
+    assert (result.version, result.parent, result.metrics["ranks"]) == (1, 0, 2.0)
+    assert [m.version for m in Registry(redis_conn).manifests("leader")] == [1]
+    assert ranked.stop() == 0
