@@ -37,6 +37,8 @@ from helpers.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("redis", "engine", "inference", "trainer")
+#: The tiny model inside the containers: the `models` volume, built by the stack's `model` service.
+MODEL = "/models/tiny"
 
 
 def compose_command() -> list[str]:

@@ -14,13 +14,13 @@ tests/integration/test_replica_agreement.py.)
 from __future__ import annotations
 
 import statistics
-import threading
 from collections import Counter
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from compose_stack import ComposeStack, started_stack, wait_for
+from compose_stack import MODEL, ComposeStack, started_stack, wait_for
+from helpers.traffic import steady_requests
 
 from tandem import Client, LoraConfig, OptimizerConfig
 from tandem.dev import toy
@@ -28,7 +28,6 @@ from tandem.replicas import Replicas
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-MODEL = "/models/tiny"
 PROMPTS = ["Write some numbers.", "Count for me.", "Say something.", "What is the answer?"]
 STEPS = 24
 
@@ -37,20 +36,6 @@ STEPS = 24
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeStack]:
     yield from started_stack(request, tmp_path_factory, files=("compose.replicas.yaml",), env="INFERENCE_REPLICAS=2\n",
                              services=("redis", "inference", "router", "trainer"))
-
-
-@pytest.fixture(scope="module")
-def client(stack: ComposeStack) -> Iterator[Client]:
-    c = Client(stack.gateway_url, stack.redis_url)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def digits(stack: ComposeStack, tmp_path_factory: pytest.TempPathFactory) -> frozenset[int]:
-    local = tmp_path_factory.mktemp("tokenizer")
-    (local / "tokenizer.json").write_text(stack.exec("trainer", "cat", f"{MODEL}/tokenizer.json"))
-    return toy.digit_token_ids(local)
 
 
 def ready_replicas(client: Client, run: str) -> dict[str, int]:
@@ -102,21 +87,8 @@ def test_a_replica_killed_mid_run_costs_no_request_and_rejoins(
 ) -> None:
     run = client.run("digits")
     start = run.status()["serving_version"]
-    statuses: Counter[int] = Counter()
-    stop = threading.Event()
-
-    def keep_asking() -> None:
-        with httpx.Client(base_url=stack.gateway_url, timeout=60) as http:
-            i = 0
-            while not stop.is_set():
-                i += 1
-                reply = http.post("/v1/completions", json={"model": run.name, "prompt": f"{i} count", "max_tokens": 2})
-                statuses[reply.status_code] += 1
-
-    asker = threading.Thread(target=keep_asking, daemon=True)
-    asker.start()
     victim = stack.containers("inference")[1]
-    try:
+    with steady_requests(stack.gateway_url, run.name) as statuses:
         stack.docker("kill", "--signal", "KILL", victim)
         for _ in range(2):  # the run goes on while the replica is down
             run.train(toy.roll_out(run, digits, PROMPTS).groups, wait=True)
@@ -127,9 +99,6 @@ def test_a_replica_killed_mid_run_costs_no_request_and_rejoins(
         run.train(toy.roll_out(run, digits, PROMPTS).groups, wait=True)
         loaded = {e.data["replica"] for e in run.history() if e.kind == "adapter_loaded" and e.version == newest + 1}
         assert len(loaded) == 2, loaded
-    finally:
-        stop.set()
-        asker.join(60)
     assert statuses[200] > 0 and set(statuses) == {200}, statuses
 
 

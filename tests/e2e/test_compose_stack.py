@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from compose_stack import ComposeStack, wait_for
+from compose_stack import MODEL, ComposeStack, wait_for
 from helpers.jobs import make_job
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -26,7 +26,6 @@ from tandem.runs import LossConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-MODEL = "/models/tiny"  # inside the containers: the `models` volume
 # 20 steps gave a rise of +0.30..+0.49 over five runs (sampling is not seeded); 30 steps take
 # ~12 s on 2 cores and leave margin above the +0.3 the test asks for.
 STEPS = 30
@@ -34,21 +33,6 @@ STEPS = 30
 # `staging` kills follow (up to MAX_KILLS in all) until one has landed before the rename.
 KILL_POINTS = ("staging", "weights", "manifest")
 MAX_KILLS = 5
-
-
-@pytest.fixture(scope="module")
-def client(stack: ComposeStack):
-    c = Client(stack.gateway_url, stack.redis_url)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def digits(stack: ComposeStack, tmp_path_factory: pytest.TempPathFactory) -> frozenset[int]:
-    """Ids of digit tokens, from the tokenizer the stack built into its `models` volume."""
-    local = tmp_path_factory.mktemp("tokenizer")
-    (local / "tokenizer.json").write_text(stack.exec("trainer", "cat", f"{MODEL}/tokenizer.json"))
-    return toy.digit_token_ids(local)
 
 
 def job_status(client: Client, job_id: str) -> JobStatus | None:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import shutil
 import statistics
-import threading
 from collections import Counter
 from pathlib import Path
 
 import httpx
 import pytest
+from helpers.traffic import steady_requests
 from helpers.waiting import wait_until
 
 from tandem import Client, LoraConfig, OptimizerConfig
@@ -78,20 +78,7 @@ def test_a_killed_replica_costs_no_request_and_rejoins_with_the_newest_version(s
     run = client.create_run("digits-kill", base_model=str(tiny_model), lora=LoraConfig(r=8, alpha=16),
                             optimizer=OptimizerConfig(lr=5e-3), max_staleness_steps=0)
     digits = toy.digit_token_ids(tiny_model)
-    statuses: Counter[int] = Counter()
-    stop = threading.Event()
-
-    def keep_asking() -> None:
-        with httpx.Client(base_url=stack.gateway_url, timeout=60) as http:
-            i = 0
-            while not stop.is_set():
-                i += 1
-                reply = http.post("/v1/completions", json={"model": run.name, "prompt": f"{i} count", "max_tokens": 2})
-                statuses[reply.status_code] += 1
-
-    asker = threading.Thread(target=keep_asking, daemon=True)
-    asker.start()
-    try:
+    with steady_requests(stack.gateway_url, run.name) as statuses:
         run.train(toy.roll_out(run, digits, PROMPTS).groups, wait=True)
         stack.kill("inference-2")  # SIGKILL, mid-run: the router retries its requests on replica-1
         for _ in range(3):  # the run keeps training and serving on replica-1 alone
@@ -104,8 +91,5 @@ def test_a_killed_replica_costs_no_request_and_rejoins_with_the_newest_version(s
         run.train(toy.roll_out(run, digits, PROMPTS).groups, wait=True)
         loaded = {e.data["replica"] for e in run.history() if e.kind == "adapter_loaded" and e.version == 5}
         assert loaded == {"replica-1", "replica-2"}
-    finally:
-        stop.set()
-        asker.join(60)
     assert statuses[200] > 0 and set(statuses) == {200}, statuses
     client.close()
