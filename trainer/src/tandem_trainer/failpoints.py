@@ -40,20 +40,16 @@ POINTS = (
 
 
 def _armed(raw: str) -> frozenset[str]:
-    names = set()
-    for item in (n.strip() for n in raw.split(",") if n.strip()):
-        name, _, rank = item.partition("@rank")
-        if rank and not rank.isdigit():
-            raise TrainerConfigError(f"{ENV}: {item!r}: a rank is a number, as in mid_training@rank1")
-        first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if not rank or (rank == os.environ.get("RANK", "0") and first_start):
-            names.add(name)
-        elif name not in POINTS:
-            names.add(name)  # reported as unknown below
-    unknown = sorted(names - set(POINTS))
+    items = [item.strip() for item in raw.split(",") if item.strip()]
+    named = [item.partition("@rank") for item in items]
+    unknown = sorted({name for name, _, _ in named} - set(POINTS))
     if unknown:
         raise TrainerConfigError(f"{ENV}: unknown failpoint(s) {unknown}; known: {', '.join(POINTS)}")
-    return frozenset(names)
+    for item, (_, _, rank) in zip(items, named, strict=True):
+        if rank and not rank.isdigit():
+            raise TrainerConfigError(f"{ENV}: {item!r}: a rank is a number, as in mid_training@rank1")
+    this_rank = os.environ.get("RANK", "0") if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else None
+    return frozenset(name for name, _, rank in named if not rank or rank == this_rank)
 
 
 ARMED = _armed(os.environ.get(ENV, ""))

@@ -23,7 +23,7 @@ from tandem.runs import RunSpec
 from tandem.settings import TrainerSettings
 from tandem_trainer import failpoints
 from tandem_trainer.backends.base import Backend
-from tandem_trainer.backends.select import resolve_device, select_backend
+from tandem_trainer.backends.select import select_backend
 from tandem_trainer.errors import RanksLost, TrainStepFailed
 from tandem_trainer.grpo import LossStats, grpo_loss
 from tandem_trainer.microbatch import MicroBatch, Sample, accumulation_weights, build_microbatches, split_budget
@@ -144,8 +144,7 @@ def follow(settings: TrainerSettings, group: Group) -> None:
     optimizer step leaves this rank waiting for the next order; anything else ends the rank,
     and with it the group, which torchrun then starts again.
     """
-    device = resolve_device(settings.backend.device)
-    backend = select_backend(settings.backend, device_index=group.device_index if device == "cuda" else None)
+    backend = select_backend(settings.backend, device_index=group.device_index)
     log.info("rank.follow rank=%d world=%d backend=%s", group.rank, group.world, backend.name)
     while True:
         message = group.receive()
