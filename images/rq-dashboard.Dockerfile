@@ -5,8 +5,9 @@
 #
 #   docker build -f images/rq-dashboard.Dockerfile -t tandem-rq-dashboard:dev .
 #
-# Any Debian/Ubuntu base with Python 3.11+ (BASE_IMAGE); rq and redis are pinned to the versions
-# tandem's images use (images/constraints-cpu.txt), so the dashboard reads the jobs they write.
+# A Debian or Ubuntu base (Python 3.11 or 3.12, BASE_IMAGE); its environment is images/locks/rq-dashboard.txt,
+# hash-checked, whose rq and redis are the versions tandem's images use (compiled with dev.txt as
+# constraints), so the dashboard reads the jobs they write.
 ARG BASE_IMAGE=tandem-base:bookworm
 
 # Local inputs, normalised so that the next stage can COPY them whether or not they exist.
@@ -15,7 +16,6 @@ COPY images/local/ /local/
 RUN touch /local/ca-certificates.crt
 
 FROM ${BASE_IMAGE}
-ARG RQ_DASHBOARD_VERSION=0.9.0
 ENV DEBIAN_FRONTEND=noninteractive LANG=C.UTF-8 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_CERT=/etc/ssl/certs/ca-certificates.crt SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt \
@@ -25,11 +25,11 @@ RUN apt-get update -qq \
  && apt-get install -y -qq --no-install-recommends python3 python3-venv ca-certificates >/dev/null \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=local /local/ca-certificates.crt /tmp/host-ca.crt
-COPY images/constraints-cpu.txt /tmp/constraints.txt
+COPY images/locks/rq-dashboard.txt /tmp/lock.txt
 RUN if [ -s /tmp/host-ca.crt ]; then cp /tmp/host-ca.crt /etc/ssl/certs/ca-certificates.crt; fi; rm /tmp/host-ca.crt \
  && python3 -m venv /opt/rq-dashboard \
- && pip install -q -c /tmp/constraints.txt "rq-dashboard==${RQ_DASHBOARD_VERSION}" six rq redis \
- && rm /tmp/constraints.txt \
+ && pip install -q --require-hashes -r /tmp/lock.txt \
+ && rm /tmp/lock.txt \
  && rq-dashboard --help >/dev/null \
  && useradd --uid 10002 --user-group --no-create-home --shell /usr/sbin/nologin dashboard
 USER dashboard

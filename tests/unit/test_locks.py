@@ -1,4 +1,8 @@
-"""The GPU images' lock files (images/locks/<env>.txt) against what they were compiled from.
+"""The lock files (images/locks/<env>.txt) against what they were compiled from.
+
+The GPU images' environments (sglang, trainer, tandem: Python 3.12) and the development / CPU one
+(dev: .venv and CI; cpu-inference, cpu-trainer and rq-dashboard, the CPU images' subsets of it,
+compiled with dev.txt as constraints: Python 3.11).
 
 Each lock is compiled by `make locks` from images/locks/<env>.in: local packages (`./trainer[unsloth]`,
 whose pyproject's dependencies count) and plain requirements (the engine pins), with
@@ -23,7 +27,9 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCKS = ROOT / "images" / "locks"
-# What the locks are compiled for (the Makefile's LOCK_FLAGS): Linux x86-64, CPython 3.12.
+# What the locks are compiled for (the Makefile's LOCK_FLAGS and DEV_LOCK_FLAGS): Linux x86-64,
+# CPython 3.12 for the GPU images, 3.11 for the development / CPU environment.
+DEV_ENVS = ["cpu-inference", "cpu-trainer", "dev", "rq-dashboard"]
 TARGET = {
     "python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "platform_system": "Linux",
     "platform_machine": "x86_64", "os_name": "posix", "implementation_name": "cpython",
@@ -52,10 +58,29 @@ def requirement_lines(path: Path) -> list[str]:
             if line.strip() and not line.lstrip().startswith("#")]
 
 
-def applies(req: Requirement, extras: set[str]) -> bool:
+def target(env: str) -> dict[str, str]:
+    if env not in DEV_ENVS:
+        return TARGET
+    return {**TARGET, "python_version": "3.11", "python_full_version": "3.11.2", "implementation_version": "3.11.2"}
+
+
+def applies(req: Requirement, extras: set[str], env: str = "sglang") -> bool:
     if req.marker is None:
         return True
-    return any(req.marker.evaluate({**TARGET, "extra": extra}) for extra in (extras or {""}))
+    return any(req.marker.evaluate({**target(env), "extra": extra}) for extra in (extras or {""}))
+
+
+def hashes(path: Path) -> dict[str, set[str]]:
+    """name -> the sha256 digests the lock allows for it."""
+    found: dict[str, set[str]] = {}
+    name = ""
+    for line in path.read_text().splitlines():
+        if m := PIN.match(line):
+            name = canonicalize_name(m[1])
+            found[name] = set()
+        elif m := re.search(r"--hash=sha256:([0-9a-f]{64})", line):
+            found[name].add(m[1])
+    return found
 
 
 def drift(env: str, root: Path = ROOT) -> list[str]:
@@ -85,7 +110,7 @@ def drift(env: str, root: Path = ROOT) -> list[str]:
     problems = []
     for source, req, extras in wanted:
         name = canonicalize_name(req.name)
-        if name in local or name in overridden or not applies(req, extras):
+        if name in local or name in overridden or not applies(req, extras, env):
             continue
         if name not in pins:
             problems.append(f"{source} asks for {req}, which {lock_path.name} does not pin: run `make locks`")
@@ -94,7 +119,7 @@ def drift(env: str, root: Path = ROOT) -> list[str]:
     for line in override_lines:
         req = Requirement(line)
         name = canonicalize_name(req.name)
-        if not applies(req, set()):
+        if not applies(req, set(), env):
             if name in pins:
                 problems.append(f"{overrides.name} leaves {name} out, but {lock_path.name} pins it: run `make locks`")
         elif name in pins and not req.specifier.contains(pins[name][0], prereleases=True):
@@ -108,9 +133,37 @@ def drift(env: str, root: Path = ROOT) -> list[str]:
 ENVS = sorted(p.stem for p in LOCKS.glob("*.in"))
 
 
-def test_there_is_a_lock_per_image_environment() -> None:
-    assert ENVS == ["sglang", "tandem", "trainer"]
+def test_there_is_a_lock_per_environment() -> None:
+    assert ENVS == sorted(["sglang", "tandem", "trainer", *DEV_ENVS])
     assert all((LOCKS / f"{env}.txt").is_file() for env in ENVS)
+
+
+@pytest.mark.parametrize("env", ["cpu-inference", "cpu-trainer", "rq-dashboard"])
+def test_the_cpu_images_install_exactly_what_make_test_ran(env: str) -> None:
+    dev, image = read_lock(LOCKS / "dev.txt"), read_lock(LOCKS / f"{env}.txt")
+    dev_hashes, image_hashes = hashes(LOCKS / "dev.txt"), hashes(LOCKS / f"{env}.txt")
+    shared = set(image) & set(dev)
+    if env != "rq-dashboard":  # the dashboard brings its web stack; tandem's images add nothing
+        assert shared == set(image), f"{env}.txt pins what dev.txt does not: run `make locks`"
+    assert {"redis", "rq"} <= shared
+    assert {n: image[n][0] for n in shared} == {n: dev[n][0] for n in shared}
+    assert all(image_hashes[n] == dev_hashes[n] for n in shared)
+
+
+def test_every_environment_installs_from_its_lock_with_hashes() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    index = "$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))"
+    assert f"pip install -q --require-hashes {index} -r images/locks/dev.txt" in makefile
+    assert "--no-deps --no-build-isolation -e shared" in makefile, "tandem's own packages add nothing unhashed"
+    images = [("inference-cpu", "cpu-inference"), ("trainer-cpu", "cpu-trainer"), ("rq-dashboard", "rq-dashboard")]
+    for dockerfile, lock in images:
+        text = (ROOT / "images" / f"{dockerfile}.Dockerfile").read_text()
+        assert f"COPY images/locks/{lock}.txt /tmp/lock.txt" in text
+        installs = [line for line in text.splitlines() if "pip install" in line]
+        assert all("--require-hashes" in line or "--no-deps" in line for line in installs), (dockerfile, installs)
+    # the torch every CPU environment pins is one build
+    torches = {read_lock(LOCKS / f"{env}.txt")["torch"][0] for env in ["dev", "cpu-inference", "cpu-trainer"]}
+    assert len(torches) == 1 and next(iter(torches)).local == "cpu"
 
 
 @pytest.mark.parametrize("env", ENVS)

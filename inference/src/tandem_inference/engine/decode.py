@@ -8,9 +8,10 @@ model lock with the adapter activated. torch and transformers are imported insid
 
 from __future__ import annotations
 
+import inspect
 import secrets
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from tandem_inference.engine.model import Model
 from tandem_inference.engine.sampling import SamplingParams, Sequence, sample
@@ -61,8 +62,9 @@ def _loop(
     stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else model.eos_ids)
     want_text = bool(p.stop) or on_step is not None
     cache = DynamicCache(config=hf.config)
+    cache_kw = {_cache_keyword(type(hf)): cache}
     ids = torch.tensor([prompt_ids], device=model.device)
-    logits = hf(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits = hf(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kw).logits[:, -1]
     if p.n > 1:  # prefill once, then n rows share the prompt's cache
         cache.batch_repeat_interleave(p.n)
         logits = logits.expand(p.n, -1)
@@ -98,7 +100,13 @@ def _loop(
             cache.batch_select_indices(index)
             tokens = tokens[index]
             rows = [rows[r] for r in keep]
-        logits = hf(input_ids=tokens[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = hf(input_ids=tokens[:, None], use_cache=True, **cache_kw).logits[:, -1]
     for seq in seqs:
         if not isinstance(seq.matched, str):  # text cut at a stop string stays cut
             seq.text = model.decode(seq.output_ids)
+
+
+def _cache_keyword(model_class: type[Any]) -> str:
+    """The forward keyword of the KV cache: `cache` from transformers 5.24, `past_key_values` before
+    (5.24 still takes the old name, with a FutureWarning, until 5.40). Read once per generation."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
