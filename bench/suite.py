@@ -10,6 +10,7 @@ bench/results/<timestamp>/ with results.json, report.md and the PNG plots:
     6 prefix_cache  prefix-cache share of a shared system prompt after each swap
     5 pipeline      sync vs async RL on the toy task (max_staleness 0, 1, 2)
     7 load          the gateway saturated: a small request's and /ready's latency, the share refused (429)
+    9 agreement     rollout vs trainer logprobs of the same tokens at T 0.3/0.7/1.0, top_p 1/0.9
     2 hotload       hot-load vs engine restart vs merged-weights reload (after the stack stops)
     8 replicas      one inference replica against two behind the router: throughput, latency,
                     publish -> served on every replica (stacks of its own, CPU only)
@@ -42,7 +43,7 @@ from benchlib import SGLANG_FLAGS, SHAPES, BenchStack, Ctx, machine, md_table, p
 from tandem import Client
 from tandem.dev.stack import StackConfig
 
-ON_STACK = ["sync", "swaps", "gateway_overhead", "prefix_cache", "pipeline", "load"]
+ON_STACK = ["sync", "swaps", "gateway_overhead", "prefix_cache", "pipeline", "load", "agreement"]
 AFTER_STACK = ["hotload", "replicas"]
 ALIASES = {"gateway": "gateway_overhead", "prefix": "prefix_cache", "async": "pipeline"}
 

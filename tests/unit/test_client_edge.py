@@ -165,7 +165,8 @@ def test_the_request_body_is_json() -> None:
         seen.append(json.loads(request.content))
         return httpx.Response(200, json={"choices": [{"message": {"content": "a"}}, {"message": {"content": "b"}}],
                                          "tandem": {"prompt_token_ids": [1], "completion_token_ids": [[2], [3]],
-                                                    "completion_logprobs": [[-0.1], [-0.2]], "version": 4}})
+                                                    "completion_logprobs": [[-0.1], [-0.2]], "version": 4,
+                                                    "temperature": 1.0}})
 
     out = chat(client_with(handler))
     assert [c.text for c in out] == ["a", "b"] and out[1].completion_ids == [3] and out[0].version == 4

@@ -55,7 +55,7 @@ class FakeGateway:
         eid, messages = body["episode"], body["messages"]
         ep = self.episodes.setdefault(eid, {"id": eid, "turns": 0, "prompt_ids": [], "completion_ids": [],
                                             "loss_mask": [], "rollout_logprobs": [], "versions": [],
-                                            "messages": []})
+                                            "temperatures": [], "messages": []})
         held = ep["messages"]
         if messages[: len(held)] != held:
             return httpx.Response(409, json={"error": {"message": "messages do not start with the episode's"}})
@@ -74,6 +74,8 @@ class FakeGateway:
         ep["loss_mask"] += [1, 1]
         ep["rollout_logprobs"] += [-0.5, -0.25]
         ep["versions"].append(self.versions[turn])
+        temperature = body.get("temperature") or 1.0  # the gateway's rule: greedy is under T = 1
+        ep["temperatures"].append(temperature)
         ep["turns"] += 1
         message: dict[str, Any] = {"role": "assistant", "content": f"turn {turn}"}
         finish = "stop"
@@ -86,7 +88,7 @@ class FakeGateway:
             "choices": [{"index": 0, "message": message, "finish_reason": finish}],
             "tandem": {"version": self.versions[turn], "prompt_token_ids": prompt_ids,
                        "completion_token_ids": [sampled], "completion_logprobs": [[-0.5, -0.25]],
-                       "episode": self.public(eid)},
+                       "temperature": temperature, "episode": self.public(eid)},
         })
 
 
@@ -171,7 +173,8 @@ def test_an_episode_without_a_turn_cannot_become_a_trajectory() -> None:
     run = run_on(gateway)
     ep = run.episode([{"role": "user", "content": "a"}])
     gateway.episodes[ep.id] = {"id": ep.id, "turns": 0, "prompt_ids": [1], "completion_ids": [],
-                               "loss_mask": [], "rollout_logprobs": [], "versions": [], "messages": []}
+                               "loss_mask": [], "rollout_logprobs": [], "versions": [], "temperatures": [],
+                               "messages": []}
     with pytest.raises(ValidationFailed, match="sample") as info:
         ep.trajectory(1.0)
     assert info.value.field == "turns"
@@ -189,11 +192,13 @@ def test_a_changed_history_is_the_gateways_409_as_a_gateway_error() -> None:
 
 @pytest.mark.parametrize("answer", [
     {"choices": [{"message": {"content": "x"}}], "tandem": {"prompt_token_ids": [1], "completion_token_ids": [[2]],
-                                                           "completion_logprobs": [[-0.1]], "version": 0}},
+                                                           "completion_logprobs": [[-0.1]], "version": 0,
+                                                           "temperature": 1.0}},
     {"choices": [{"message": {"content": "x"}}], "tandem": {
         "prompt_token_ids": [1], "completion_token_ids": [[2]], "completion_logprobs": [[-0.1]], "version": 0,
+        "temperature": 1.0,
         "episode": {"id": "e", "turns": 1, "prompt_ids": [1], "completion_ids": [2], "loss_mask": [1, 1],
-                    "rollout_logprobs": [-0.1], "versions": [0]}}},
+                    "rollout_logprobs": [-0.1], "versions": [0], "temperatures": [1.0]}}},
 ])
 def test_a_turn_answered_without_a_sound_episode_is_a_gateway_error(answer: dict[str, Any]) -> None:
     run = run_on(lambda _: httpx.Response(200, json=answer))
@@ -209,10 +214,25 @@ def test_an_all_zero_loss_mask_is_refused_naming_loss_mask() -> None:
     assert "trained on" in str(info.value)
     run = run_on(FakeGateway())
     gateway_state = {"id": "e", "turns": 1, "prompt_ids": [1], "completion_ids": [2], "loss_mask": [0],
-                     "rollout_logprobs": [0.0], "versions": [0]}
+                     "rollout_logprobs": [0.0], "versions": [0], "temperatures": [1.0]}
     ep = Episode(run, [{"role": "user", "content": "a"}], episode_id="e")
     run.client.http = httpx.Client(base_url=GATEWAY, transport=httpx.MockTransport(
         lambda _: httpx.Response(200, json=gateway_state)))
     with pytest.raises(ValidationFailed) as failed:
         ep.trajectory(1.0)
     assert failed.value.field == "loss_mask"
+
+
+def test_an_episode_sampled_at_two_temperatures_is_refused_naming_them() -> None:
+    """One trajectory's logprobs are under one temperature (tandem.logprobs): the trainer scales by it."""
+    run = run_on(FakeGateway())
+    ep = run.episode([{"role": "user", "content": "a"}])
+    assert ep.sample(temperature=0.7).temperature == 0.7
+    ep.add({"role": "user", "content": "b"})
+    ep.sample(temperature=0.7)
+    assert ep.trajectory(1.0).temperature == 0.7
+    ep.add({"role": "user", "content": "c"})
+    ep.sample(temperature=1.0)
+    with pytest.raises(ValidationFailed, match=r"temperatures \[0.7, 0.7, 1.0\]") as info:
+        ep.trajectory(1.0)
+    assert info.value.field == "temperatures"

@@ -149,3 +149,18 @@ def test_selective_logprobs_and_entropy_match_the_full_softmax() -> None:
     assert torch.allclose(selective_logprobs(logits, targets), expected, atol=1e-6)
     uniform = token_entropy(torch.zeros(1, 2, 8))
     assert torch.allclose(uniform, torch.full((1, 2), math.log(8)))
+
+
+def test_each_row_is_read_at_its_own_temperature() -> None:
+    """The policy is the temperature-scaled model (tandem.logprobs): row i's logits are divided by T_i."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11)
+    targets = torch.randint(0, 11, (3, 5))
+    temperatures = torch.tensor([0.3, 0.7, 1.0])
+    scaled = logits / temperatures[:, None, None]
+    expected = torch.log_softmax(scaled, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(selective_logprobs(logits, targets, temperatures), expected, atol=1e-5)
+    assert torch.equal(selective_logprobs(logits, targets, torch.ones(3)), selective_logprobs(logits, targets))
+    assert not torch.allclose(selective_logprobs(logits, targets, temperatures)[0], selective_logprobs(logits, targets)[0])
+    entropy = token_entropy(logits, temperatures)
+    assert torch.allclose(entropy, -(scaled.softmax(-1) * scaled.log_softmax(-1)).sum(-1), atol=1e-5)

@@ -33,11 +33,11 @@ def edit_config(src: Path, dst: Path, **changes) -> Path:
     return dst
 
 
-def teacher_forced(engine: HFEngine, prompt: list[int], output: list[int]) -> list[float]:
-    """Logprobs of `output` after `prompt` from one plain forward pass (what the trainer computes)."""
+def teacher_forced(engine: HFEngine, prompt: list[int], output: list[int], temperature: float = 1.0) -> list[float]:
+    """Logprobs of `output` after `prompt` from one plain forward pass at `temperature` (what the trainer computes)."""
     with torch.inference_mode():
         ids = torch.tensor([prompt + output])
-        logits = engine.model.hf(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        logits = engine.model.hf(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
         return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None]).squeeze(-1).tolist()
 
 
@@ -82,17 +82,23 @@ def test_greedy_equals_argmax_of_teacher_forced_pass(engine: HFEngine) -> None:
     assert out.finish_reason == "length" and out.prompt_tokens == len(prompt)
 
 
-@pytest.mark.parametrize("kw", [{}, {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.01}])
+@pytest.mark.parametrize("kw", [{}, {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.01},
+                                {"temperature": 0.3}, {"temperature": 0}])
 def test_logprobs_match_teacher_forced_recomputation(loaded: HFEngine, kw: dict) -> None:
-    """The trainer recomputes these: raw (temperature 1, unfiltered) logprobs of sampled tokens."""
+    """The trainer recomputes these: logprobs of the sampled tokens under the temperature-scaled,
+    unfiltered distribution (temperature 1 for greedy), and not under the unscaled one."""
     prompt = loaded.model.encode(PROMPT)
     params = SamplingParams(max_new_tokens=20, n=3, seed=3, **kw)
+    temperature = kw.get("temperature") or 1.0
     for adapter in (None, "a"):
         for seq in loaded.generate(prompt, params, adapter):
             with loaded.lora.activated(adapter):
-                expected = teacher_forced(loaded, prompt, seq.output_ids)
+                expected = teacher_forced(loaded, prompt, seq.output_ids, temperature)
+                unscaled = teacher_forced(loaded, prompt, seq.output_ids)
             assert len(seq.logprobs) == len(seq.output_ids) > 0
             assert max(abs(a - b) for a, b in zip(seq.logprobs, expected, strict=False)) < 1e-4
+            if temperature != 1.0:
+                assert max(abs(a - b) for a, b in zip(seq.logprobs, unscaled, strict=False)) > 0.05
 
 
 def test_adapter_changes_the_distribution_and_base_is_untouched(loaded: HFEngine) -> None:

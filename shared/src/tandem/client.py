@@ -109,6 +109,7 @@ class Run:
                     completion_ids=ext["completion_token_ids"][i],
                     rollout_logprobs=ext["completion_logprobs"][i],
                     version=ext["version"],
+                    temperature=ext["temperature"],
                     finish_reason=choice.get("finish_reason"),
                 )
                 for i, choice in enumerate(data["choices"])

@@ -71,6 +71,8 @@ class EpisodeState(BaseModel):
     """Per completion id: the sampling policy's logprob (0.0 where the mask is 0)."""
     versions: list[int]
     """Per turn: the adapter version that sampled it."""
+    temperatures: list[float]
+    """Per turn: the temperature its logprobs are under (1 for greedy)."""
 
     @model_validator(mode="after")
     def _aligned(self) -> EpisodeState:
@@ -78,8 +80,9 @@ class EpisodeState(BaseModel):
         if len(self.loss_mask) != n or len(self.rollout_logprobs) != n:
             raise ValueError(f"completion_ids has {n} ids but loss_mask {len(self.loss_mask)} and "
                              f"rollout_logprobs {len(self.rollout_logprobs)}; they must align")
-        if len(self.versions) != self.turns:
-            raise ValueError(f"{self.turns} turns but {len(self.versions)} versions")
+        if len(self.versions) != self.turns or len(self.temperatures) != self.turns:
+            raise ValueError(f"{self.turns} turns but {len(self.versions)} versions and "
+                             f"{len(self.temperatures)} temperatures")
         return self
 
     def to_trajectory(self, reward: float) -> Trajectory:
@@ -87,10 +90,15 @@ class EpisodeState(BaseModel):
         if not self.turns:
             raise ValidationFailed(f"episode {self.id!r} has no sampled turn; call sample() before "
                                    "trajectory()", field="turns")
+        if len(set(self.temperatures)) > 1:
+            raise ValidationFailed(
+                f"episode {self.id!r} sampled its turns at temperatures {self.temperatures}; one trajectory "
+                "trains at one temperature (its logprobs are under it): sample every turn of an episode "
+                "at the same temperature", field="temperatures")
         try:
             return Trajectory(prompt_ids=self.prompt_ids, completion_ids=self.completion_ids,
                               rollout_logprobs=self.rollout_logprobs, loss_mask=self.loss_mask,
-                              version=min(self.versions), reward=reward)
+                              version=min(self.versions), temperature=self.temperatures[0], reward=reward)
         except ValidationError as exc:
             raise invalid(f"episode {self.id!r} cannot be trained on", exc) from exc
 
@@ -207,6 +215,7 @@ def _parse_turn(data: dict[str, Any], gateway_url: str) -> tuple[Turn, EpisodeSt
             message=message, finish_reason=choice.get("finish_reason"),
             prompt_ids=ext["prompt_token_ids"], completion_ids=ext["completion_token_ids"][0],
             rollout_logprobs=ext["completion_logprobs"][0], version=ext["version"],
+            temperature=ext["temperature"],
         )
     except (KeyError, IndexError, TypeError, AttributeError, ValidationError) as exc:
         raise GatewayError(

@@ -137,6 +137,11 @@ class EngineSettings(BaseModel):
     """Largest batch size SGLang captures CUDA graphs for; small values shorten boot."""
     disable_cuda_graph: bool = False
     """Skip CUDA-graph capture (faster boot, slower decode)."""
+    lora_backend: Literal["triton", "csgmv"] = "triton"
+    """SGLang's LoRA kernels (`--lora-backend`). NOTE: 0.5.12's default, csgmv, decodes wrong tokens
+    for every adapter but one in a mixed batch under CUDA graphs (its kernel grid is sized at graph
+    capture, sglang#28371, fixed in later releases); triton decodes each request of a mixed batch
+    as it decodes alone (docs/benchmarks.md, "Mixed-adapter batches")."""
     extra_args: list[str] = Field(default_factory=list)
     """More `sglang.launch_server` flags, passed as they are."""
     boot_timeout_s: float = Field(900.0, gt=0)

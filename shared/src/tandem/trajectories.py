@@ -3,10 +3,11 @@
 A sample keeps token ids, not text, so training sees exactly the tokens that were sampled
 (re-tokenising text drifts). `rollout_logprobs` are the sampling policy's logprobs of each
 completion token; the loss uses them for the importance ratio, which is what lets the policy
-that sampled be older than the one training. A `Completion` is a sample as the gateway
-returns it (with its text); a `Trajectory` is the same sample scored (its reward) and ready
-to train on, with `loss_mask` marking which completion tokens are trained on (0 for tool
-output or user turns inside a multi-turn completion).
+that sampled be older than the one training (their convention, the temperature-scaled model:
+`tandem.logprobs`). A `Completion` is a sample as the gateway returns it (with its text); a
+`Trajectory` is the same sample scored (its reward) and ready to train on, with `loss_mask`
+marking which completion tokens are trained on (0 for tool output or user turns inside a
+multi-turn completion).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class Sample(BaseModel):
     """Logprob of each completion token under the policy that sampled it."""
     version: int = Field(0, ge=0)
     """Adapter version that produced the completion (0 = base model)."""
+    temperature: float = Field(1.0, gt=0, le=2)
+    """The temperature whose distribution `rollout_logprobs` are under (`tandem.logprobs`: the
+    sampling temperature, 1 for greedy); the trainer divides its logits by it."""
 
 
 class Completion(Sample):
@@ -53,7 +57,7 @@ class Completion(Sample):
         try:
             return Trajectory(prompt_ids=self.prompt_ids, completion_ids=self.completion_ids,
                               rollout_logprobs=self.rollout_logprobs, version=self.version,
-                              reward=reward, loss_mask=loss_mask)
+                              temperature=self.temperature, reward=reward, loss_mask=loss_mask)
         except ValidationError as exc:
             raise invalid("this completion cannot be trained on", exc) from exc
 

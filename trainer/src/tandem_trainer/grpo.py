@@ -41,28 +41,37 @@ def group_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: 
     return centered.to(torch.float32)
 
 
-def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor | None = None) -> torch.Tensor:
     """log p(target) for each position, without materialising a full log-softmax.
 
-    `logits` is [B, W, V], `targets` [B, W]; returns float32 [B, W]. Row by row, so peak
-    memory is one sequence's logits in float32 rather than the whole batch's.
+    `logits` is [B, W, V], `targets` [B, W]; returns float32 [B, W]. `temperatures` [B] (None: all
+    1) divides each row's logits first: the policy is the temperature-scaled model, as the
+    engines' rollout logprobs are (`tandem.trajectories`). Row by row, so peak memory is one
+    sequence's logits in float32 rather than the whole batch's.
     """
     rows = []
-    for row_logits, row_targets in zip(logits, targets, strict=True):
-        row_logits = row_logits.float()
+    for i, (row_logits, row_targets) in enumerate(zip(logits, targets, strict=True)):
+        row_logits = _scaled(row_logits, temperatures, i)
         picked = row_logits.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1)
         rows.append(picked - torch.logsumexp(row_logits, dim=-1))
     return torch.stack(rows)
 
 
 @torch.no_grad()
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the next-token distribution at each position, [B, W] (a metric, no grad)."""
+def token_entropy(logits: torch.Tensor, temperatures: torch.Tensor | None = None) -> torch.Tensor:
+    """Entropy of the (temperature-scaled) next-token distribution at each position, [B, W] (a metric, no grad)."""
     rows = []
-    for row_logits in logits:
-        logp = torch.log_softmax(row_logits.float(), dim=-1)
+    for i, row_logits in enumerate(logits):
+        logp = torch.log_softmax(_scaled(row_logits, temperatures, i), dim=-1)
         rows.append(-(logp.exp() * logp).sum(-1))
     return torch.stack(rows)
+
+
+def _scaled(row_logits: torch.Tensor, temperatures: torch.Tensor | None, i: int) -> torch.Tensor:
+    row_logits = row_logits.float()
+    if temperatures is None:
+        return row_logits
+    return row_logits / temperatures[i].to(row_logits)
 
 
 @dataclass

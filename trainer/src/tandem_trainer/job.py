@@ -272,7 +272,7 @@ class Trainer:
             flat_groups += int(not adv.any())
             rewards += group.rewards
             samples += [
-                Sample(t.prompt_ids, t.completion_ids, t.rollout_logprobs, t.mask, float(a))
+                Sample(t.prompt_ids, t.completion_ids, t.rollout_logprobs, t.mask, float(a), t.temperature)
                 for t, a in zip(group.trajectories, adv, strict=True)
             ]
         order = StepOrder(

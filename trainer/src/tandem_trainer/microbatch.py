@@ -18,13 +18,15 @@ import torch
 
 @dataclass(frozen=True)
 class Sample:
-    """One trajectory as the loss sees it: tokens, rollout logprobs, loss mask, advantage."""
+    """One trajectory as the loss sees it: tokens, rollout logprobs, loss mask, advantage, and the
+    temperature its logprobs are under (the policy is the temperature-scaled model)."""
 
     prompt_ids: Sequence[int]
     completion_ids: Sequence[int]
     rollout_logprobs: Sequence[float]
     mask: Sequence[int]
     advantage: float
+    temperature: float = 1.0
 
     @property
     def length(self) -> int:
@@ -52,6 +54,8 @@ class MicroBatch:
     mask: torch.Tensor
     rollout_logprobs: torch.Tensor
     advantages: torch.Tensor
+    temperatures: torch.Tensor
+    """[B]: each row's sampling temperature; the logits are divided by it before the log-softmax."""
     indices: tuple[int, ...]
     """Positions of these samples in the job's sample list."""
 
@@ -77,6 +81,7 @@ class MicroBatch:
             mask=self.mask.to(device),
             rollout_logprobs=self.rollout_logprobs.to(device),
             advantages=self.advantages.to(device),
+            temperatures=self.temperatures.to(device),
         )
 
 
@@ -129,6 +134,7 @@ def collate(samples: Sequence[Sample], indices: Sequence[int], *, pad_id: int = 
         mask=mask,
         rollout_logprobs=rollout,
         advantages=torch.tensor([s.advantage for s in chosen], dtype=torch.float32),
+        temperatures=torch.tensor([s.temperature for s in chosen], dtype=torch.float32),
         indices=tuple(indices),
     )
 

@@ -1,11 +1,12 @@
 """What a request asks of the sampler, what it gets back, and the draw of one token per row.
 
-Logprobs: every generated token carries `log_softmax(raw logits)[token]`, the log-probability
-under the model's *unscaled* distribution (temperature 1, no top-k/top-p/min-p filtering),
-whatever sampling settings chose the token. That is what the trainer recomputes in its
-teacher-forced pass, so rollout and trainer logprobs agree (to float error) on the same weights.
-Top logprobs (`top_logprobs`, SGLang's `top_logprobs_num`) list the most likely tokens of that
-same distribution at each step.
+Logprobs follow tandem's one convention (`tandem.logprobs`, docs/architecture.md): every
+generated token carries `log_softmax(logits / T)[token]`, its log-probability under the
+*temperature-scaled* distribution the token was drawn from (T = 1 for greedy), before
+top-k/top-p/min-p filtering. That is what SGLang returns, and what the trainer
+recomputes in its teacher-forced pass with the sample's temperature, so rollout and trainer
+logprobs agree (to float error) on the same weights. Top logprobs (`top_logprobs`, SGLang's
+`top_logprobs_num`) list the most likely tokens of that same distribution at each step.
 
 torch is imported inside `sample`, so importing this module is cheap.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from tandem.logprobs import policy_temperature
 from tandem_inference.bodies import MAX_TOP_LOGPROBS
 from tandem_inference.errors import InvalidRequest
 
@@ -88,15 +90,15 @@ class Sequence:
 def sample(
     logits: torch.Tensor, p: SamplingParams, gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, TopLogprobs | None]:
-    """Draw one token per row; return the tokens, their logprobs under the raw distribution,
-    and per row the `p.top_logprobs` best (logprobs, ids) of that distribution (or None)."""
+    """Draw one token per row; return the tokens, their logprobs under the temperature-scaled
+    distribution, and per row the `p.top_logprobs` best (logprobs, ids) of it (or None)."""
     import torch
 
     logits = logits.float()
-    raw = torch.log_softmax(logits, dim=-1)
+    policy = torch.log_softmax(logits / policy_temperature(p.temperature), dim=-1)
     tops = None
     if p.top_logprobs:
-        best = raw.topk(min(p.top_logprobs, raw.shape[-1]), dim=-1)
+        best = policy.topk(min(p.top_logprobs, policy.shape[-1]), dim=-1)
         tops = (best.values.tolist(), best.indices.tolist())
     if p.temperature < 1e-6:
         tokens = logits.argmax(dim=-1)
@@ -116,4 +118,4 @@ def sample(
                 probs < p.min_p * probs.max(dim=-1, keepdim=True).values, float("-inf")
             )
         tokens = torch.multinomial(scores.softmax(dim=-1), 1, generator=gen).squeeze(-1)
-    return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1), tops
+    return tokens, policy.gather(-1, tokens[:, None]).squeeze(-1), tops

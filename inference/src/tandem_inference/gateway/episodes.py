@@ -54,6 +54,8 @@ class Episode(BaseModel):
     rollout_logprobs: list[float] = []
     versions: list[int] = []
     """The version that served each turn."""
+    temperatures: list[float] = []
+    """The temperature each turn's logprobs are under (`policy_temperature`)."""
 
     @property
     def turns(self) -> int:
@@ -63,7 +65,8 @@ class Episode(BaseModel):
         """The episode as replies and `GET /v1/episodes/{id}` show it."""
         return {"id": self.id, "turns": self.turns, "prompt_ids": self.prompt_ids,
                 "completion_ids": self.completion_ids, "loss_mask": self.loss_mask,
-                "rollout_logprobs": self.rollout_logprobs, "versions": self.versions}
+                "rollout_logprobs": self.rollout_logprobs, "versions": self.versions,
+                "temperatures": self.temperatures}
 
     def last_sampled(self) -> list[int]:
         """The ids the last turn sampled: the completion's trailing run of mask 1."""
@@ -140,8 +143,9 @@ class Turn:
     def input_ids(self) -> list[int]:
         return [*self.episode.prompt_ids, *self.episode.completion_ids, *self.delta]
 
-    def advanced(self, reply: ChatMessage, version: int, ids: Sequence[int], logprobs: Sequence[float]) -> Episode:
-        """The episode after this turn sampled `ids` (with `logprobs`) and answered `reply`."""
+    def advanced(self, reply: ChatMessage, version: int, ids: Sequence[int], logprobs: Sequence[float],
+                 temperature: float) -> Episode:
+        """The episode after this turn sampled `ids` (with `logprobs` under `temperature`) and answered `reply`."""
         ep = self.episode
         if len(logprobs) != len(ids):
             raise EngineResponseError(f"the engine sent {len(logprobs)} logprobs for {len(ids)} sampled ids",
@@ -152,6 +156,7 @@ class Turn:
             "loss_mask": [*ep.loss_mask, *[0] * len(self.delta), *[1] * len(ids)],
             "rollout_logprobs": [*ep.rollout_logprobs, *[0.0] * len(self.delta), *logprobs],
             "versions": [*ep.versions, version],
+            "temperatures": [*ep.temperatures, temperature],
         })
 
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.logprobs import policy_temperature
 from tandem_inference.capacity import Permit
 from tandem_inference.engine_client import EngineClient
 from tandem_inference.errors import EngineResponseError
@@ -40,6 +41,11 @@ class Generation:
     @property
     def route(self) -> Route:
         return self.hold.route
+
+    @property
+    def policy_temperature(self) -> float:
+        """The temperature whose distribution the engine's logprobs are under (1 for greedy)."""
+        return policy_temperature(self.params.get("temperature"))
 
     def release(self) -> None:
         """Give back the version's in-flight count and the room; releasing twice is harmless."""

@@ -100,12 +100,14 @@ class ResponseFormat:
                 "text_offset": offsets}
 
     @staticmethod
-    def extension(route: Route, input_ids: list[int], outputs: list[Output]) -> dict[str, Any]:
-        """The `tandem` object: which version served, and the token ids and logprobs for training."""
+    def extension(route: Route, input_ids: list[int], outputs: list[Output], temperature: float) -> dict[str, Any]:
+        """The `tandem` object: which version served, and the token ids and logprobs for training,
+        with the temperature whose distribution the logprobs are under (`policy_temperature`)."""
         return {"run": route.run, "version": route.version, "adapter": route.adapter,
                 "prompt_token_ids": input_ids,
                 "completion_token_ids": [o.token_ids for o in outputs],
-                "completion_logprobs": [o.logprobs for o in outputs]}
+                "completion_logprobs": [o.logprobs for o in outputs],
+                "temperature": temperature}
 
     def _token_text(self, out: Output, i: int) -> str:
         text = out.token_texts[i] if i < len(out.token_texts) else None

@@ -208,11 +208,13 @@ class Gateway:
             outputs.append(out)
         tools = body.tool_names() if isinstance(body, ChatRequest) and body.template_tools() else []
         choices = [self.format.choice(kind, i, out, logprobs, tools) for i, out in enumerate(outputs)]
+        extension = self.format.extension(route, input_ids, outputs, gen.policy_temperature)
         payload = {**self.format.envelope(kind, route, stream=False), "choices": choices,
-                   "usage": usage(input_ids, outputs), "tandem": self.format.extension(route, input_ids, outputs)}
+                   "usage": usage(input_ids, outputs), "tandem": extension}
         if episode is not None:
             reply = ChatMessage.model_validate(choices[0]["message"])
-            advanced = episode.advanced(reply, route.version, outputs[0].token_ids, outputs[0].logprobs)
+            advanced = episode.advanced(reply, route.version, outputs[0].token_ids, outputs[0].logprobs,
+                                        gen.policy_temperature)
             await asyncio.to_thread(self.episodes.save, advanced, after_turns=episode.episode.turns)
             self.metrics.episode_turns.labels("continue" if episode.episode.turns else "start").inc()
             payload["tandem"]["episode"] = advanced.public()

@@ -70,7 +70,8 @@ async def _events(engine: EngineClient, gen: Generation, fmt: ResponseFormat, *,
         for i, done in enumerate(finished):
             if not done:
                 yield chunk([fmt.finish(kind, i, "stop")])
-        yield chunk([], usage=usage(gen.input_ids, outputs), tandem=fmt.extension(route, gen.input_ids, outputs))
+        extension = fmt.extension(route, gen.input_ids, outputs, gen.policy_temperature)
+        yield chunk([], usage=usage(gen.input_ids, outputs), tandem=extension)
     except TandemError as exc:
         if not started:
             raise

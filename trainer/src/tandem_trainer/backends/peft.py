@@ -254,13 +254,13 @@ class PeftBackend(Backend):
 
     def forward(self, batch: MicroBatch, *, entropy: bool = False) -> Forward:
         logits = self._logits(batch)
-        logprobs = selective_logprobs(logits, batch.targets)
-        return Forward(logprobs=logprobs, entropy=token_entropy(logits) if entropy else None)
+        logprobs = selective_logprobs(logits, batch.targets, batch.temperatures)
+        return Forward(logprobs=logprobs, entropy=token_entropy(logits, batch.temperatures) if entropy else None)
 
     def reference_logprobs(self, batch: MicroBatch) -> torch.Tensor:
         model = self._require_model()
         with torch.no_grad(), model.disable_adapter():
-            return selective_logprobs(self._logits(batch), batch.targets)
+            return selective_logprobs(self._logits(batch), batch.targets, batch.temperatures)
 
     def step(self, max_grad_norm: float) -> float:
         assert self._optimizer is not None

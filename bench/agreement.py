@@ -1,0 +1,106 @@
+"""Scenario 9, rollout/trainer agreement: the trainer's logprobs of the tokens the engine sampled.
+
+A fresh version is trained on the stack; completions are sampled through the gateway at
+temperatures 0.3, 0.7 and 1.0, with and without top_p 0.9; the trainer's backend (its own
+interpreter, `python -m tandem_trainer.logprob_check`) recomputes every completion token's
+logprob on the same version at the sample's temperature. Per token: mean and max |Δ logprob|,
+the share above 0.1, and the first epoch's mean importance ratio (1 when engine and trainer
+agree). A control row reads the T = 0.7 samples as the unscaled model would (the other logprob
+convention): what a convention mismatch looks like. A wrong LoRA kernel or a mixed-batch bug
+shows up as a large max and a share above 0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from benchlib import Ctx, goal, md_table, new_version, plt
+
+from tandem.adapters import AdapterStore
+from tandem.logprobs import OUTLIER, Mismatch
+
+PROMPTS = ["Count from 3 to 9.", "Write some numbers.", "What is 12 plus 30?", "Name three colours."]
+SETTINGS = [(t, p) for t in (0.3, 0.7, 1.0) for p in (1.0, 0.9)]
+
+
+def trainer_env(ctx: Ctx) -> dict[str, str]:
+    env = {**os.environ, **ctx.engine_env, "HF_HUB_OFFLINE": "1"}
+    if ctx.engine == "sglang":  # the trainer's GPU (shared mode: the engine's)
+        gpus = env["TANDEM_GPUS__TRAINER"] if env.get("TANDEM_GPUS__MODE") == "split" else env["TANDEM_GPUS__INFERENCE"]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in json.loads(gpus)[:1])
+    return env
+
+
+def trainer_logprobs(ctx: Ctx, spec_json: str, version: int, version_dir: Path, samples: list[dict[str, Any]],
+                     temperature: float | None = None) -> list[list[float]]:
+    work = ctx.out / "agreement"
+    work.mkdir(exist_ok=True)
+    (work / "spec.json").write_text(spec_json)
+    (work / "samples.json").write_text(json.dumps(samples))
+    argv = [ctx.trainer_python, "-m", "tandem_trainer.logprob_check", "--spec", str(work / "spec.json"),
+            "--version", str(version), "--version-dir", str(version_dir), "--samples", str(work / "samples.json"),
+            "--out", str(work / "trainer.json")]
+    if temperature is not None:
+        argv += ["--temperature", str(temperature)]
+    subprocess.run(argv, check=True, env=trainer_env(ctx), timeout=900)
+    trainer: list[list[float]] = json.loads((work / "trainer.json").read_text())["trainer"]
+    return trainer
+
+
+def run(ctx: Ctx) -> dict[str, Any]:
+    assert ctx.stack is not None and ctx.client is not None
+    n, max_tokens = (4, 16) if ctx.quick else (8, 48)
+    run = ctx.client.run(ctx.run_name)
+    version = new_version(run)
+    version_dir = AdapterStore(ctx.store_root).version_dir(run.name, version)
+    spec_json = run.spec.model_dump_json()
+    sampled: dict[tuple[float, float], list[Any]] = {}
+    for temperature, top_p in SETTINGS:
+        comps = []
+        for prompt in PROMPTS[: 2 if ctx.quick else 4]:
+            comps += run.chat([{"role": "user", "content": prompt}], n=n, max_tokens=max_tokens,
+                              temperature=temperature, top_p=top_p, version=version)
+        sampled[temperature, top_p] = comps
+    flat = [c for comps in sampled.values() for c in comps]
+    ctx.progress(f"v{version}: {len(flat)} completions sampled; the trainer recomputes them")
+    trainer = trainer_logprobs(ctx, spec_json, version, version_dir, [c.model_dump() for c in flat])
+    control_samples = sampled[0.7, 1.0]
+    control = trainer_logprobs(ctx, spec_json, version, version_dir, [c.model_dump() for c in control_samples], 1.0)
+    rows, at = [], 0
+    for (temperature, top_p), comps in sampled.items():
+        m = Mismatch.of([c.rollout_logprobs for c in comps], trainer[at: at + len(comps)])
+        at += len(comps)
+        rows.append({"temperature": temperature, "top_p": top_p, **vars(m)})
+        ctx.progress(f"T={temperature} top_p={top_p}: {m.tokens} tokens, mean |Δ| {m.mean_abs:.2e}, "
+                     f"max {m.max_abs:.2e}, ratio {m.ratio_mean:.4f}")
+    other = Mismatch.of([c.rollout_logprobs for c in control_samples], control)
+    rows.append({"temperature": 0.7, "top_p": 1.0, "control": "read as the unscaled model", **vars(other)})
+    worst = max(r["over_outlier"] for r in rows if "control" not in r)
+    table = md_table(
+        ["temperature", "top_p", "tokens", "mean |Δ logprob|", "max |Δ logprob|", f"share > {OUTLIER}", "ratio mean"],
+        [[f"{r['temperature']}" + (" (control: unscaled)" if "control" in r else ""), r["top_p"], r["tokens"],
+          f"{r['mean_abs']:.2e}", f"{r['max_abs']:.2e}", f"{r['over_outlier']:.4f}", f"{r['ratio_mean']:.5f}"]
+         for r in rows])
+    table += (f"\n\nVersion {version}; {n} samples of each prompt, up to {max_tokens} tokens. The control row is the "
+              "same T = 0.7 tokens recomputed without the temperature: a convention mismatch.")
+    plot_name = "agreement.png"
+    pyplot = plt()
+    fig, ax = pyplot.subplots(figsize=(7, 3))
+    labels = [f"T={r['temperature']}\np={r['top_p']}" + ("\n(control)" if "control" in r else "") for r in rows]
+    ax.bar(labels, [max(r["max_abs"], 1e-9) for r in rows], color=["#c44e52" if "control" in r else "#4c72b0"
+                                                                   for r in rows])
+    ax.set_yscale("log")
+    ax.axhline(OUTLIER, color="gray", linestyle="--", linewidth=1)
+    ax.set_ylabel("max |Δ logprob| per token")
+    ax.set_title(f"Rollout vs trainer logprobs ({ctx.engine})")
+    fig.tight_layout()
+    fig.savefig(ctx.out / plot_name, dpi=100)
+    pyplot.close(fig)
+    return {"name": "agreement", "title": "9. Rollout/trainer agreement",
+            "summary": {"version": version, "worst_share_over_outlier": worst}, "rows": rows,
+            "goals": [goal(f"share of tokens with |Δ logprob| > {OUTLIER} (engine vs trainer)", worst, 0.001)],
+            "table": table, "plots": [plot_name]}

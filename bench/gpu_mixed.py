@@ -1,0 +1,233 @@
+"""On a GPU: SGLang as tandem launches it, checked against references instead of timed.
+
+1. Batch invariance across adapters: a random model of a real shape, four random rank-16
+   adapters A-D with distinct weights, greedy decoding. Each (prompt, adapter) alone is the
+   reference; then batches fired at once (every prompt with base and A-D; 32 x A; 16 x A +
+   16 x B; A, B, C, D one each; one prompt with A and with B, the shape of a version swap),
+   each twice. A request is right when its tokens equal its solo tokens, all of them.
+2. Rollout/trainer agreement: samples of adapter A at temperatures 0.3, 0.7 and 1.0, with and
+   without top_p 0.9, their logprobs as SGLang returns them, recomputed by the trainer's peft
+   backend (bfloat16 on the GPU) on the same adapter, in tandem's convention (each sample's
+   temperature) and in the unscaled one tandem's trainer used before.
+
+One SGLang server per `--lora-backends` entry (tandem's own flags from `sglang_argv`, CUDA
+graphs on, as shipped), one after the other on GPU 0. Results: OUT/results.json, OUT/report.md.
+
+    python bench/gpu_mixed.py --out /tmp/mixed --sglang-python /tmp/sgpython --lora-backends csgmv,triton
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+from benchlib import SGLANG_FLAGS, SHAPES
+
+from tandem.logprobs import Mismatch
+from tandem.runs import LoraConfig, RunSpec
+from tandem.settings import EngineSettings, InferenceSettings
+from tandem.trajectories import Sample
+from tandem_inference.sglang_launcher import sglang_argv, sglang_env
+
+ADAPTERS = ["A", "B", "C", "D"]
+NEW_TOKENS = 48
+
+
+def generate(url: str, ids: list[int], adapter: str | None, params: dict[str, Any]) -> dict[str, Any]:
+    body: dict[str, Any] = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
+    if adapter is not None:
+        body["lora_path"] = adapter
+    reply = httpx.post(f"{url}/generate", json=body, timeout=300)
+    reply.raise_for_status()
+    out: dict[str, Any] = reply.json()
+    return out
+
+
+def tokens(reply: dict[str, Any]) -> list[int]:
+    return [int(t[1]) for t in reply["meta_info"]["output_token_logprobs"]]
+
+
+def greedy(url: str, ids: list[int], adapter: str | None) -> list[int]:
+    return tokens(generate(url, ids, adapter, {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}))
+
+
+def at_once(url: str, batch: list[tuple[int, str | None]], prompts: list[list[int]]) -> list[list[int]]:
+    with ThreadPoolExecutor(len(batch)) as pool:
+        return list(pool.map(lambda r: greedy(url, prompts[r[0]], r[1]), batch))
+
+
+def start(settings: InferenceSettings, log: Path) -> subprocess.Popen[bytes]:
+    argv = sglang_argv(settings)
+    print("sglang:", " ".join(argv), flush=True)
+    proc = subprocess.Popen(argv, env=sglang_env(settings), stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"SGLang exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(f"{settings.engine.url}/health", timeout=5).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    proc.kill()
+    raise SystemExit("SGLang did not answer /health in 900 s")
+
+
+def mixed_batches(url: str, prompts: list[list[int]]) -> dict[str, Any]:
+    everyone: list[str | None] = [None, *ADAPTERS]
+    solo = {(p, a): greedy(url, prompts[p], a) for p in range(len(prompts)) for a in everyone}
+    distinct = len({tuple(solo[0, a]) for a in everyone})
+    batches: dict[str, list[tuple[int, str | None]]] = {
+        "prompts x {base, A, B, C, D}, 32 requests": [(i % len(prompts), everyone[i % 5]) for i in range(32)],
+        "32 x A (batching-noise control)": [(i % len(prompts), "A") for i in range(32)],
+        "16 x A + 16 x B": [(i % len(prompts), "A" if i < 16 else "B") for i in range(32)],
+        "A, B, C, D one each": [(0, a) for a in ADAPTERS],
+        "one prompt with A and with B (a version swap)": [(1, "A"), (1, "B")],
+    }
+    rows = []
+    for name, batch in batches.items():
+        for attempt in (1, 2):
+            got = at_once(url, batch, prompts)
+            right = [ids == solo[r] for r, ids in zip(batch, got, strict=True)]
+            wrong_by = sorted({str(r[1] or "base") for r, ok in zip(batch, right, strict=True) if not ok})
+            first_bad: list[int | None] = [next((k for k, (x, y) in enumerate(zip(ids, solo[r], strict=False)) if x != y), None)
+                         for r, ids, ok in zip(batch, got, right, strict=True) if not ok]
+            rows.append({"batch": name, "attempt": attempt, "exact": sum(right), "requests": len(batch),
+                         "wrong_from_first_decode_step": sum(1 for k in first_bad if k is not None and k <= 1),
+                         "wrong_adapters": wrong_by, "first_wrong_step": first_bad[:8]})
+            print(f"  {name} #{attempt}: {sum(right)}/{len(batch)} exact; wrong: {wrong_by}", flush=True)
+    return {"distinct_solo_outputs": distinct, "rows": rows}
+
+
+SETTINGS = [(None, 1.0, 1.0)] + [("A", t, p) for t in (0.3, 0.7, 1.0) for p in (1.0, 0.9)]
+"""(adapter, temperature, top_p): the base model at T = 1 calibrates the numerical noise."""
+
+
+def sample_logprobs(url: str, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    out = []
+    for adapter, temperature, top_p in SETTINGS:
+        for ids in prompts:
+            params = {"max_new_tokens": NEW_TOKENS, "temperature": temperature, "top_p": top_p, "ignore_eos": True}
+            lps = generate(url, ids, adapter, params)["meta_info"]["output_token_logprobs"]
+            out.append({"adapter": adapter, "temperature": temperature, "top_p": top_p, "prompt_ids": ids,
+                        "completion_ids": [int(t[1]) for t in lps], "rollout_logprobs": [float(t[0]) for t in lps]})
+    return out
+
+
+def agreement(model: Path, adapter_dir: Path, samples: list[dict[str, Any]], work: Path) -> list[dict[str, Any]]:
+    from tandem_trainer.backends.peft import PeftBackend
+    from tandem_trainer.logprob_check import recompute
+
+    saved = json.loads((adapter_dir / "adapter_config.json").read_text())
+    spec = RunSpec(name="mixed", base_model=str(model),
+                   lora=LoraConfig(r=saved["r"], alpha=float(saved["lora_alpha"]), target_modules=saved["target_modules"]))
+    version_dir = work / "v1"
+    shutil.copytree(adapter_dir, version_dir / "adapter", dirs_exist_ok=True)
+    backend = PeftBackend("cuda")
+    rows = []
+    for adapter, temperature, top_p in SETTINGS:
+        picked = [s for s in samples if (s["adapter"], s["temperature"], s["top_p"]) == (adapter, temperature, top_p)]
+        trajs = [Sample(prompt_ids=s["prompt_ids"], completion_ids=s["completion_ids"],
+                        rollout_logprobs=s["rollout_logprobs"], temperature=temperature) for s in picked]
+        engine = [s["rollout_logprobs"] for s in picked]
+        conventions = [("scaled (tandem now)", None)] + ([("unscaled (tandem before)", 1.0)] if temperature != 1.0 else [])
+        for convention, t in conventions:
+            trainer = recompute(backend, spec, 1 if adapter else 0, version_dir if adapter else None, trajs,
+                                temperature=t)
+            m = Mismatch.of(engine, trainer)
+            rows.append({"adapter": adapter or "base", "temperature": temperature, "top_p": top_p,
+                         "trainer_convention": convention, **vars(m)})
+            print(f"  {adapter or 'base'} T={temperature} top_p={top_p} {convention}: mean {m.mean_abs:.3e} "
+                  f"max {m.max_abs:.3e} >0.1 {m.over_outlier:.4f} ratio {m.ratio_mean:.4f}", flush=True)
+    return rows
+
+
+def report(results: dict[str, Any]) -> str:
+    lines = [f"# SGLang mixed-adapter batches and logprob agreement ({results['shape']}, "
+             f"initializer_range {results['initializer_range']}, adapter B std {results['adapter_scale']})", ""]
+    for backend, res in results["backends"].items():
+        lines += [f"## --lora-backend {backend}", "", f"distinct solo outputs of one prompt over base and A-D: "
+                  f"{res['mixed']['distinct_solo_outputs']} of 5", "",
+                  "| batch | run | exact / requests | wrong from the first decode step | wrong adapters | first wrong step |",
+                  "|---|---|---|---|---|---|"]
+        for r in res["mixed"]["rows"]:
+            lines.append(f"| {r['batch']} | {r['attempt']} | {r['exact']} / {r['requests']} | "
+                         f"{r['wrong_from_first_decode_step']} | {', '.join(r['wrong_adapters']) or '–'} | "
+                         f"{r['first_wrong_step'] or '–'} |")
+        lines += ["", "| adapter | T | top_p | trainer convention | tokens | mean abs | max abs | share > 0.1 | ratio mean |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in res.get("agreement", []):
+            lines.append(f"| {r['adapter']} | {r['temperature']} | {r['top_p']} | {r['trainer_convention']} | {r['tokens']} | "
+                         f"{r['mean_abs']:.2e} | {r['max_abs']:.2e} | {r['over_outlier']:.4f} | {r['ratio_mean']:.4f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", default="/tmp/gpu-mixed", help="model and adapters (large)")
+    p.add_argument("--sglang-python", default="python3")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
+    p.add_argument("--lora-backends", default="csgmv,triton")
+    p.add_argument("--port", type=int, default=30123)
+    p.add_argument("--initializer-range", type=float, default=0.02,
+                   help="the random model's weight scale (a real model's is about 0.02; larger ones make bf16 chaotic)")
+    p.add_argument("--adapter-scale", type=float, default=None,
+                   help="std of the adapters' B matrices (default: the initializer range, a delta of a real adapter's size)")
+    args = p.parse_args()
+    from tandem_trainer.tiny_model import build_random_adapter, build_tiny_model
+
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    shape = {**SHAPES[args.shape], "initializer_range": args.initializer_range}
+    model_dir = work / f"model-{args.shape}-{args.initializer_range}"
+    model = model_dir if model_dir.exists() else build_tiny_model(model_dir, **shape)
+    scale = args.adapter_scale if args.adapter_scale is not None else args.initializer_range
+    adapters = {name: build_random_adapter(model, work / f"{model_dir.name}-{scale}-{name}", rank=16, seed=i + 1,
+                                           scale=scale) for i, name in enumerate(ADAPTERS)}
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(8, 24))] for _ in range(4)]
+    results: dict[str, Any] = {"shape": args.shape, "initializer_range": args.initializer_range,
+                               "adapter_scale": scale, "backends": {}}
+    for backend in args.lora_backends.split(","):
+        settings = InferenceSettings(
+            engine=EngineSettings(kind="sglang", model=str(model), url=f"http://127.0.0.1:{args.port}",
+                                  sglang_python=args.sglang_python, max_lora_rank=16, lora_backend=backend,
+                                  extra_args=SGLANG_FLAGS, mem_fraction_static=0.5),
+            gpus={"mode": "split", "inference": [0], "trainer": [1]})
+        proc = start(settings, out / f"sglang-{backend}.log")
+        try:
+            for name, path in adapters.items():
+                httpx.post(f"{settings.engine.url}/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                           timeout=120).raise_for_status()
+            print(f"== {backend}: mixed batches", flush=True)
+            res: dict[str, Any] = {"argv": sglang_argv(settings), "mixed": mixed_batches(settings.engine.url, prompts)}
+            print(f"== {backend}: sampling for agreement", flush=True)
+            res["samples"] = sample_logprobs(settings.engine.url, prompts)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=120)
+        results["backends"][backend] = res
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    for backend, res in results["backends"].items():
+        print(f"== {backend}: trainer recompute", flush=True)
+        res["agreement"] = agreement(model, adapters["A"], res.pop("samples"), work / f"trainer-{backend}")
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "report.md").write_text(report(results))
+    print(report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
