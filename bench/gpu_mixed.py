@@ -151,6 +151,30 @@ def agreement(model: Path, adapter_dir: Path, samples: list[dict[str, Any]], wor
     return rows
 
 
+def serve_and_check(model: Path, adapters: dict[str, Path], prompts: list[list[int]], *, backend: str | None,
+                    sglang_python: str, port: int, out: Path) -> dict[str, Any]:
+    """One SGLang server as tandem launches it (`backend` None: the shipped `engine.lora_backend`):
+    the mixed batches against solo outputs, and samples of adapter A for the agreement check."""
+    engine = EngineSettings(kind="sglang", model=str(model), url=f"http://127.0.0.1:{port}", sglang_python=sglang_python,
+                            max_lora_rank=16, extra_args=SGLANG_FLAGS, mem_fraction_static=0.5)
+    if backend is not None:
+        engine = engine.model_copy(update={"lora_backend": backend})
+    settings = InferenceSettings(engine=engine, gpus={"mode": "split", "inference": [0], "trainer": [1]})
+    proc = start(settings, out / f"sglang-{engine.lora_backend}.log")
+    try:
+        for name, path in adapters.items():
+            httpx.post(f"{engine.url}/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                       timeout=120).raise_for_status()
+        print(f"== {engine.lora_backend}: mixed batches", flush=True)
+        res: dict[str, Any] = {"argv": sglang_argv(settings), "mixed": mixed_batches(engine.url, prompts)}
+        print(f"== {engine.lora_backend}: sampling for agreement", flush=True)
+        res["samples"] = sample_logprobs(engine.url, prompts)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+    return res
+
+
 def report(results: dict[str, Any]) -> str:
     lines = [f"# SGLang mixed-adapter batches and logprob agreement ({results['shape']}, "
              f"initializer_range {results['initializer_range']}, adapter B std {results['adapter_scale']})", ""]
@@ -201,24 +225,8 @@ def main() -> int:
     results: dict[str, Any] = {"shape": args.shape, "initializer_range": args.initializer_range,
                                "adapter_scale": scale, "backends": {}}
     for backend in args.lora_backends.split(","):
-        settings = InferenceSettings(
-            engine=EngineSettings(kind="sglang", model=str(model), url=f"http://127.0.0.1:{args.port}",
-                                  sglang_python=args.sglang_python, max_lora_rank=16, lora_backend=backend,
-                                  extra_args=SGLANG_FLAGS, mem_fraction_static=0.5),
-            gpus={"mode": "split", "inference": [0], "trainer": [1]})
-        proc = start(settings, out / f"sglang-{backend}.log")
-        try:
-            for name, path in adapters.items():
-                httpx.post(f"{settings.engine.url}/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
-                           timeout=120).raise_for_status()
-            print(f"== {backend}: mixed batches", flush=True)
-            res: dict[str, Any] = {"argv": sglang_argv(settings), "mixed": mixed_batches(settings.engine.url, prompts)}
-            print(f"== {backend}: sampling for agreement", flush=True)
-            res["samples"] = sample_logprobs(settings.engine.url, prompts)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=120)
-        results["backends"][backend] = res
+        results["backends"][backend] = serve_and_check(model, adapters, prompts, backend=backend,
+                                                       sglang_python=args.sglang_python, port=args.port, out=out)
         (out / "results.json").write_text(json.dumps(results, indent=1))
     for backend, res in results["backends"].items():
         print(f"== {backend}: trainer recompute", flush=True)

@@ -31,13 +31,15 @@ RUN if [ -s /tmp/host-ca.crt ]; then cp /tmp/host-ca.crt /etc/ssl/certs/ca-certi
 # The virtual environment with every third-party dependency (the slow, cached part): exactly
 # images/locks/cpu-trainer.txt, every file checked against its sha256 (the pins of images/locks/dev.txt,
 # the environment `make test` runs). torch's CPU build comes from images/local/wheels when
-# images/build-base.sh put it there, else from TORCH_INDEX.
+# images/build-base.sh put it there (then no other index is asked), else from TORCH_INDEX.
 FROM os AS deps
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 COPY --from=local /local/wheels/ /wheels/
 COPY images/locks/cpu-trainer.txt /tmp/lock.txt
 RUN python3 -m venv /opt/tandem \
- && pip install -q --require-hashes --find-links /wheels ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} -r /tmp/lock.txt \
+ && if ls /wheels/torch-*.whl >/dev/null 2>&1; then index=""; else index="$TORCH_INDEX"; fi \
+ && echo "torch from: ${index:-$(ls /wheels/torch-*.whl)}" \
+ && pip install -q --require-hashes --find-links /wheels ${index:+--extra-index-url "$index"} -r /tmp/lock.txt \
  && rm /tmp/lock.txt
 
 FROM os

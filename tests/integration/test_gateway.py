@@ -296,6 +296,22 @@ def test_malformed_chat_bodies_are_422(url: str, body: dict) -> None:
     assert resp.json()["error"]["type"] == "invalid_request_error" and resp.json()["error"]["message"]
 
 
+def test_structured_outputs_are_refused_naming_the_field_never_ignored(client: openai.OpenAI) -> None:
+    import pydantic
+
+    class Answer(pydantic.BaseModel):
+        value: int
+
+    for ask in (lambda: client.chat.completions.create(model="base", messages=CHAT, max_tokens=4,
+                                                       response_format={"type": "json_object"}),
+                lambda: client.chat.completions.parse(model="base", messages=CHAT, max_tokens=4, response_format=Answer)):
+        with pytest.raises(openai.UnprocessableEntityError) as info:
+            ask()
+        assert "response_format" in str(info.value) and "not supported" in str(info.value)
+    plain = client.chat.completions.create(model="base", messages=CHAT, max_tokens=4, response_format={"type": "text"})
+    assert plain.choices[0].message.role == "assistant"
+
+
 def test_malformed_completion_bodies_are_422(url: str, client: openai.OpenAI) -> None:
     for body in (
         {"model": "base"},

@@ -178,6 +178,30 @@ async def test_a_replica_that_refuses_a_version_leaves_rotation_and_does_not_hol
     assert b.table.serving("ranked") == 0  # b never serves what it does not hold
 
 
+async def test_a_forged_heartbeat_claiming_an_unregistered_version_takes_no_replica_out_of_rotation(
+    replicas: Callable[..., Awaitable[dict[str, Replica]]], redis_conn: redis.Redis, tmp_path: Path, tiny_model: Path,
+) -> None:
+    register(redis_conn, "rep")
+    reps = await replicas(agree_s=1.0)
+    store = AdapterStore(tmp_path / "store")
+    announce(EventStream(redis_conn), store, publish(store, Registry(redis_conn), tiny_model, "rep", 1, rank=4))
+    await wait_until(lambda: all(r.table.serving("rep") == 1 for r in reps.values()), what="both serve v1")
+    ghost = ReplicaState(id="ghost-2", url="http://ghost-2:8000", ready=True,
+                         runs={"rep": RunHolding(serving=52, loaded=[52])}, started_at=time.time())
+    Replicas(redis_conn).beat(ghost, ttl_s=60)
+    for replica in reps.values():
+        await replica.controller.advance()
+    assert all(r.controller.agreement.in_rotation for r in reps.values()), [r.controller.agreement.behind
+                                                                           for r in reps.values()]
+    assert all(r.controller.metrics.ignored_claims._value.get() == 1 for r in reps.values())
+    # a claim of a registered version this replica does not hold still takes it out, as before
+    manifest = publish(store, Registry(redis_conn), tiny_model, "rep", 2, rank=4)  # registered, never announced
+    Replicas(redis_conn).beat(ghost.model_copy(update={"runs": {"rep": RunHolding(serving=manifest.version,
+                                                                                  loaded=[2])}}), ttl_s=60)
+    await reps["a"].controller.advance()
+    assert "replica ghost-2 serves rep v2" in reps["a"].controller.agreement.behind["rep"]
+
+
 def group() -> TrajectoryGroup:
     return TrajectoryGroup(trajectories=[
         Trajectory(prompt_ids=[1, 2], completion_ids=[3], rollout_logprobs=[-0.5], reward=r) for r in (0.0, 1.0)

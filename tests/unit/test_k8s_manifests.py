@@ -433,3 +433,22 @@ def test_the_dashboard_is_opt_in_and_adds_only_itself() -> None:
             ("NetworkPolicy", "redis-from-rq-dashboard"),
         ]
         assert len(with_components) == len(plain) + len(added)
+
+
+def test_every_container_requests_and_limits_memory(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    """A platform team's admission rules (checkov CKV_K8S_12/13): no container without a memory
+    request and a limit at or above it; init containers too."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+    def parse_quantity(q: str) -> int:
+        return int(q[:-2]) * units[q[-2:]] if q[-2:] in units else int(q)
+
+    missing = []
+    for name, pod in pod_specs(rendered[1]):
+        for container in [*pod.get("initContainers", []), *pod["containers"]]:
+            resources = container.get("resources", {})
+            request = resources.get("requests", {}).get("memory")
+            limit = resources.get("limits", {}).get("memory")
+            if request is None or limit is None or parse_quantity(limit) < parse_quantity(request):
+                missing.append(f"{name}/{container['name']}: request {request}, limit {limit}")
+    assert missing == []

@@ -15,6 +15,12 @@ waiting for it. It comes back once it holds and serves what the others serve. A 
 cannot load a version, or lags, so never holds the run back for longer than `replica.agree_s`.
 
 A replica alone serves each version as soon as it holds it.
+
+Heartbeats are claims, not facts: another replica's `serving` counts only for a version the
+registry has (registered after its files were written and checked). A claim of a version the
+registry does not know -- forged, or from a replica of another deployment -- is ignored, logged
+once and counted (`tandem_replica_claims_ignored`), so one bad heartbeat cannot take every
+replica out of rotation.
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from prometheus_client import Counter
 
 from tandem.adapters import Manifest
 from tandem.replicas import Replicas, ReplicaState
@@ -60,8 +69,13 @@ def holds(state: ReplicaState, run: str, version: int) -> bool:
 class Agreement:
     """This replica's held versions, when each may serve, and whether the replica is left behind."""
 
-    def __init__(self, replicas: Replicas, replica_id: str, table: RoutingTable, agree_s: float) -> None:
+    def __init__(self, replicas: Replicas, replica_id: str, table: RoutingTable, agree_s: float, *,
+                 registered: Callable[[str, int], bool], ignored: Counter | None = None) -> None:
         self.replicas = replicas
+        self.registered = registered
+        """Whether the registry has `version` of `run` (a claim of any other is ignored)."""
+        self.ignored = ignored
+        self._ignored_seen: set[tuple[str, str, int]] = set()
         self.replica_id = replica_id
         self.table = table
         self.agree_s = agree_s
@@ -115,14 +129,15 @@ class Agreement:
         return due
 
     def check_behind(self, others: list[ReplicaState]) -> bool:
-        """Recompute whether this replica is left behind; returns whether that changed."""
+        """Recompute whether this replica is left behind; returns whether that changed. Reads the
+        registry for the versions others claim to serve (call it off the event loop)."""
         behind: dict[str, str] = {}
         for run in self.table.runs():
             mine, loaded = self.table.serving(run), set(self.table.loaded(run))
             for state in others:
                 run_state = state.runs.get(run)
                 theirs = run_state.serving if run_state is not None else 0
-                if theirs > mine and theirs not in loaded:
+                if theirs > mine and theirs not in loaded and self._believed(state.id, run, theirs):
                     behind[run] = f"replica {state.id} serves {run} v{theirs}, which this replica does not hold"
                     break
         changed = behind.keys() != self.behind.keys()
@@ -133,3 +148,15 @@ class Agreement:
                 log.info("back in rotation: serving what the other replicas serve")
         self.behind = behind
         return changed
+
+    def _believed(self, replica: str, run: str, version: int) -> bool:
+        """Whether another replica's claim to serve `version` of `run` names a registered version."""
+        if self.registered(run, version):
+            return True
+        if (replica, run, version) not in self._ignored_seen:
+            self._ignored_seen.add((replica, run, version))
+            log.warning("replica %s claims to serve %s v%d, which the registry does not have: claim ignored",
+                        replica, run, version)
+            if self.ignored is not None:
+                self.ignored.inc()
+        return False

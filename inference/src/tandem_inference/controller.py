@@ -87,7 +87,9 @@ class Controller:
                                     self.metrics)
         self.reconciler = Reconciler(settings, engine, table, registry, self.loader, self.announcer, self.unloader,
                                      self.metrics)
-        self.agreement = Agreement(Replicas(conn), settings.replica.id, table, settings.replica.agree_s)
+        self.agreement = Agreement(Replicas(conn), settings.replica.id, table, settings.replica.agree_s,
+                                   registered=lambda run, v: registry.manifest(run, v) is not None,
+                                   ignored=self.metrics.ignored_claims)
         self.on_change: Callable[[], Awaitable[None]] | None = None
         """Called when what this replica holds, serves or whether it is in rotation changed (the
         service writes its heartbeat at once, so the other replicas see it)."""
@@ -280,7 +282,7 @@ class Controller:
                                     held.ready_to_loaded_ms(), stages)
             self.unloader.retire_old(held.run, self.settings.controller.keep_versions)  # unloaded outside the lock
             await asyncio.to_thread(self.announcer.write_status, held.run)
-        changed = self.agreement.check_behind(others)
+        changed = await asyncio.to_thread(self.agreement.check_behind, others)
         if (due or changed) and self.on_change is not None:
             await self.on_change()
 

@@ -33,6 +33,11 @@ class ControllerMetrics:
             "tandem_controller_malformed_events", "Stream entries skipped because they do not parse.",
             registry=registry,
         )
+        self.ignored_claims = Counter(
+            "tandem_replica_claims_ignored",
+            "Other replicas' heartbeat claims to serve a version the registry does not have (forged or foreign).",
+            registry=registry,
+        )
         self.reconcile_seconds = Histogram(
             "tandem_controller_reconcile_seconds", "Time one reconciliation with the registry and engine took.",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=registry,

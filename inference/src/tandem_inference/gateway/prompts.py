@@ -7,10 +7,19 @@ vocabulary. A prompt that cannot be made is a 422 naming why.
 An episode's later turns are rendered as a delta (`delta_ids`): only the tokens the new messages
 add after an assistant turn, so the ids the model sampled stay as they were instead of being
 re-rendered from their text (which can tokenize differently).
+
+Message content is text, never control: a content holding the text of a special token
+(`<|im_end|>`, `<|im_start|>`, ...) is tokenized with special tokens split into ordinary pieces,
+so a tool result or a user cannot forge turns; special tokens come only from where the template
+puts them. Such contents are rendered as placeholders and tokenized on their own; a request with
+none tokenizes exactly as before. (A raw /v1/completions prompt is the client's own template
+and keeps its special tokens.)
 """
 
 from __future__ import annotations
 
+import re
+import secrets
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -44,10 +53,47 @@ def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+class Guard:
+    """Stands in for the message contents that hold a special token's text while the template renders,
+    and tokenizes them as plain text afterwards."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.specials = [t for t in tokenizer.all_special_tokens + [
+            str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if getattr(t, "special", False)] if t]
+        self.nonce = secrets.token_hex(8)
+        self.held: dict[str, str] = {}
+
+    def messages(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`messages` with each string content that holds a special token's text swapped for a placeholder."""
+        out = []
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, str) and any(s in content for s in self.specials):
+                key = f"<<tandem-{self.nonce}-{len(self.held)}>>"
+                self.held[key] = content
+                message = {**message, "content": key}
+            out.append(message)
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        """Rendered text as ids: the template's own special tokens as such, the held contents as text."""
+        if not self.held:
+            return encode(self.tokenizer, text)
+        ids: list[int] = []
+        for i, piece in enumerate(re.split(f"(<<tandem-{self.nonce}-\\d+>>)", text)):
+            if i % 2 and piece in self.held:
+                ids += self.tokenizer(self.held[piece], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            elif piece:
+                ids += encode(self.tokenizer, piece)
+        return ids
+
+
 def chat_ids(tokenizer: PreTrainedTokenizerBase, body: ChatRequest) -> list[int]:
     """The token ids of the chat template applied to `body`'s messages and tools, ready for the reply."""
-    messages = [m.as_template_input() for m in body.messages]
-    return encode(tokenizer, render(tokenizer, messages, body.template_tools(), generation_prompt=True))
+    guard = Guard(tokenizer)
+    messages = guard.messages([m.as_template_input() for m in body.messages])
+    return guard.encode(render(tokenizer, messages, body.template_tools(), generation_prompt=True))
 
 
 def delta_ids(tokenizer: PreTrainedTokenizerBase, new: Sequence[ChatMessage],
@@ -58,14 +104,16 @@ def delta_ids(tokenizer: PreTrainedTokenizerBase, new: Sequence[ChatMessage],
     them when max_tokens cut the turn, fewer when it ended on the template's end-of-turn
     token), then each new message as the template renders it there, then the generation prompt.
     """
+    guard = Guard(tokenizer)
     before = render(tokenizer, _STAND_IN, tools, generation_prompt=False)
-    after = render(tokenizer, [*_STAND_IN, *(m.as_template_input() for m in new)], tools, generation_prompt=True)
+    after = render(tokenizer, [*_STAND_IN, *guard.messages([m.as_template_input() for m in new])], tools,
+                   generation_prompt=True)
     cut = before.rfind(_STAND_IN[-1]["content"]) + len(_STAND_IN[-1]["content"])
     if not after.startswith(before) or cut < len(_STAND_IN[-1]["content"]):
         raise HTTPException(422, "the chat template renders earlier messages differently once new ones follow, "
                                  "so an episode cannot continue with it; send each turn as a plain request")
     closing = encode(tokenizer, before[cut:])
-    return closing[_overlap(sampled, closing):] + encode(tokenizer, after[len(before):])
+    return closing[_overlap(sampled, closing):] + guard.encode(after[len(before):])
 
 
 def _overlap(sampled: Sequence[int], closing: list[int]) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tandem.episodes import EPISODE_ID as episode_ids
 from tandem_inference.bodies import MAX_TOP_LOGPROBS, Body, ChatLogprobs
@@ -157,6 +157,19 @@ class ChatRequest(ChatLogprobs, SamplingRequest):
     """`none` leaves the tools out of the prompt; any other choice renders them the same."""
     episode: str | None = Field(None, pattern=EPISODE_ID)
     """The multi-turn episode this request continues (or starts): see gateway/episodes.py."""
+    response_format: dict[str, Any] | None = None
+    """Only `{"type": "text"}` (the default): structured outputs are refused, never ignored."""
+
+    @field_validator("response_format")
+    @classmethod
+    def _no_structured_output(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if value is not None and kind != "text":
+            raise ValueError(
+                f"response_format type {kind!r} is not supported: tandem's engines do not constrain decoding "
+                "to a JSON schema yet, and the field would change what the reply means; leave response_format "
+                "out (or {\"type\": \"text\"}) and ask for JSON in the prompt, then parse the reply")
+        return value
 
     @model_validator(mode="after")
     def _named_tool_exists(self) -> ChatRequest:
