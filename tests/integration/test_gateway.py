@@ -312,6 +312,40 @@ def test_structured_outputs_are_refused_naming_the_field_never_ignored(client: o
     assert plain.choices[0].message.role == "assistant"
 
 
+def test_a_body_above_the_limit_is_413_naming_it_declared_or_chunked(url: str) -> None:
+    big = json.dumps({"model": "base", "messages": CHAT, "padding": "x" * (5 * 2**20)}).encode()
+    for reply in (httpx.post(f"{url}/v1/chat/completions", content=big, headers={"content-type": "application/json"}),
+                  httpx.post(f"{url}/v1/chat/completions", headers={"content-type": "application/json"},
+                             content=(big[i:i + 65536] for i in range(0, len(big), 65536)))):
+        assert reply.status_code == 413, reply.text
+        assert "max_body_bytes" in reply.json()["error"]["message"]
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_a_huge_tool_schema_is_refused_before_tokenizing_while_health_stays_fast(url: str) -> None:
+    """3 MB of tool schema: far past the tiny model's context, so a 400 without tokenizing it; the
+    prompt is built off the event loop, so /health answers all the while."""
+    import threading
+
+    properties = {f"field_{i}": {"type": "string", "description": "a" * 200} for i in range(14000)}
+    tool = {"type": "function", "function": {"name": "huge", "parameters": {"type": "object", "properties": properties}}}
+    body = {"model": "base", "messages": CHAT, "tools": [tool], "max_tokens": 4}
+    assert 2.5e6 < len(json.dumps(body)) < 4 * 2**20
+    replies: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: replies.append(httpx.post(f"{url}/v1/chat/completions", json=body,
+                                                                        timeout=120)))
+    worker.start()
+    health = []
+    while worker.is_alive() or not health:
+        start = time.monotonic()
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        health.append(time.monotonic() - start)
+        time.sleep(0.05)
+    worker.join()
+    assert replies[0].status_code == 400 and "context" in replies[0].json()["error"]["message"]
+    assert max(health) < 2.0, health
+
+
 def test_malformed_completion_bodies_are_422(url: str, client: openai.OpenAI) -> None:
     for body in (
         {"model": "base"},

@@ -223,6 +223,9 @@ class GatewaySettings(BaseModel):
     """Port the gateway binds to (the only published port of the stack)."""
     api_key: Secret = None
     """When set, requests need `Authorization: Bearer KEY`."""
+    max_body_bytes: int = Field(4 * 2**20, ge=1024, le=2**30)
+    """Largest request body the gateway reads, in bytes; a larger one is refused with 413 before it
+    is parsed (a 32k-token conversation is about 130 kB of text)."""
     max_in_flight_sequences: int = Field(256, ge=1, le=65536)
     """Most samples (each request's `n`) admitted to the engine at once; more wait in the queue."""
     max_in_flight_tokens: int = Field(8192, ge=1, le=2**31 - 1)

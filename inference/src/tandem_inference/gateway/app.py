@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from tandem.registry import Registry
 from tandem.settings import InferenceSettings
+from tandem_inference.gateway.body_limit import BodyLimit
 from tandem_inference.engine_client import EngineClient
 from tandem_inference.gateway import routes
 from tandem_inference.gateway.error_replies import install_error_handlers
@@ -53,6 +54,7 @@ def create_gateway_app(
     app.state.gateway = Gateway(settings, engine, table, tokenizer, registry, controller, admission, gateway_metrics)
     install_error_handlers(app)
     app.add_middleware(MetricsMiddleware, metrics=gateway_metrics)
+    app.add_middleware(BodyLimit, max_bytes=settings.gateway.max_body_bytes)  # outermost: before any parsing
     for router in (routes.generation, routes.runs, routes.operations):
         app.include_router(router)
     return app

@@ -14,6 +14,10 @@ so a tool result or a user cannot forge turns; special tokens come only from whe
 puts them. Such contents are rendered as placeholders and tokenized on their own; a request with
 none tokenizes exactly as before. (A raw /v1/completions prompt is the client's own template
 and keeps its special tokens.)
+
+A prompt far past the engine's context is refused before it is tokenized (`check_size`): no
+token spans more than `max_token_bytes` bytes, so a text of more bytes than that many times the
+context cannot fit. The gateway builds prompts in a worker thread, never on its event loop.
 """
 
 from __future__ import annotations
@@ -33,6 +37,36 @@ if TYPE_CHECKING:
 _STAND_IN = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
 """A conversation ending in an assistant turn whose content is `A`: the delta of new messages is
 what rendering them after it adds. Its content never reaches a prompt."""
+
+
+_MAX_TOKEN_BYTES: dict[int, int] = {}
+
+
+def max_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most bytes of text one token of the vocabulary stands for (computed once per tokenizer).
+
+    A token's string has at most 4 bytes per character, and a byte-level BPE string exactly one
+    character per byte, so only the tokens whose 4 x length could beat the best so far are decoded.
+    """
+    key = id(tokenizer)
+    if key not in _MAX_TOKEN_BYTES:
+        best = 1
+        for token in sorted(tokenizer.get_vocab(), key=len, reverse=True):
+            if 4 * len(token) <= best:
+                break
+            best = max(best, len(tokenizer.convert_tokens_to_string([token]).encode("utf-8", "replace")))
+        _MAX_TOKEN_BYTES[key] = best
+    return _MAX_TOKEN_BYTES[key]
+
+
+def check_size(tokenizer: PreTrainedTokenizerBase, text: str, limit: int | None) -> None:
+    """A 400 when `text` certainly holds more than `limit` tokens, before tokenizing it."""
+    if limit is None:
+        return
+    floor = len(text.encode("utf-8", "replace")) // max_token_bytes(tokenizer)
+    if floor > limit:
+        raise HTTPException(400, f"the prompt is at least {floor} tokens, above the engine's context of {limit} "
+                                 "tokens; send fewer or shorter messages (or tools)")
 
 
 def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
@@ -89,11 +123,14 @@ class Guard:
         return ids
 
 
-def chat_ids(tokenizer: PreTrainedTokenizerBase, body: ChatRequest) -> list[int]:
-    """The token ids of the chat template applied to `body`'s messages and tools, ready for the reply."""
+def chat_ids(tokenizer: PreTrainedTokenizerBase, body: ChatRequest, limit: int | None = None) -> list[int]:
+    """The token ids of the chat template applied to `body`'s messages and tools, ready for the
+    reply; a 400 without tokenizing when they cannot fit `limit` tokens."""
     guard = Guard(tokenizer)
     messages = guard.messages([m.as_template_input() for m in body.messages])
-    return guard.encode(render(tokenizer, messages, body.template_tools(), generation_prompt=True))
+    text = render(tokenizer, messages, body.template_tools(), generation_prompt=True)
+    check_size(tokenizer, text, limit)
+    return guard.encode(text)
 
 
 def delta_ids(tokenizer: PreTrainedTokenizerBase, new: Sequence[ChatMessage],
@@ -124,9 +161,11 @@ def _overlap(sampled: Sequence[int], closing: list[int]) -> int:
     return 0
 
 
-def completion_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, body: CompletionRequest) -> list[int]:
+def completion_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, body: CompletionRequest,
+                   limit: int | None = None) -> list[int]:
     """The prompt's token ids: its text tokenized, or its ids if all are below `vocab_size`."""
     if isinstance(body.prompt, str):
+        check_size(tokenizer, body.prompt, limit)
         return list(tokenizer(body.prompt)["input_ids"])
     bad = [t for t in body.prompt if not 0 <= t < vocab_size]
     if bad:

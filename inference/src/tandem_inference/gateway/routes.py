@@ -51,7 +51,7 @@ async def chat_completions(body: ChatRequest, request: Request, gw: GatewayDep) 
     if body.episode is not None:
         turn = await gw.episode_turn(body, params["max_new_tokens"])
         return await gw.serve(request, "chat", body, turn.input_ids, params, body.logprobs, episode=turn)
-    return await gw.serve(request, "chat", body, gw.chat_ids(body), params, body.logprobs)
+    return await gw.serve(request, "chat", body, await gw.chat_ids(body), params, body.logprobs)
 
 
 EpisodeId = Annotated[str, PathParam(pattern=EPISODE_ID)]
@@ -77,7 +77,7 @@ async def delete_episode(episode_id: EpisodeId, gw: GatewayDep) -> Response:
 @generation.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, gw: GatewayDep) -> Response:
     params = gw.sampling(body, body.max_tokens)
-    prompt = gw.completion_ids(body)
+    prompt = await gw.completion_ids(body)
     return await gw.serve(request, "text", body, prompt, params, body.logprobs is not None)
 
 

@@ -116,11 +116,24 @@ class Gateway:
             return None
 
     # prompts ----------------------------------------------------------------
-    def chat_ids(self, body: ChatRequest) -> list[int]:
-        return prompts.chat_ids(self.tokenizer, body)
+    async def chat_ids(self, body: ChatRequest) -> list[int]:
+        """The prompt's ids, built in a worker thread (a large one must not stall /health)."""
+        limit = await self.context_limit()
+        return await asyncio.to_thread(prompts.chat_ids, self.tokenizer, body, limit)
 
-    def completion_ids(self, body: CompletionRequest) -> list[int]:
-        return prompts.completion_ids(self.tokenizer, self.vocab_size, body)
+    async def completion_ids(self, body: CompletionRequest) -> list[int]:
+        limit = await self.context_limit()
+        return await asyncio.to_thread(prompts.completion_ids, self.tokenizer, self.vocab_size, body, limit)
+
+    async def context_limit(self) -> int | None:
+        """The engine's context length (asked once; None while the engine has not said)."""
+        if self._engine_context is None:
+            try:
+                context = (await self.engine.server_info()).get("context_length")
+            except EngineClientError:
+                return None  # asked again next time
+            self._engine_context = context if type(context) is int and context > 0 else episodes.DEFAULT_MAX_TOKENS
+        return self._engine_context
 
     def sampling(self, body: SamplingRequest, max_tokens: int | None) -> dict[str, Any]:
         """The engine's sampling parameters for `body`; a max_tokens above the limit is a 422."""
@@ -145,7 +158,8 @@ class Gateway:
         """The turn `body` asks of its episode; refused (EpisodeRefused) before anything is generated."""
         assert body.episode is not None
         stored = await asyncio.to_thread(self.episodes.get, body.episode)
-        turn = episodes.plan(self.tokenizer, body, stored, ttl_s=self.settings.gateway.episode_ttl_s)
+        turn = await asyncio.to_thread(episodes.plan, self.tokenizer, body, stored,
+                                       ttl_s=self.settings.gateway.episode_ttl_s)
         episodes.check_length(turn, max_new_tokens, await self.episode_limit())
         return turn
 
@@ -153,13 +167,7 @@ class Gateway:
         """gateway.episode_max_tokens, else the engine's context length, else episodes.DEFAULT_MAX_TOKENS."""
         if self.settings.gateway.episode_max_tokens is not None:
             return self.settings.gateway.episode_max_tokens
-        if self._engine_context is None:
-            try:
-                context = (await self.engine.server_info()).get("context_length")
-            except EngineClientError:
-                return episodes.DEFAULT_MAX_TOKENS  # asked again next time
-            self._engine_context = context if type(context) is int and context > 0 else episodes.DEFAULT_MAX_TOKENS
-        return self._engine_context
+        return await self.context_limit() or episodes.DEFAULT_MAX_TOKENS
 
     # responses --------------------------------------------------------------
     async def serve(self, request: Request, kind: Kind, body: SamplingRequest, input_ids: list[int],
