@@ -14,9 +14,9 @@ from prometheus_client import CollectorRegistry
 
 from tandem.registry import Registry
 from tandem.settings import InferenceSettings
-from tandem_inference.gateway.body_limit import BodyLimit
 from tandem_inference.engine_client import EngineClient
 from tandem_inference.gateway import routes
+from tandem_inference.gateway.body_limit import BodyLimit
 from tandem_inference.gateway.error_replies import install_error_handlers
 from tandem_inference.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from tandem_inference.gateway.service import Gateway
