@@ -506,6 +506,43 @@ async def test_a_registered_version_never_announced_is_loaded_by_the_periodic_re
     assert controller.table.loaded(run) == [1, 2] and controller.status()["retiring"] == []
 
 
+async def test_a_version_the_store_showed_late_is_loaded_once_it_appears_and_a_bad_one_never(
+    run: str,
+    start,
+    settings: InferenceSettings,
+    redis_conn: redis.Redis,
+    store: AdapterStore,
+    engine: EngineClient,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    """A shared store (NFS) may show a new version late: "no directory" is transient and retried
+    with backoff; a checksum failure is final until the version is registered anew."""
+    import shutil
+
+    controller, registry, events = await serving_v1(start, redis_conn, store, tiny_model, run)
+    settings.controller.reconcile_s = 0.2
+    manifest = publish(store, registry, tiny_model, run, 2)
+    hidden = tmp_path / "not-yet-visible"
+    shutil.move(store.version_dir(run, 2), hidden)
+    announce(events, store, manifest)
+    await wait_until(lambda: len(events_of(events, EventKind.ADAPTER_REJECTED, run)) >= 1, what="refused once")
+    assert "no directory" in events_of(events, EventKind.ADAPTER_REJECTED, run)[0].data["message"]
+    assert (run, 2) in controller.loader.retries and (run, 2) not in controller.loader.rejected
+    shutil.move(hidden, store.version_dir(run, 2))  # the store catches up
+    await wait_until(lambda: controller.table.serving(run) == 2, timeout_s=15, what="v2 serving once visible")
+    assert (run, 2) not in controller.loader.retries
+
+    corrupt = publish(store, registry, tiny_model, run, 3)
+    weights = store.adapter_dir(run, 3) / "adapter_model.safetensors"
+    weights.write_bytes(b"\0" + weights.read_bytes()[1:])
+    announce(events, store, corrupt)
+    await wait_until(lambda: (run, 3) in controller.loader.rejected, what="v3 refused for good")
+    refusals = len(events_of(events, EventKind.ADAPTER_REJECTED, run))
+    await asyncio.sleep(1.5)  # several periodic reconciles: none tries v3 again
+    assert len(events_of(events, EventKind.ADAPTER_REJECTED, run)) == refusals and controller.table.serving(run) == 2
+
+
 def symlink_out(store: AdapterStore, run: str, version: int, what: str, outside: Path) -> None:
     """Replace the version directory or its weights file by a symlink to a copy outside the store."""
     import shutil

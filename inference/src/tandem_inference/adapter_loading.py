@@ -25,7 +25,7 @@ from enum import Enum
 from pathlib import Path
 
 from tandem.adapters import ADAPTER_DIR, AdapterStore, Manifest
-from tandem.errors import AdapterRejected
+from tandem.errors import AdapterNotVisible, AdapterRejected
 from tandem.registry import Registry
 from tandem.runs import adapter_name
 from tandem.settings import InferenceSettings
@@ -67,6 +67,23 @@ class Pending:
     retry_after: float
 
 
+@dataclass
+class Retry:
+    """A version refused because the store did not show it (yet): when to try it again."""
+
+    attempts: int
+    not_before: float
+
+    @staticmethod
+    def after(previous: Retry | None) -> Retry:
+        attempts = previous.attempts + 1 if previous is not None else 1
+        return Retry(attempts, time.monotonic() + min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (attempts - 1)))
+
+
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 60.0
+
+
 class AdapterLoader:
     """Loads versions into the engine and routes to them; remembers refused and pending loads."""
 
@@ -85,6 +102,9 @@ class AdapterLoader:
         self.rejected: dict[tuple[str, int], float] = {}
         """(run, version) -> `created_at` of the registered manifest that was refused; the
         periodic reconcile does not try it again until the version is registered anew."""
+        self.retries: dict[tuple[str, int], Retry] = {}
+        """(run, version) -> when to try again a version the store did not show (AdapterNotVisible:
+        a shared store may lag); backoff 1 s doubling to 60 s, never given up."""
         self._max_rank: int | None = None
 
     async def load(
@@ -103,7 +123,7 @@ class AdapterLoader:
             max_rank = await self._max_lora_rank()
             adapter_dir = await asyncio.to_thread(self._check, run, version, path, max_rank)
         except AdapterRejected as exc:
-            await self.reject(run, version, str(exc), job_id)
+            await self.reject(run, version, str(exc), job_id, transient=isinstance(exc, AdapterNotVisible))
             return Outcome.REFUSED
         attempt = await asyncio.to_thread(self.announcer.next_attempt, run, version)
         name = adapter_name(run, version, attempt)
@@ -141,6 +161,7 @@ class AdapterLoader:
         t_both = time.monotonic()
         self.table.add_version(run, version, name, serve=hold is None)
         self.rejected.pop((run, version), None)
+        self.retries.pop((run, version), None)
         self.metrics.loads.labels(run).inc()
         self.metrics.load_seconds.observe(load_ms / 1000.0)
         ready_to_loaded_ms = (time.time() - ready_ts) * 1000.0 if ready_ts is not None else None
@@ -182,18 +203,29 @@ class AdapterLoader:
             await asyncio.to_thread(self.announcer.loaded, manifest, name, 0.0, None)
 
     async def reject(
-        self, run: str, version: int | None, message: str, job_id: str | None, *, registered: bool = True
+        self, run: str, version: int | None, message: str, job_id: str | None, *, registered: bool = True,
+        transient: bool = False,
     ) -> None:
         """Append `adapter_rejected`; a registered version refused is not tried again by the
-        periodic reconcile until it is registered anew (an event still retries it)."""
+        periodic reconcile until it is registered anew (an event still retries it) -- unless the
+        refusal is `transient` (the store did not show the version): then it is tried again with
+        backoff (`retries`)."""
         self.metrics.rejections.labels(run if registered else "").inc()
-        log.warning("adapter_rejected run=%s version=%s: %s (v%d keeps serving)",
-                    run, version, message, self.table.serving(run))
-        if registered and version is not None and version >= 1:
+        log.warning("adapter_rejected run=%s version=%s: %s (v%d keeps serving)%s",
+                    run, version, message, self.table.serving(run),
+                    "; the store may lag, so it is tried again" if transient else "")
+        if transient and version is not None:
+            self.retries[(run, version)] = Retry.after(self.retries.get((run, version)))
+        elif registered and version is not None and version >= 1:
             manifest = await asyncio.to_thread(self.registry.manifest, run, version)
             if manifest is not None:
                 self.rejected[(run, version)] = manifest.created_at
         await asyncio.to_thread(self.announcer.rejected, run, version, message, job_id)
+
+    def retry_due(self, run: str, version: int) -> bool:
+        """Whether a transiently refused version may be tried now (True for any other)."""
+        retry = self.retries.get((run, version))
+        return retry is None or time.monotonic() >= retry.not_before
 
     # pending loads ----------------------------------------------------------
     def pending_for(self, run: str, version: int) -> bool:

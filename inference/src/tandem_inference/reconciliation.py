@@ -110,7 +110,8 @@ class Reconciler:
         """Load the run's newest registered version if it does not serve.
 
         A version refused before (same manifest) or whose timed-out load may still complete
-        is not tried again; refused ones fall back to the next older one.
+        is not tried again; refused ones fall back to the next older one. A version the store
+        did not show (it may lag) is tried again once its backoff has passed.
         """
         serving = self.table.serving(run)
         if await asyncio.to_thread(self.registry.latest_version, run) <= serving:
@@ -123,6 +124,8 @@ class Reconciler:
                 break  # held: it serves once the replicas agree (tandem_inference.agreement)
             if self.loader.rejected.get((run, manifest.version)) == manifest.created_at:
                 continue
+            if not self.loader.retry_due(run, manifest.version):
+                break  # not shown by the store a moment ago: tried again after its backoff
             outcome = await self.loader.load(run, manifest.version, ready_ts=manifest.created_at,
                                              job_id=manifest.job_id, hold=hold)
             if outcome is not Outcome.REFUSED:

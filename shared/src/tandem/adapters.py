@@ -44,7 +44,7 @@ from typing import Any, Literal
 import xxhash
 from pydantic import BaseModel, Field
 
-from tandem.errors import AdapterRejected, VersionExists
+from tandem.errors import AdapterNotVisible, AdapterRejected, VersionExists
 from tandem.runs import adapter_name, check_run_name
 
 MANIFEST = "manifest.json"
@@ -208,7 +208,7 @@ class AdapterStore:
         try:
             return Manifest.model_validate_json(path.read_text())
         except FileNotFoundError as exc:
-            raise AdapterRejected(f"{run} v{version}: no manifest at {path}") from exc
+            raise AdapterNotVisible(f"{run} v{version}: no manifest at {path}") from exc
         except ValueError as exc:
             raise AdapterRejected(f"{run} v{version}: unreadable manifest at {path}: {exc}") from exc
 
@@ -313,7 +313,7 @@ class AdapterStore:
                 )
         self.confined(vdir, f"{run} v{version}: version directory")
         if not vdir.is_dir():
-            raise AdapterRejected(f"{run} v{version}: no directory {vdir}")
+            raise AdapterNotVisible(f"{run} v{version}: no directory {vdir}")
         manifest = self.read_manifest(run, version)
         if manifest.run != run or manifest.version != version:
             raise AdapterRejected(
@@ -328,7 +328,7 @@ class AdapterStore:
                 continue
             file = self.confined(vdir / rel, f"{run} v{version}: file {rel}")
             if not file.is_file():
-                raise AdapterRejected(f"{run} v{version}: file {rel} is missing")
+                raise AdapterNotVisible(f"{run} v{version}: file {rel} is missing")
         self.confined(adapter, f"{run} v{version}: adapter directory")
         for dirpath, dirnames, filenames in os.walk(adapter):
             for name in [*dirnames, *filenames]:
@@ -342,7 +342,7 @@ class AdapterStore:
                     )
         config = adapter / "adapter_config.json"
         if f"{ADAPTER_DIR}/adapter_config.json" not in manifest.files or not config.is_file():
-            raise AdapterRejected(f"{run} v{version}: adapter/adapter_config.json is missing")
+            raise AdapterNotVisible(f"{run} v{version}: adapter/adapter_config.json is missing")
         return manifest
 
     def verify(self, run: str, version: int, *, only: str | None = None) -> Manifest:

@@ -8,6 +8,7 @@
     ├── RunExists              create_run on a name that is taken, with another spec
     ├── AdapterError
     │   ├── AdapterRejected    a version on disk that fails verification (checksum, path, rank)
+    │   │   └── AdapterNotVisible  its directory or files are not there (yet): retried, never final
     │   └── VersionExists      a version that was already published (versions are immutable)
     ├── TrainFailed            a train job that ended with `train_failed`
     ├── TrainTimeout           a train job that did not serve in time
@@ -65,6 +66,12 @@ class AdapterError(TandemError):
 
 class AdapterRejected(AdapterError):
     """A version on disk failed verification; the previous version keeps serving."""
+
+
+class AdapterNotVisible(AdapterRejected):
+    """A version's directory, manifest or files are not in the store (yet). A store shared over
+    NFS or a cloud filestore may show a new version late, so this refusal is transient: the
+    controller tries the version again with backoff, unlike a checksum or confinement failure."""
 
 
 class VersionExists(AdapterError):
