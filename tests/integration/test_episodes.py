@@ -19,6 +19,7 @@ import openai
 import pytest
 import redis
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 from helpers.loopback import serve_app
 from helpers.servers import BASE, gateway, inference_settings
 from helpers.waiting import wait_until
@@ -236,12 +237,24 @@ def scripted_engine(tokenizer: Any, replies: list[str]) -> Iterator[tuple[str, l
     app, seen = FastAPI(), []
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
-    @app.post("/generate")
-    async def generate(request: Request) -> dict[str, Any]:
+    @app.post("/generate", response_model=None)
+    async def generate(request: Request) -> dict[str, Any] | StreamingResponse:
         body = await request.json()
         seen.append(body["input_ids"])
         text = replies[len(seen) - 1]
         ids = [*encode(tokenizer, text), end]
+        if body.get("stream"):  # SGLang's cumulative chunks, a token at a time
+            def chunks() -> Iterator[str]:
+                for k in range(1, len(ids) + 1):
+                    meta: dict[str, Any] = {"completion_tokens": k,
+                                            "output_token_logprobs": [[-0.25, i, None] for i in ids[:k]]}
+                    if k == len(ids):
+                        meta["finish_reason"] = {"type": "stop", "matched": end}
+                    piece = tokenizer.decode(ids[:k], skip_special_tokens=True)
+                    yield "data: " + json.dumps({"text": piece, "output_ids": ids[:k], "meta_info": meta}) + "\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(chunks(), media_type="text/event-stream")
         return {"text": text, "output_ids": ids,
                 "meta_info": {"finish_reason": {"type": "stop", "matched": end}, "completion_tokens": len(ids),
                               "output_token_logprobs": [[-0.25, i, None] for i in ids]}}
@@ -283,6 +296,43 @@ def test_tool_calls_come_back_in_openais_shape_and_the_episode_goes_on_after_the
     assert seen[1] == seen[0] + sampled + delta  # the call's ids as sampled, not re-rendered from tool_calls
     episode = (second.model_extra or {})["tandem"]["episode"]
     assert episode["prompt_ids"] + episode["completion_ids"] == seen[1] + [*encode(tokenizer, replies[1]), end]
+
+
+def test_streamed_tool_calls_come_in_openais_delta_shape(
+        redis_url: str, tmp_path: Path, tiny_model: Path, tokenizer: Any, redis_conn: redis.Redis) -> None:
+    """Agent frameworks stream: the openai package's raw stream and its stream() helper both see
+    the call as `tool_calls` (arguments in pieces) with finish_reason tool_calls, the text before
+    it as content, and no `<tool_call>` text."""
+    two = CALL + "\n" + CALL.replace('"a": 2, "b": 3', '"a": 4, "b": 1')
+    replies = ["Let me add.\n" + CALL, "Let me add.\n" + CALL, two, "No tools needed: 5 < 6."]
+    with scripted_engine(tokenizer, replies) as (engine, _), \
+            served(engine, redis_url, tmp_path, tiny_model, tokenizer) as url, \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        chunks = list(client.chat.completions.create(model=BASE, messages=START, tools=[ADD],  # type: ignore[list-item]
+                                                     stream=True))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        pieces = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert content == "Let me add.\n" and "<tool_call>" not in content and finish == ["tool_calls"]
+        assert pieces[0].id and pieces[0].function.name == "add" and len(pieces) > 2  # arguments in pieces
+        assert json.loads("".join(p.function.arguments or "" for p in pieces)) == {"a": 2, "b": 3}
+
+        with client.chat.completions.stream(model=BASE, messages=START, tools=[ADD]) as stream:  # type: ignore[list-item]
+            final = stream.get_final_completion()
+        [call] = final.choices[0].message.tool_calls or []
+        assert final.choices[0].finish_reason == "tool_calls" and call.function.name == "add"
+        assert json.loads(call.function.arguments) == {"a": 2, "b": 3}
+
+        chunks = list(client.chat.completions.create(model=BASE, messages=START, tools=[ADD], stream=True))  # type: ignore[list-item]
+        by_index: dict[int, str] = {}
+        for c in chunks:
+            for t in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+                by_index[t.index] = by_index.get(t.index, "") + (t.function.arguments or "")
+        assert [json.loads(by_index[i]) for i in sorted(by_index)] == [{"a": 2, "b": 3}, {"a": 4, "b": 1}]
+
+        plain = list(client.chat.completions.create(model=BASE, messages=START, tools=[ADD], stream=True))  # type: ignore[list-item]
+        assert "".join(c.choices[0].delta.content or "" for c in plain if c.choices) == replies[3]
+        assert [c.choices[0].finish_reason for c in plain if c.choices and c.choices[0].finish_reason] == ["stop"]
 
 
 @pytest.mark.parametrize("text", [

@@ -203,8 +203,10 @@ class Gateway:
                    "x-tandem-replica": self.settings.replica.id}
         fan_out = bool(self.settings.gateway.fan_out_n)  # unset only before InferenceSettings resolves it
         if body.stream:
+            tools = body.tool_names() if isinstance(body, ChatRequest) and body.template_tools() else []
             return await stream_reply(self.engine, gen, self.format, fan_out=fan_out, headers=headers,
-                                      on_client_left=lambda: self.metrics.cancelled.labels(path_of(kind)).inc())
+                                      on_client_left=lambda: self.metrics.cancelled.labels(path_of(kind)).inc(),
+                                      tools=tools)
         try:
             results = await generation.generate(self.engine, gen, fan_out=fan_out)
         finally:

@@ -2,14 +2,16 @@
 
 The first event is awaited before the response starts, so an engine error before the first
 token keeps its HTTP status; an error after it is sent as an error event, then `[DONE]`. The
-request's version and room are held until the stream ends, however it ends.
+request's version and room are held until the stream ends, however it ends. A chat with tools
+streams its calls as OpenAI does (`tool_calls` deltas, `finish_reason: tool_calls`; see
+`tool_calls.StreamedCalls`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection
 from typing import Any
 
 import anyio
@@ -23,16 +25,19 @@ from tandem_inference.gateway import generation
 from tandem_inference.gateway.generation import Generation
 from tandem_inference.gateway.outputs import Output, usage
 from tandem_inference.gateway.responses import ResponseFormat
+from tandem_inference.gateway.schemas import Kind
+from tandem_inference.gateway.tool_calls import StreamedCalls
 
 log = logging.getLogger(__name__)
 
 
 async def stream_reply(
     engine: EngineClient, gen: Generation, fmt: ResponseFormat, *, fan_out: bool, headers: dict[str, str],
-    on_client_left: Callable[[], None],
+    on_client_left: Callable[[], None], tools: Collection[str] = (),
 ) -> EventStream:
-    """The streamed reply of `gen`; engine errors before the first token are raised here."""
-    events = _events(engine, gen, fmt, fan_out=fan_out)
+    """The streamed reply of `gen` (a chat's calls of `tools` as `tool_calls` deltas); engine
+    errors before the first token are raised here."""
+    events = _events(engine, gen, fmt, fan_out=fan_out, tools=tools)
     try:
         first = await events.__anext__()  # engine errors before the first token keep their status
     except BaseException:
@@ -42,8 +47,10 @@ async def stream_reply(
     return EventStream(first, events, headers={**headers, "cache-control": "no-cache"}, on_client_left=on_client_left)
 
 
-async def _events(engine: EngineClient, gen: Generation, fmt: ResponseFormat, *, fan_out: bool) -> AsyncGenerator[str, None]:
+async def _events(engine: EngineClient, gen: Generation, fmt: ResponseFormat, *, fan_out: bool,
+                  tools: Collection[str]) -> AsyncGenerator[str, None]:
     kind, n, route = gen.kind, gen.n, gen.route
+    calls = [StreamedCalls(tools if kind == "chat" else ()) for _ in range(n)]
     envelope = fmt.envelope(kind, route, stream=True)
     tag = {"run": route.run, "version": route.version}
     outputs = [Output(stops=gen.params.get("stop") or ()) for _ in range(n)]
@@ -63,13 +70,17 @@ async def _events(engine: EngineClient, gen: Generation, fmt: ResponseFormat, *,
                 yield chunk(fmt.role(n))
             started = True
             if delta or start < len(out.token_ids):
-                yield chunk([fmt.delta(kind, i, out, delta, start, gen.logprobs)])
+                content = calls[i].feed(delta, start)
+                if content or calls[i].held_from_token is None:  # a fully held piece waits for the end
+                    yield chunk([fmt.delta(kind, i, out, content, start, gen.logprobs)])
             if out.finish_reason and not finished[i]:
                 finished[i] = True
-                yield chunk([fmt.finish(kind, i, out.finish_reason)])
+                for event in _finished(fmt, kind, i, out, calls[i], out.finish_reason, gen.logprobs):
+                    yield chunk([event])
         for i, done in enumerate(finished):
             if not done:
-                yield chunk([fmt.finish(kind, i, "stop")])
+                for event in _finished(fmt, kind, i, outputs[i], calls[i], "stop", gen.logprobs):
+                    yield chunk([event])
         extension = fmt.extension(route, gen.input_ids, outputs, gen.policy_temperature)
         yield chunk([], usage=usage(gen.input_ids, outputs), tandem=extension)
     except TandemError as exc:
@@ -83,6 +94,21 @@ async def _events(engine: EngineClient, gen: Generation, fmt: ResponseFormat, *,
         gen.release()
         await merged.aclose()
     yield "data: [DONE]\n\n"
+
+
+def _finished(fmt: ResponseFormat, kind: Kind, i: int, out: Output, calls: StreamedCalls, reason: str,
+              logprobs: bool) -> list[dict[str, Any]]:
+    """The last events of choice `i`: its held text let out, or its tool calls, then its finish."""
+    held_from = calls.held_from_token
+    content, tool_deltas = calls.finish()
+    events = []
+    if content:
+        events.append(fmt.delta(kind, i, out, content, held_from if held_from is not None else len(out.token_ids),
+                                logprobs and not tool_deltas))
+    for tool_delta in tool_deltas:
+        events.append({"index": i, "delta": {"tool_calls": [tool_delta]}, "logprobs": None, "finish_reason": None})
+    events.append(fmt.finish(kind, i, "tool_calls" if tool_deltas else reason))
+    return events
 
 
 class EventStream(StreamingResponse):

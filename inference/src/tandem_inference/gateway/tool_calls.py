@@ -72,3 +72,58 @@ def _call(block: str, tools: Collection[str]) -> dict[str, Any] | None:
         return None
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+class StreamedCalls:
+    """One streamed choice's text, with anything that may be a tool call held back.
+
+    Text before the first `<tool_call>` streams as content as it comes (a tail that could begin
+    the tag waits for the next piece); from the tag on, the text is held. When the choice ends,
+    the held text is parsed as the unstreamed reply would be: calls of known tools come out in
+    OpenAI's delta shape (per call a first delta with its index, id, type and name, then its
+    arguments in pieces) and the choice finishes with `tool_calls`; anything else is let out as
+    the content it is.
+    """
+
+    ARGUMENT_PIECE_CHARS = 8
+
+    def __init__(self, tools: Collection[str]) -> None:
+        self.tools = tools
+        self.held = ""
+        self.held_from_token: int | None = None
+        """The first token whose text is held (its logprobs go out with the text, if it is let out)."""
+
+    def feed(self, text: str, start_token: int) -> str:
+        """The part of `text` that is content for sure; the rest is held."""
+        if not self.tools:
+            return text
+        if self.held_from_token is None:
+            self.held_from_token = start_token
+        self.held += text
+        if OPEN in self.held:
+            cut = self.held.index(OPEN)
+        else:
+            cut = len(self.held)
+            for k in range(min(len(OPEN) - 1, len(self.held)), 0, -1):  # a tail that may begin the tag
+                if OPEN.startswith(self.held[-k:]):
+                    cut = len(self.held) - k
+                    break
+        out, self.held = self.held[:cut], self.held[cut:]
+        if not self.held:
+            self.held_from_token = None
+        return out
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """(content to let out, tool-call deltas) once the choice has ended."""
+        held, self.held = self.held, ""
+        parsed = parse(held, self.tools) if held else Parsed(None)
+        if not parsed.tool_calls:
+            return held, []
+        deltas: list[dict[str, Any]] = []
+        for index, call in enumerate(parsed.tool_calls):
+            deltas.append({"index": index, "id": call["id"], "type": "function",
+                           "function": {"name": call["function"]["name"], "arguments": ""}})
+            arguments = call["function"]["arguments"]
+            for at in range(0, len(arguments), self.ARGUMENT_PIECE_CHARS):
+                deltas.append({"index": index, "function": {"arguments": arguments[at:at + self.ARGUMENT_PIECE_CHARS]}})
+        return parsed.content or "", deltas
