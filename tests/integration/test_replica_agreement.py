@@ -234,6 +234,34 @@ def test_train_returns_once_every_ready_replica_serves_its_version(redis_conn: r
     assert handle.result(timeout_s=10).version == 1
 
 
+def test_a_ready_replica_that_says_nothing_of_the_version_holds_train_back_only_briefly(
+        redis_conn: redis.Redis) -> None:
+    """A forged "ready" heartbeat (or a replica stuck before loading) is waited for `silent_replica_s`
+    after the first replica serves, not until train()'s timeout; one that holds the version is
+    waited for as before."""
+    from tandem.settings import ClientSettings
+
+    register(redis_conn, "waits")
+    settings = ClientSettings(gateway_url="http://127.0.0.1:9", silent_replica_s=1.0)
+    run = Client(conn=redis_conn, settings=settings).run("waits")
+    events = EventStream(redis_conn)
+    for replica in ("r1", "ghost", "slow"):
+        beat(redis_conn, replica)
+    handle = run.train([group()], wait=False)
+    events.append(Event(kind=EventKind.ADAPTER_READY, run="waits", version=1, job_id=handle.job_id,
+                        data={"step": 1, "parent": 0}))
+    events.append(Event(kind=EventKind.ADAPTER_HELD, run="waits", version=1, data={"replica": "slow"}))
+    events.append(Event(kind=EventKind.ADAPTER_LOADED, run="waits", version=1, job_id=handle.job_id,
+                        data={"replica": "r1"}))
+    with pytest.raises(TrainTimeout):
+        handle.result(timeout_s=2.5)  # the ghost is let go after 1 s, "slow" holds v1: still waited for
+    events.append(Event(kind=EventKind.ADAPTER_LOADED, run="waits", version=1, job_id=handle.job_id,
+                        data={"replica": "slow"}))
+    started = time.monotonic()
+    assert handle.result(timeout_s=30).version == 1
+    assert time.monotonic() - started < 5  # never the ghost's doing
+
+
 def test_train_fails_only_when_every_ready_replica_refused_its_version(redis_conn: redis.Redis) -> None:
     register(redis_conn, "waits")
     run = Client("http://127.0.0.1:9", conn=redis_conn).run("waits")

@@ -50,6 +50,10 @@ class TrainHandle:
     """Replica -> when it announced that it serves the version (or a newer one)."""
     _refused: dict[str, str] = field(default_factory=dict)
     """Replica -> why it refused the version."""
+    _held: set[str] = field(default_factory=set)
+    """Replicas that said they hold the version (`adapter_held`): they take part."""
+    _first_served: float | None = None
+    """Monotonic time the first replica was seen serving the version."""
 
     def done(self) -> bool:
         return self._result is not None
@@ -105,6 +109,8 @@ class TrainHandle:
         if event.kind is EventKind.ADAPTER_READY and event.job_id == self.job_id:
             self._version = event.version
             self._ready = event
+        if event.kind is EventKind.ADAPTER_HELD and self._version is not None and event.version == self._version:
+            self._held.add(str(event.data.get("replica") or ""))
         if event.kind is EventKind.ADAPTER_REJECTED and self._version is not None and event.version == self._version:
             self._refused[str(event.data.get("replica") or "")] = str(event.data.get("message"))
         if (
@@ -118,12 +124,26 @@ class TrainHandle:
 
     def _settled(self, deadline: float) -> bool:
         """True once every ready replica serves the version (those that refused it aside), with
-        the result set; TrainFailed once every ready replica refused it and none serves it."""
+        the result set; TrainFailed once every ready replica refused it and none serves it.
+
+        A ready replica that has said nothing of the version (no `adapter_held`, `adapter_loaded`
+        or `adapter_rejected`) is waited for only `silent_replica_s` after the first one serves it:
+        a heartbeat alone (a forged one, a replica stuck before loading) cannot hold train() to
+        its timeout."""
         if not self._served and not self._refused:
             return False
         replicas = call_until(deadline, Replicas(self.run.client.conn).live,
                               what=f"reading the inference replicas for job {self.job_id}")
         needed = {r.id for r in replicas if r.ready}
+        if self._served:
+            self._first_served = self._first_served or time.monotonic()
+            if time.monotonic() - self._first_served > self.run.client.settings.silent_replica_s:
+                silent = needed - self._held - self._served.keys() - self._refused.keys()
+                if silent:
+                    log.warning("job %s: not waiting for replicas %s, which said nothing of v%s in %.0f s "
+                                "(silent_replica_s)", self.job_id, sorted(silent), self._version,
+                                self.run.client.settings.silent_replica_s)
+                needed -= silent
         if self._served and needed <= self._served.keys() | self._refused.keys():
             self._result = self._fetch_result(served_at=max(self._served.values()))
             return True

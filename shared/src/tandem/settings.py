@@ -449,6 +449,10 @@ class ClientSettings(_ServiceSettings):
     """Timeout of one rollout request, in seconds."""
     train_timeout_s: float = Field(1800.0, gt=0)
     """How long a synchronous `train()` waits for the new version to serve, in seconds."""
+    silent_replica_s: float = Field(15.0, gt=0, le=3600)
+    """Once a replica serves the new version, how long `train()` still waits for a ready replica
+    that said nothing of it (neither held, served nor refused it), in seconds; then it is not
+    waited for (a replica that agrees leaves it behind after `replica.agree_s`, 10 s)."""
 
 
 SERVICES: dict[str, type[_ServiceSettings]] = {
