@@ -22,6 +22,7 @@ from benchlib import Ctx, goal, md_table, new_version, plt
 
 from tandem.adapters import AdapterStore
 from tandem.logprobs import OUTLIER, Mismatch
+from tandem.trajectories import Sample
 
 PROMPTS = ["Count from 3 to 9.", "Write some numbers.", "What is 12 plus 30?", "Name three colours."]
 SETTINGS = [(t, p) for t in (0.3, 0.7, 1.0) for p in (1.0, 0.9)]
@@ -51,6 +52,12 @@ def trainer_logprobs(ctx: Ctx, spec_json: str, version: int, version_dir: Path, 
     return trainer
 
 
+def sample(completion: Any) -> dict[str, Any]:
+    """A completion as the trainer's samples have it (no text, no finish reason)."""
+    fields: dict[str, Any] = completion.model_dump(include=set(Sample.model_fields))
+    return fields
+
+
 def run(ctx: Ctx) -> dict[str, Any]:
     assert ctx.stack is not None and ctx.client is not None
     n, max_tokens = (4, 16) if ctx.quick else (8, 48)
@@ -67,9 +74,9 @@ def run(ctx: Ctx) -> dict[str, Any]:
         sampled[temperature, top_p] = comps
     flat = [c for comps in sampled.values() for c in comps]
     ctx.progress(f"v{version}: {len(flat)} completions sampled; the trainer recomputes them")
-    trainer = trainer_logprobs(ctx, spec_json, version, version_dir, [c.model_dump() for c in flat])
+    trainer = trainer_logprobs(ctx, spec_json, version, version_dir, [sample(c) for c in flat])
     control_samples = sampled[0.7, 1.0]
-    control = trainer_logprobs(ctx, spec_json, version, version_dir, [c.model_dump() for c in control_samples], 1.0)
+    control = trainer_logprobs(ctx, spec_json, version, version_dir, [sample(c) for c in control_samples], 1.0)
     rows, at = [], 0
     for (temperature, top_p), comps in sampled.items():
         m = Mismatch.of([c.rollout_logprobs for c in comps], trainer[at: at + len(comps)])

@@ -81,8 +81,10 @@ def publish_to_served(client: Client, ctx: Ctx, versions: int) -> list[dict[str,
     rows = []
     for v in range(1, versions + 1):
         ready = next(e for e in events if e.kind == EventKind.ADAPTER_READY and e.version == v)
-        loaded = sorted(e.ts for e in events if e.kind == EventKind.ADAPTER_LOADED and e.version == v)
-        rows.append({"version": v, "replicas_loaded": len(loaded),
+        announced = [e for e in events if e.kind == EventKind.ADAPTER_LOADED and e.version == v]
+        loaded = sorted(e.ts for e in announced)
+        rows.append({"version": v, "replicas_loaded": len({e.data.get("replica") for e in announced}),
+                     "announcements": len(announced),
                      "ready_to_served_ms": (loaded[-1] - ready.ts) * 1000,
                      "first_to_last_ms": (loaded[-1] - loaded[0]) * 1000})
     return rows
