@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -46,12 +47,16 @@ ROUTER_CONF = Path(__file__).resolve().parents[4] / "images" / "router" / "hapro
 
 
 def free_port(low: int | None = None, high: int | None = None) -> int:
-    """A free TCP port on loopback: any, or the first free one in [low, high)."""
+    """A free TCP port on loopback: any (the OS's pick), or a free one in [low, high), searched
+    from a random start so that two stacks started together rarely pick the same one (the
+    engine's readiness check tells the rest apart: Stack._engine_ready)."""
     if low is None or high is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return int(s.getsockname()[1])
-    for port in range(low, high):
+    start: int = low + secrets.randbelow(high - low)
+    ports: list[int] = list(range(start, high)) + list(range(low, start))
+    for port in ports:
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -186,7 +191,7 @@ class Stack:
         if not self.replicas:
             services += [
                 Service("engine", [py, "-m", "tandem_inference.engine"],
-                        ready=lambda: self._http_ok(f"{self.engine_url}/health")),
+                        ready=lambda: self._engine_ready(self.engine_url)),
                 Service("inference", [py, "-m", "tandem_inference.main"],
                         ready=lambda: self._http_ok(f"{self.gateway_url}/ready")),
             ]
@@ -197,7 +202,7 @@ class Stack:
                    "TANDEM_REPLICA__URL": gateway_url}
             services += [
                 Service(f"engine-{i}", [py, "-m", "tandem_inference.engine"], env=env,
-                        ready=functools.partial(self._http_ok, f"{engine_url}/health")),
+                        ready=functools.partial(self._engine_ready, engine_url)),
                 Service(f"inference-{i}", [py, "-m", "tandem_inference.main"], env=env,
                         ready=functools.partial(self._http_ok, f"{gateway_url}/ready")),
             ]
@@ -253,6 +258,22 @@ class Stack:
                 return bool(conn.ping())
         except redis.RedisError:  # not up yet: the probe's answer, not an error
             return False
+
+    def _engine_ready(self, url: str) -> bool:
+        """The engine this stack started answers: /health, and an admin call with this stack's key
+        (another stack's engine on the port refuses the key, so it is never taken for ours)."""
+        if not self._http_ok(f"{url}/health"):
+            return False
+        try:
+            reply = httpx.post(f"{url}/flush_cache", timeout=5.0,
+                               headers={"Authorization": f"Bearer {self.secrets['engine_admin_key']}"})
+        except httpx.HTTPError:
+            return False
+        if reply.status_code in (401, 403):
+            self.stop()
+            raise StackError(f"{url} answers with an engine that refuses this stack's admin key: another tandem "
+                             "stack's engine holds the port; start this one again (it picks another port)")
+        return reply.status_code == 200
 
     @staticmethod
     def _http_ok(url: str) -> bool:
