@@ -39,7 +39,7 @@ PYTEST_ARGS ?=
 UP_FLAGS ?=
 BENCH_ARGS ?=
 
-.PHONY: help install demo dev test test-unit test-integration test-latest bench bench-quick lint clean images up down logs ps e2e locks compose-v2
+.PHONY: help install demo dev test test-unit test-integration test-latest test-clients bench bench-quick lint clean images up down logs ps e2e locks compose-v2
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_.-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -80,6 +80,10 @@ test-unit: install ## unit tests only
 
 test-integration: install ## integration tests only
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/integration $(LOCKED_WARNINGS) $(PYTEST_ARGS)
+
+test-clients: install ## the optional client tier: langchain-openai against the gateway (images/locks/clients.txt into .venv)
+	$(PY) -m pip install -q --require-hashes -r images/locks/clients.txt
+	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/integration -m clients $(LOCKED_WARNINGS) $(PYTEST_ARGS)
 
 # A fresh venv with the newest release of everything the pyprojects allow (torch stays at the lock's
 # CPU build: it is the platform), then the same tests with every unknown warning an error.
@@ -138,7 +142,7 @@ up: compose-v2 .env ## start the stack (GPU_MODE split/shared/cpu from nvidia-sm
 # Linux x86-64, Python 3.11 (Debian bookworm's), torch's CPU build from TORCH_LINKS.
 # Pins already in a lock are kept unless its inputs changed; LOCK_UPGRADE=1 moves everything to the newest.
 LOCKS := sglang trainer tandem
-DEV_LOCKS := cpu-inference cpu-trainer rq-dashboard
+DEV_LOCKS := cpu-inference cpu-trainer rq-dashboard clients
 # A page or folder listing torch's CPU wheels (uv's --find-links).
 TORCH_LINKS ?= $(TORCH_INDEX)/torch/
 LOCK_COMMON = --quiet --no-python-downloads --no-sources --default-index https://pypi.org/simple --only-binary :all: \

@@ -335,6 +335,27 @@ def test_streamed_tool_calls_come_in_openais_delta_shape(
         assert [c.choices[0].finish_reason for c in plain if c.choices and c.choices[0].finish_reason] == ["stop"]
 
 
+@pytest.mark.clients
+def test_langchain_bind_tools_stream_gets_the_call(
+        redis_url: str, tmp_path: Path, tiny_model: Path, tokenizer: Any, redis_conn: redis.Redis) -> None:
+    """LangChain's ChatOpenAI streams by default in agents: `bind_tools(...).stream()` chunks add up
+    to a message with the call in `tool_calls` (make test-clients installs langchain-openai)."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    with scripted_engine(tokenizer, ["Let me add.\n" + CALL, "Let me add.\n" + CALL]) as (engine, _), \
+            served(engine, redis_url, tmp_path, tiny_model, tokenizer) as url:
+        chat = langchain_openai.ChatOpenAI(base_url=f"{url}/v1", api_key="unused", model=BASE, max_retries=0)
+        chunks = list(chat.bind_tools([ADD]).stream(START))
+        message = chunks[0]
+        for chunk in chunks[1:]:
+            message = message + chunk
+        assert message.content == "Let me add.\n" and "<tool_call>" not in str(message.content)
+        [call] = message.tool_calls
+        assert call["name"] == "add" and call["args"] == {"a": 2, "b": 3}
+        assert message.response_metadata.get("finish_reason") == "tool_calls"
+        whole = chat.bind_tools([ADD]).invoke(START)  # not streamed: the same call
+        assert [c["args"] for c in whole.tool_calls] == [{"a": 2, "b": 3}]
+
+
 @pytest.mark.parametrize("text", [
     '<tool_call>\n{"name": "add", "arguments": {"a": 2\n</tool_call>',
     '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LOCKS = ROOT / "images" / "locks"
 # What the locks are compiled for (the Makefile's LOCK_FLAGS and DEV_LOCK_FLAGS): Linux x86-64,
 # CPython 3.12 for the GPU images, 3.11 for the development / CPU environment.
-DEV_ENVS = ["cpu-inference", "cpu-trainer", "dev", "rq-dashboard"]
+DEV_ENVS = ["clients", "cpu-inference", "cpu-trainer", "dev", "rq-dashboard"]
 TARGET = {
     "python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "platform_system": "Linux",
     "platform_machine": "x86_64", "os_name": "posix", "implementation_name": "cpython",
@@ -138,22 +138,23 @@ def test_there_is_a_lock_per_environment() -> None:
     assert all((LOCKS / f"{env}.txt").is_file() for env in ENVS)
 
 
-@pytest.mark.parametrize("env", ["cpu-inference", "cpu-trainer", "rq-dashboard"])
+@pytest.mark.parametrize("env", ["clients", "cpu-inference", "cpu-trainer", "rq-dashboard"])
 def test_the_cpu_images_install_exactly_what_make_test_ran(env: str) -> None:
     dev, image = read_lock(LOCKS / "dev.txt"), read_lock(LOCKS / f"{env}.txt")
     dev_hashes, image_hashes = hashes(LOCKS / "dev.txt"), hashes(LOCKS / f"{env}.txt")
     shared = set(image) & set(dev)
-    if env != "rq-dashboard":  # the dashboard brings its web stack; tandem's images add nothing
+    if env in ("cpu-inference", "cpu-trainer"):  # the dashboard and the clients bring their own; tandem's images nothing
         assert shared == set(image), f"{env}.txt pins what dev.txt does not: run `make locks`"
-    assert {"redis", "rq"} <= shared
+    assert {"redis", "rq"} <= shared or env == "clients"
     assert {n: image[n][0] for n in shared} == {n: dev[n][0] for n in shared}
     assert all(image_hashes[n] == dev_hashes[n] for n in shared)
 
 
 def test_every_environment_installs_from_its_lock_with_hashes() -> None:
     makefile = (ROOT / "Makefile").read_text()
-    index = "$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))"
-    assert f"pip install -q --require-hashes {index} -r images/locks/dev.txt" in makefile
+    assert "pip install -q --require-hashes -r images/locks/dev.txt" in makefile
+    assert "pip install -q --require-hashes --no-deps -r $(VENV)/torch.txt" in makefile  # torch alone first
+    assert makefile.count("--extra-index-url $(TORCH_INDEX)") == 2  # asked for torch alone, never for the lock
     assert "--no-deps --no-build-isolation -e shared" in makefile, "tandem's own packages add nothing unhashed"
     images = [("inference-cpu", "cpu-inference"), ("trainer-cpu", "cpu-trainer"), ("rq-dashboard", "rq-dashboard")]
     for dockerfile, lock in images:
