@@ -203,6 +203,16 @@ def test_the_default_bound_is_the_engines_context_length(url: str) -> None:
     assert httpx.get(f"{url}/v1/episodes/ep-huge").status_code == 404
 
 
+def test_a_colliding_episode_id_reads_nothing_of_the_other_conversation(
+        engine_url: str, redis_url: str, tmp_path: Path, tiny_model: Path, tokenizer: Any) -> None:
+    secret = "my account number is 4711-0815"
+    with served(engine_url, redis_url, tmp_path, tiny_model, tokenizer) as url:
+        said(turn(url, "ep-shared-id", [{"role": "user", "content": secret}], max_tokens=2))
+        other = turn(url, "ep-shared-id", [{"role": "user", "content": "hello"}], max_tokens=2)
+        assert other.status_code == 409 and "messages[0] differs" in other.text
+        assert "4711" not in other.text and secret not in other.text
+
+
 def test_an_expired_episode_is_404_on_its_continuation(
         engine_url: str, redis_url: str, tmp_path: Path, tiny_model: Path, tokenizer: Any,
         redis_conn: redis.Redis) -> None:

@@ -382,6 +382,7 @@ def test_engine_refusals_are_400_and_an_unreachable_engine_503(
             f"{dead_url}/v1/completions", json={"model": "base", "prompt": "x", "max_tokens": 2}
         )
         assert resp.status_code == 503 and resp.json()["error"]["type"] == "engine_unavailable"
+        assert "http://" not in resp.text and "127.0.0.1" not in resp.text  # the engine's address stays inside
         assert httpx.get(f"{dead_url}/ready").status_code == 503
         assert httpx.get(f"{dead_url}/health").status_code == 200
 

@@ -186,7 +186,8 @@ def plan(tokenizer: PreTrainedTokenizerBase, body: ChatRequest, episode: Episode
                               "keeps the tools (and tool_choice 'none' or not) of its first turn", param="tools")
     for i, held in enumerate(episode.messages):
         if i >= len(sent) or sent[i] != held:
-            what = "is missing" if i >= len(sent) else f"differs from the episode's: {held[:200]}"
+            # never quote the held message: an id that collides with another conversation's must not read it
+            what = "is missing" if i >= len(sent) else "differs from the episode's message at that place"
             raise EpisodeConflict(
                 f"messages[{i}] {what}; a turn of episode {episode.id!r} must send every earlier message "
                 "and each assistant reply exactly as the gateway returned it, then the new messages",

@@ -10,6 +10,8 @@ Redis out of reach a 503. Replies echo what the client sent, so they always seri
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,6 +28,17 @@ from tandem_inference.errors import (
     EpisodeRefused,
     ModelNotFound,
 )
+
+log = logging.getLogger(__name__)
+
+
+_URL = re.compile(r"https?://[^\s,;)'\"]+")
+
+
+def for_clients(exc: Exception) -> str:
+    """An engine error's message as a client may read it: the engine's internal address left out
+    (the gateway's log keeps it)."""
+    return _URL.sub("<engine>", str(exc))
 
 
 def error_reply(status: int, message: str, kind: str, *, param: str | None = None, **extra: Any) -> JSONResponse:
@@ -59,11 +72,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineClientError)
     async def _engine(_: Request, exc: EngineClientError) -> JSONResponse:
         if isinstance(exc, EngineUnreachable):
-            return error_reply(503, str(exc), "engine_unavailable")
+            log.warning("engine unavailable: %s", exc)
+            return error_reply(503, for_clients(exc), "engine_unavailable")
         if isinstance(exc, EngineResponseError) and _refused_as_invalid(exc):
             return error_reply(400, f"invalid request, refused by the engine: {exc.engine_message}",
                                "invalid_request_error")
-        return error_reply(502, str(exc), "engine_error")
+        log.warning("engine error: %s", exc)
+        return error_reply(502, for_clients(exc), "engine_error")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -22,6 +22,7 @@ from tandem.errors import TandemError
 from tandem_inference.engine_client import EngineClient
 from tandem_inference.errors import EngineUnreachable
 from tandem_inference.gateway import generation
+from tandem_inference.gateway.error_replies import for_clients
 from tandem_inference.gateway.generation import Generation
 from tandem_inference.gateway.outputs import Output, usage
 from tandem_inference.gateway.responses import ResponseFormat
@@ -88,7 +89,7 @@ async def _events(engine: EngineClient, gen: Generation, fmt: ResponseFormat, *,
             raise
         status = 503 if isinstance(exc, EngineUnreachable) else 502
         log.warning("stream on %s failed after it started: %s", route.name(fmt.base_model), exc)
-        error = {"error": {"message": str(exc), "type": "engine_error", "code": status}}
+        error = {"error": {"message": for_clients(exc), "type": "engine_error", "code": status}}
         yield "data: " + json.dumps(error) + "\n\n"
     finally:
         gen.release()
