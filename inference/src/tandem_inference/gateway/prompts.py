@@ -65,7 +65,7 @@ def check_size(tokenizer: PreTrainedTokenizerBase, text: str, limit: int | None)
         return
     floor = len(text.encode("utf-8", "replace")) // max_token_bytes(tokenizer)
     if floor > limit:
-        raise HTTPException(400, f"the prompt is at least {floor} tokens, above the engine's context of {limit} "
+        raise HTTPException(400, f"the prompt is at least {floor} tokens, above the engine's context length {limit} "
                                  "tokens; send fewer or shorter messages (or tools)")
 
 
