@@ -87,7 +87,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = {401: "authentication_error", 404: "not_found", 422: "invalid_request_error"}.get(
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found", 413: "invalid_request_error",
+                422: "invalid_request_error"}.get(
             exc.status_code, "error")
         resp = error_reply(exc.status_code, str(exc.detail), kind)
         for name, value in (exc.headers or {}).items():
