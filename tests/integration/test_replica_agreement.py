@@ -144,6 +144,8 @@ async def test_a_version_serves_only_once_every_ready_replica_holds_it(
 
     b.controller.start()  # b reconciles, loads v1: now both hold it
     await wait_until(lambda: a.table.serving("both") == 1 and b.table.serving("both") == 1, what="both serve v1")
+    await wait_until(lambda: len(events_of(redis_conn, EventKind.ADAPTER_LOADED, "both")) == 2,
+                     what="both announce v1")  # a replica serves, then appends its adapter_loaded
     loaded = events_of(redis_conn, EventKind.ADAPTER_LOADED, "both")
     assert sorted(e.data["replica"] for e in loaded) == ["replica-a", "replica-b"]
     b_holds = min(e.ts for e in events_of(redis_conn, EventKind.ADAPTER_HELD, "both") if e.data["replica"] == "replica-b")

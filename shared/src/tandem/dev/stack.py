@@ -265,8 +265,8 @@ class Stack:
         if not self._http_ok(f"{url}/health"):
             return False
         try:
-            reply = httpx.post(f"{url}/flush_cache", timeout=5.0,
-                               headers={"Authorization": f"Bearer {self.secrets['engine_admin_key']}"})
+            key = self.env().get("TANDEM_ENGINE__ADMIN_API_KEY", "")  # the secret, or what extra_env set
+            reply = httpx.post(f"{url}/flush_cache", timeout=5.0, headers={"Authorization": f"Bearer {key}"})
         except httpx.HTTPError:
             return False
         if reply.status_code in (401, 403):
