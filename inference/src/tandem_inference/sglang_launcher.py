@@ -132,7 +132,7 @@ def sglang_env(settings: InferenceSettings, base: dict[str, str] | None = None) 
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in settings.gpus.inference)
     # /health as a liveness check: the default one-token generation fails while the scheduler is busy.
     env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
-    # tandem's logprob convention (tandem.trajectories): the temperature-scaled distribution, which is
+    # tandem's logprob convention (tandem.logprobs): the temperature-scaled distribution, which is
     # SGLang's default; "true" would return the unscaled one and break every ratio at T != 1.
     env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "false"
     return env

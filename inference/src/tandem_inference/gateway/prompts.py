@@ -40,6 +40,8 @@ what rendering them after it adds. Its content never reaches a prompt."""
 
 
 _MAX_TOKEN_BYTES: dict[int, int] = {}
+_SPECIAL_TEXTS: dict[int, tuple[str, ...]] = {}
+"""Per tokenizer (by id: the gateway keeps one for its life), what is read from its vocabulary once."""
 
 
 def max_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -57,6 +59,16 @@ def max_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:
             best = max(best, len(tokenizer.convert_tokens_to_string([token]).encode("utf-8", "replace")))
         _MAX_TOKEN_BYTES[key] = best
     return _MAX_TOKEN_BYTES[key]
+
+
+def special_texts(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
+    """The text of every special token (`<|im_end|>`, ...), read once per tokenizer."""
+    key = id(tokenizer)
+    if key not in _SPECIAL_TEXTS:
+        added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+        found = [*tokenizer.all_special_tokens, *(str(t) for t in added if getattr(t, "special", False))]
+        _SPECIAL_TEXTS[key] = tuple(dict.fromkeys(t for t in found if t))
+    return _SPECIAL_TEXTS[key]
 
 
 def check_size(tokenizer: PreTrainedTokenizerBase, text: str, limit: int | None) -> None:
@@ -93,8 +105,7 @@ class Guard:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
-        self.specials = [t for t in tokenizer.all_special_tokens + [
-            str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if getattr(t, "special", False)] if t]
+        self.specials = special_texts(tokenizer)
         self.nonce = secrets.token_hex(8)
         self.held: dict[str, str] = {}
 

@@ -202,8 +202,8 @@ class Gateway:
         headers = {"x-tandem-run": route.run or "", "x-tandem-version": str(route.version),
                    "x-tandem-replica": self.settings.replica.id}
         fan_out = bool(self.settings.gateway.fan_out_n)  # unset only before InferenceSettings resolves it
+        tools = body.tool_names() if isinstance(body, ChatRequest) and body.template_tools() else []
         if body.stream:
-            tools = body.tool_names() if isinstance(body, ChatRequest) and body.template_tools() else []
             return await stream_reply(self.engine, gen, self.format, fan_out=fan_out, headers=headers,
                                       on_client_left=lambda: self.metrics.cancelled.labels(path_of(kind)).inc(),
                                       tools=tools)
@@ -216,7 +216,6 @@ class Gateway:
             out = Output()
             out.update(r)
             outputs.append(out)
-        tools = body.tool_names() if isinstance(body, ChatRequest) and body.template_tools() else []
         choices = [self.format.choice(kind, i, out, logprobs, tools) for i, out in enumerate(outputs)]
         extension = self.format.extension(route, input_ids, outputs, gen.policy_temperature)
         payload = {**self.format.envelope(kind, route, stream=False), "choices": choices,
