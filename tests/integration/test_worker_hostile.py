@@ -90,11 +90,13 @@ def hostile(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Itera
     (workdir / "adapters").mkdir()
     server = RedisServer(workdir / "redis").start()
     start, started = start_workers(server.url, workdir / "adapters", workdir)
-    worker = start()
-    worker.wait_listening()
-    yield Hostile(server, worker, workdir, tiny_model)
-    stop_workers(started)
-    server.stop()
+    try:  # a worker that fails to start must not leave it or Redis behind
+        worker = start()
+        worker.wait_listening()
+        yield Hostile(server, worker, workdir, tiny_model)
+    finally:
+        stop_workers(started)
+        server.stop()
 
 
 def raw_job(conn: redis.Redis, job_id: str, fields: dict[str, Any]) -> str:

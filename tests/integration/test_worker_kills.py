@@ -51,12 +51,14 @@ def side(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator
     config = StackConfig(state_dir=workdir / "stack", model=str(tiny_model), gateway_port=0, redis_url=redis.url,
                          extra_env={"TANDEM_ENGINE__ADMIN_API_KEY": "kill-tests",
                                     "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": str(2 * len(POINTS))})
-    with InferenceStack(config) as stack:
-        (stack.state / "adapters").mkdir(parents=True, exist_ok=True)
-        side = Side(redis, stack)
-        yield side
-        side.client.close()
-    redis.stop()
+    try:  # a stack that fails to start must not leave its Redis behind
+        with InferenceStack(config) as stack:
+            (stack.state / "adapters").mkdir(parents=True, exist_ok=True)
+            side = Side(redis, stack)
+            yield side
+            side.client.close()
+    finally:
+        redis.stop()
 
 
 def groups(seed: int) -> list[TrajectoryGroup]:
