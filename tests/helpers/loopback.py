@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +14,9 @@ from typing import Any
 
 from tandem.dev.stack import free_port
 
-__all__ = ["free_port", "serve_app"]
+__all__ = ["free_port", "held_stream_proxy", "serve_app"]
+
+HOP_BY_HOP = {"connection", "content-length", "keep-alive", "transfer-encoding"}
 
 
 @contextmanager
@@ -36,3 +39,51 @@ def serve_app(app: Any, *, port: int | None = None) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+@contextmanager
+def held_stream_proxy(target: str) -> Iterator[tuple[str, threading.Event]]:
+    """A loopback HTTP proxy to `target` whose event streams stop after their first chunk until the event is set.
+
+    A test that must look at a stream while it is certainly still running puts this between the
+    gateway and the engine: the engine may finish at once, the stream the gateway sees may not.
+    """
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    release = threading.Event()
+
+    async def forward(request: Request) -> StreamingResponse:
+        client = httpx.AsyncClient(base_url=target, timeout=60)
+        upstream = await client.send(
+            client.build_request(request.method, request.url.path, params=request.query_params,
+                                 headers={k: v for k, v in request.headers.items() if k.lower() != "host"},
+                                 content=await request.body()),
+            stream=True,
+        )
+        held = upstream.headers.get("content-type", "").startswith("text/event-stream")
+
+        async def body() -> Any:
+            try:
+                first = True
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+                    if held and first:
+                        first = False
+                        await asyncio.to_thread(release.wait, 60)
+            finally:
+                await upstream.aclose()
+                await client.aclose()
+
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+        return StreamingResponse(body(), status_code=upstream.status_code, headers=headers)
+
+    methods = ["GET", "POST", "PUT", "DELETE"]
+    with serve_app(Starlette(routes=[Route("/{path:path}", forward, methods=methods)])) as url:
+        try:
+            yield url, release
+        finally:
+            release.set()

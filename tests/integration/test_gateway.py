@@ -18,7 +18,7 @@ import openai
 import pytest
 import redis
 from helpers.adapters import announce, publish
-from helpers.loopback import free_port, serve_app
+from helpers.loopback import free_port, held_stream_proxy, serve_app
 from helpers.servers import gateway, inference_settings
 from helpers.waiting import wait_until
 
@@ -214,20 +214,27 @@ def test_streaming_chat_and_completions(
     assert all(isinstance(t, str) for t in texts.values())
 
 
-def test_a_stream_holds_its_version_in_flight_until_it_ends(url: str, run: str) -> None:
-    body = {"model": run, "prompt": "Count:", "max_tokens": LIMIT, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
-        assert resp.status_code == 200 and resp.headers["x-tandem-version"] == "0"
-        lines = resp.iter_lines()
-        assert next(lines).startswith("data: ")
-        assert httpx.get(f"{url}/v1/runs/{run}").json()["in_flight"]["0"] == 1
-        rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]"
-    # the server lets go in the stream's cleanup, which may run just after the client saw [DONE]
-    deadline = time.monotonic() + 5
-    while httpx.get(f"{url}/v1/runs/{run}").json()["in_flight"]["0"] != 0:
-        assert time.monotonic() < deadline, "the finished stream still holds its version"
-        time.sleep(0.02)
+def test_a_stream_holds_its_version_in_flight_until_it_ends(
+    redis_url: str, tmp_path: Path, engine_url: str, tiny_model: Path, tokenizer: Any, run: str
+) -> None:
+    with held_stream_proxy(engine_url) as (proxied, release):
+        settings = inference_settings(redis_url, tmp_path / "store", proxied, tiny_model, limit=LIMIT)
+        with gateway(settings, tokenizer) as url:
+            body = {"model": run, "prompt": "Count:", "max_tokens": LIMIT, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+                assert resp.status_code == 200 and resp.headers["x-tandem-version"] == "0"
+                lines = resp.iter_lines()
+                assert next(lines).startswith("data: ")
+                # the engine's stream is held after its first chunk: this one cannot have ended
+                assert httpx.get(f"{url}/v1/runs/{run}").json()["in_flight"]["0"] == 1
+                release.set()
+                rest = [line for line in lines if line]
+                assert rest[-1] == "data: [DONE]"
+            # the server lets go in the stream's cleanup, which may run just after the client saw [DONE]
+            deadline = time.monotonic() + 5
+            while httpx.get(f"{url}/v1/runs/{run}").json()["in_flight"]["0"] != 0:
+                assert time.monotonic() < deadline, "the finished stream still holds its version"
+                time.sleep(0.02)
 
 
 def test_pinned_versions_and_unknown_names(
