@@ -60,7 +60,7 @@ class BenchStack(Stack):
     def plan(self) -> list[Service]:
         services = [s for s in super().plan() if s.name == "redis"]
         if self.engine_kind == "transformers":
-            services.append(Service("engine", [self.tandem_python, "-m", "tandem_inference.engine"],
+            services.append(Service("engine", [self.tandem_python, "-m", "tandem_inference.engines.transformers"],
                                     ready=lambda: self._http_ok(f"{self.engine_url}/health")))
         services.append(Service("inference", [self.tandem_python, "-m", "tandem_inference.main"],
                                 ready=lambda: self._http_ok(f"{self.gateway_url}/ready")))

@@ -35,7 +35,7 @@ from tandem.logprobs import Mismatch
 from tandem.runs import LoraConfig, RunSpec
 from tandem.settings import EngineSettings, InferenceSettings
 from tandem.trajectories import Sample
-from tandem_inference.sglang_launcher import sglang_argv, sglang_env
+from tandem_inference.engines.sglang_launcher import sglang_argv, sglang_env
 
 ADAPTERS = ["A", "B", "C", "D"]
 NEW_TOKENS = 48

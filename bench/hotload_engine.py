@@ -32,8 +32,9 @@ class Engine:
 
     def _configure(self, port: int) -> None:
         from tandem.settings import InferenceSettings
-        from tandem_inference.engine_client import EngineClient
-        from tandem_inference.sglang_launcher import Launcher, sglang_argv, sglang_env
+        from tandem_inference.engines import connect
+        from tandem_inference.engines.launcher import Launcher
+        from tandem_inference.engines.sglang_launcher import sglang_argv, sglang_env
 
         ctx, http, max_rank = self.ctx, self.http, self.max_rank
         self.port = port
@@ -68,10 +69,10 @@ class Engine:
         if ctx.engine == "sglang":
             argv, env = sglang_argv(settings), sglang_env(settings, base=env)
         else:
-            argv = [ctx.tandem_python, "-m", "tandem_inference.engine"]
+            argv = [ctx.tandem_python, "-m", "tandem_inference.engines.transformers"]
         self.log_path = Path(ctx.out) / "hotload-engine.log"
         self.launcher = Launcher(settings, http, argv=argv, env=env, log_path=self.log_path, health_poll_s=0.05)
-        self.client = EngineClient.from_settings(http, settings.engine)
+        self.client = connect(settings.engine, http)
 
     async def start(self) -> float:
         """Start the engine and wait until /health answers; returns seconds.

@@ -19,8 +19,10 @@ from typing import Any
 from hotload_adapters import rank, run_merge
 from hotload_engine import Engine
 
+from tandem_inference.engines.base import Sampling
+
 PROMPT_IDS = list(range(100, 116))  # valid in any vocabulary of 116+ tokens; no tokenizer needed here
-FIRST_RESPONSE = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+FIRST_RESPONSE = Sampling(max_tokens=4, temperature=0.0, ignore_eos=True)
 KEEP_LOADED = 2  # hot-loaded adapters kept loaded (the controller's default keep_versions)
 
 
@@ -152,7 +154,7 @@ async def _merge_reload(ctx: Any, engine: Engine, adapter: Path, j: int, n: int,
                      "reloading ...")
         t1 = time.perf_counter()
         try:
-            await engine.client.update_weights_from_disk(str(merged))
+            await engine.client.update_weights(str(merged))
         except EngineClientError as exc:
             row["error"] = f"/update_weights_from_disk failed: {exc}"
             ctx.progress(f"hotload: merge {j}/{n}: {row['error']}")
@@ -175,9 +177,8 @@ async def _merge_reload(ctx: Any, engine: Engine, adapter: Path, j: int, n: int,
 
 
 async def _first(engine: Engine, adapter: str | None = None) -> dict[str, Any]:
-    out = await engine.client.generate(PROMPT_IDS, dict(FIRST_RESPONSE), adapter, True)
-    lps = [float(t[0]) for t in out.get("meta_info", {}).get("output_token_logprobs") or []]
-    return {"ids": list(out.get("output_ids") or []), "lps": lps}
+    (out,) = await engine.client.complete(PROMPT_IDS, FIRST_RESPONSE, adapter=adapter)
+    return {"ids": out.token_ids, "lps": out.logprobs}
 
 
 def ms_since(t0: float) -> float:

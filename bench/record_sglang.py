@@ -23,7 +23,8 @@ from pathlib import Path
 import httpx
 
 from tandem.settings import EngineSettings, InferenceSettings
-from tandem_inference.sglang_launcher import Launcher
+from tandem_inference.engines.launcher import Launcher
+from tandem_inference.engines.sglang_launcher import sglang_argv, sglang_env
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -46,11 +47,12 @@ async def record(args: argparse.Namespace) -> list[dict]:
     exchanges: list[dict] = []
     async with httpx.AsyncClient(base_url=settings.engine.url, timeout=120) as http:
         if args.engine == "sglang":
-            launcher = Launcher(settings, http, log_path=out / "sglang.log")
+            launcher = Launcher(settings, http, argv=sglang_argv(settings), env=sglang_env(settings),
+                                log_path=out / "sglang.log")
         else:
             env = {**os.environ, "TANDEM_ENGINE__PORT": str(port), "TANDEM_ENGINE__MODEL": str(model),
                    "TANDEM_ENGINE__MAX_LORA_RANK": "16", "TANDEM_ENGINE__LORA_TARGET_MODULES": json.dumps(ATTENTION)}
-            launcher = Launcher(settings, http, argv=[sys.executable, "-m", "tandem_inference.engine"],
+            launcher = Launcher(settings, http, argv=[sys.executable, "-m", "tandem_inference.engines.transformers"],
                                 env=env, log_path=out / "engine.log")
         boot_s = await launcher.start()
         try:

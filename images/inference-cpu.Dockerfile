@@ -48,7 +48,7 @@ COPY --from=deps /opt/tandem /opt/tandem
 COPY shared /src/shared
 COPY inference /src/inference
 RUN pip install -q --no-deps --no-build-isolation "/src/shared" "/src/inference[engine]" && rm -rf /src \
- && python -c "import tandem_inference.main, tandem_inference.engine.server"
+ && python -c "import tandem_inference.main, tandem_inference.engines.transformers.server"
 ENV TANDEM_STORE__ROOT=/adapters TANDEM_GPUS__MODE=cpu TANDEM_ENGINE__KIND=transformers \
     TANDEM_ENGINE__DEVICE=cpu TANDEM_ENGINE__HOST=0.0.0.0 TANDEM_GATEWAY__HOST=0.0.0.0 \
     HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_PROGRESS_BARS=1

@@ -27,10 +27,10 @@ from tandem.settings import (
     RedisSettings,
     StoreSettings,
 )
-from tandem_inference.controller import Controller
-from tandem_inference.engine.server import create_engine_app
-from tandem_inference.engine_calls import ADMIN_CONNECTIONS, pool_limits
-from tandem_inference.engine_client import EngineClient
+from tandem_inference.controller.service import Controller
+from tandem_inference.engines.calls import ADMIN_CONNECTIONS, pool_limits
+from tandem_inference.engines.transformers.client import TransformersEngine
+from tandem_inference.engines.transformers.server import create_engine_app
 from tandem_inference.gateway.app import create_gateway_app
 from tandem_inference.gateway.schemas import MAX_N
 from tandem_inference.routing import RoutingTable
@@ -61,7 +61,7 @@ def gateway(settings: InferenceSettings, tokenizer: Any, *, with_controller: boo
     conn = redis.Redis.from_url(settings.redis.url)
     rollouts = httpx.AsyncClient(limits=pool_limits(max(settings.gateway.max_in_flight_sequences, MAX_N)))
     admin = httpx.AsyncClient(limits=pool_limits(ADMIN_CONNECTIONS))
-    engine = EngineClient.from_settings(rollouts, settings.engine, admin_http=admin)
+    engine = TransformersEngine.from_settings(rollouts, settings.engine, admin_http=admin)
     table = RoutingTable(settings.engine.served_model_name)
     settings.store.root.mkdir(parents=True, exist_ok=True)
     controller = Controller(settings, conn, engine, AdapterStore(settings.store.root), table) if with_controller else None

@@ -31,10 +31,11 @@ from tandem.settings import (
     RedisSettings,
     StoreSettings,
 )
-from tandem_inference.controller import Controller
-from tandem_inference.engine.server import create_engine_app
-from tandem_inference.engine_calls import CallKind
-from tandem_inference.engine_client import EngineClient
+from tandem_inference.controller.service import Controller
+from tandem_inference.engines.base import Sampling
+from tandem_inference.engines.calls import CallKind
+from tandem_inference.engines.transformers.client import TransformersEngine
+from tandem_inference.engines.transformers.server import create_engine_app
 from tandem_inference.errors import EngineTimeout, ModelNotFound
 from tandem_inference.routing import RoutingTable
 
@@ -93,9 +94,9 @@ def settings(redis_url: str, tmp_path: Path, engine_url: str, tiny_model: Path) 
 
 
 @pytest.fixture
-async def engine(engine_url: str) -> AsyncIterator[EngineClient]:
+async def engine(engine_url: str) -> AsyncIterator[TransformersEngine]:
     async with httpx.AsyncClient() as http:
-        yield EngineClient(http, engine_url)
+        yield TransformersEngine(http, engine_url)
 
 
 @pytest.fixture
@@ -106,7 +107,7 @@ def store(settings: InferenceSettings) -> AdapterStore:
 
 @pytest.fixture
 async def start(
-    settings: InferenceSettings, redis_conn: redis.Redis, engine: EngineClient, store: AdapterStore
+    settings: InferenceSettings, redis_conn: redis.Redis, engine: TransformersEngine, store: AdapterStore
 ) -> AsyncIterator[Callable[[], Awaitable[Controller]]]:
     """Start a controller (a fresh table each time, like a new process); all are stopped after."""
     started: list[Controller] = []
@@ -125,7 +126,7 @@ async def start(
 
 # tests ----------------------------------------------------------------------------------------
 async def test_ready_event_loads_switches_alias_and_announces(
-    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: EngineClient, tiny_model: Path
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: TransformersEngine, tiny_model: Path
 ) -> None:
     controller = await start()
     registry, events = Registry(redis_conn), EventStream(redis_conn)
@@ -146,10 +147,10 @@ async def test_ready_event_loads_switches_alias_and_announces(
     await wait_until(lambda: committed_past(redis_conn, ready_id), what="cursor commit")
 
     # the adapter is really in use: greedy output under it differs from the base model's
-    prompt, params = [5, 6, 7, 8], {"max_new_tokens": 6, "temperature": 0}
-    base = await engine.generate(prompt, params)
-    tuned = await engine.generate(prompt, params, lora_name=f"{run}-v1")
-    assert base["meta_info"]["output_token_logprobs"] != tuned["meta_info"]["output_token_logprobs"]
+    prompt, greedy = [5, 6, 7, 8], Sampling(max_tokens=6, temperature=0)
+    (base,) = await engine.complete(prompt, greedy)
+    (tuned,) = await engine.complete(prompt, greedy, adapter=f"{run}-v1")
+    assert (base.token_ids, base.logprobs) != (tuned.token_ids, tuned.logprobs)
 
     metrics = generate_latest(controller.metrics.registry).decode()
     assert f'tandem_adapter_loads_total{{run="{run}"}} 1.0' in metrics
@@ -211,7 +212,7 @@ async def test_bad_versions_are_rejected_and_the_previous_keeps_serving(
     start,
     redis_conn: redis.Redis,
     store: AdapterStore,
-    engine: EngineClient,
+    engine: TransformersEngine,
     tiny_model: Path,
 ) -> None:
     registry, events = Registry(redis_conn), EventStream(redis_conn)
@@ -252,7 +253,7 @@ async def test_bad_versions_are_rejected_and_the_previous_keeps_serving(
 
 
 async def test_old_versions_unload_after_the_keep_window_once_idle(
-    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: EngineClient, tiny_model: Path
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: TransformersEngine, tiny_model: Path
 ) -> None:
     registry, events = Registry(redis_conn), EventStream(redis_conn)
     controller = await start()
@@ -278,12 +279,12 @@ async def test_old_versions_unload_after_the_keep_window_once_idle(
     assert controller.status()["retiring"] == []
 
 
-async def _lacks(engine: EngineClient, name: str) -> bool:
+async def _lacks(engine: TransformersEngine, name: str) -> bool:
     return name not in await engine.loaded_adapters()
 
 
 async def test_failed_unload_is_retried_and_never_stops_the_controller(
-    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: EngineClient, tiny_model: Path
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: TransformersEngine, tiny_model: Path
 ) -> None:
     registry, events = Registry(redis_conn), EventStream(redis_conn)
     controller = await start()
@@ -317,7 +318,7 @@ async def test_adapters_the_engine_lost_are_loaded_again(
     start,
     redis_conn: redis.Redis,
     store: AdapterStore,
-    engine: EngineClient,
+    engine: TransformersEngine,
     tiny_model: Path,
 ) -> None:
     registry, events = Registry(redis_conn), EventStream(redis_conn)
@@ -332,7 +333,7 @@ async def test_adapters_the_engine_lost_are_loaded_again(
     assert [e.version for e in events_of(events, EventKind.ADAPTER_LOADED, run)] == [1]  # not announced twice
 
 
-async def _holds(engine: EngineClient, name: str) -> bool:
+async def _holds(engine: TransformersEngine, name: str) -> bool:
     return name in await engine.loaded_adapters()
 
 
@@ -348,7 +349,7 @@ async def serving_v1(
 
 
 async def test_a_failed_unload_after_bad_checksums_is_retried(
-    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: EngineClient, tiny_model: Path
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: TransformersEngine, tiny_model: Path
 ) -> None:
     controller, registry, events = await serving_v1(start, redis_conn, store, tiny_model, run)
 
@@ -375,7 +376,7 @@ async def test_a_failed_unload_after_bad_checksums_is_retried(
 
 
 async def test_an_adapter_the_engine_holds_is_adopted_only_if_its_files_check_out(
-    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: EngineClient, tiny_model: Path
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: TransformersEngine, tiny_model: Path
 ) -> None:
     registry, events = Registry(redis_conn), EventStream(redis_conn)
     first = await start()
@@ -394,7 +395,7 @@ async def test_an_adapter_the_engine_holds_is_adopted_only_if_its_files_check_ou
 
 
 async def test_a_routed_version_is_never_unloaded_even_if_an_earlier_check_queued_it(
-    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: EngineClient, tiny_model: Path
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: TransformersEngine, tiny_model: Path
 ) -> None:
     controller, _, _ = await serving_v1(start, redis_conn, store, tiny_model, run)
     controller.unloader.add(f"{run}-v1", run, 1, routed=False)  # what a failed check of v1 leaves
@@ -403,7 +404,7 @@ async def test_a_routed_version_is_never_unloaded_even_if_an_earlier_check_queue
     assert controller.status()["retiring"] == [] and controller.table.serving(run) == 1
 
 
-def record_loads(engine: EngineClient) -> list[str]:
+def record_loads(engine: TransformersEngine) -> list[str]:
     """Names of every adapter load the engine is asked for from now on (the loads still happen)."""
     names: list[str] = []
     real_load = engine.load_adapter
@@ -484,7 +485,7 @@ async def test_a_registered_version_never_announced_is_loaded_by_the_periodic_re
     settings: InferenceSettings,
     redis_conn: redis.Redis,
     store: AdapterStore,
-    engine: EngineClient,
+    engine: TransformersEngine,
     tiny_model: Path,
 ) -> None:
     controller, registry, events = await serving_v1(start, redis_conn, store, tiny_model, run)
@@ -512,7 +513,7 @@ async def test_a_version_the_store_showed_late_is_loaded_once_it_appears_and_a_b
     settings: InferenceSettings,
     redis_conn: redis.Redis,
     store: AdapterStore,
-    engine: EngineClient,
+    engine: TransformersEngine,
     tiny_model: Path,
     tmp_path: Path,
 ) -> None:
@@ -563,7 +564,7 @@ async def test_a_symlink_out_of_the_store_is_refused_before_the_engine_sees_it(
     start,
     redis_conn: redis.Redis,
     store: AdapterStore,
-    engine: EngineClient,
+    engine: TransformersEngine,
     tiny_model: Path,
     tmp_path: Path,
 ) -> None:
@@ -586,7 +587,7 @@ async def test_a_symlink_out_of_the_store_is_refused_before_the_engine_sees_it(
 
 
 async def test_a_name_once_given_to_the_engine_is_never_given_again(
-    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: EngineClient, tiny_model: Path
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: TransformersEngine, tiny_model: Path
 ) -> None:
     controller, registry, events = await serving_v1(start, redis_conn, store, tiny_model, run)
     loads = record_loads(engine)
@@ -620,7 +621,7 @@ async def test_a_name_once_given_to_the_engine_is_never_given_again(
 
 
 async def test_a_forged_ready_for_an_unregistered_run_makes_no_run(
-    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: EngineClient, tiny_model: Path
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: TransformersEngine, tiny_model: Path
 ) -> None:
     controller, registry, events = await serving_v1(start, redis_conn, store, tiny_model, run)
     loads = record_loads(engine)
@@ -641,7 +642,7 @@ async def test_a_load_that_completes_after_its_timeout_is_unloaded_as_a_stray(
     settings: InferenceSettings,
     redis_conn: redis.Redis,
     store: AdapterStore,
-    engine: EngineClient,
+    engine: TransformersEngine,
     tiny_model: Path,
 ) -> None:
     settings.controller.reconcile_s = 0.2
@@ -651,7 +652,7 @@ async def test_a_load_that_completes_after_its_timeout_is_unloaded_as_a_stray(
     engine.timeouts_s[CallKind.LOAD] = 0.3
 
     # a long generation holds the engine; a load asked for meanwhile outlasts its timeout
-    long = engine.generate_stream([5, 6, 7], {"max_new_tokens": 1000, "ignore_eos": True, "temperature": 0})
+    long = engine.stream([5, 6, 7], Sampling(max_tokens=1000, ignore_eos=True, temperature=0))
     await long.__anext__()
     ready2 = announce(events, store, publish(store, registry, tiny_model, run, 2))
     await wait_until(lambda: committed_past(redis_conn, ready2), what="v2's load given up")
@@ -680,13 +681,13 @@ async def test_a_timed_out_load_is_sent_again_once_the_engine_restarted(
     settings: InferenceSettings,
     redis_conn: redis.Redis,
     store: AdapterStore,
-    engine: EngineClient,
+    engine: TransformersEngine,
     tiny_model: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A load that timed out is not sent again while it may still complete in the engine, but an
     engine that restarted runs none of the earlier loads: the version is loaded anew."""
-    import tandem_inference.adapter_loading as adapter_loading
+    import tandem_inference.controller.loading as adapter_loading
 
     monkeypatch.setattr(adapter_loading, "PENDING_LOAD_TIMEOUTS", 10_000)  # never retried by waiting
     settings.controller.reconcile_s = 0.2
@@ -720,7 +721,7 @@ async def test_an_engine_that_refuses_loads_with_503_is_not_asked_again_at_once(
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
-    import tandem_inference.controller as controller_module
+    import tandem_inference.controller.service as controller_module
 
     monkeypatch.setattr(controller_module, "RESTART_PAUSE_S", 60.0)  # no second try within the test
     loads: list[str] = []
@@ -737,7 +738,7 @@ async def test_an_engine_that_refuses_loads_with_503_is_not_asked_again_at_once(
     publish(store, Registry(redis_conn), tiny_model, run, 1)
     with serve_app(app) as url:
         async with httpx.AsyncClient() as http:
-            engine = EngineClient(http, url, max_attempts=1)
+            engine = TransformersEngine(http, url, max_attempts=1)
             controller = Controller(settings, redis_conn, engine, store, RoutingTable("base"))
             controller.start()
             try:

@@ -10,7 +10,7 @@ import pytest
 from helpers.loopback import serve_app
 
 from tandem.settings import EngineSettings, InferenceSettings, StoreSettings
-from tandem_inference.engine.server import create_engine_app
+from tandem_inference.engines.transformers.server import create_engine_app
 from tandem_trainer.tiny_model import build_random_adapter
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ import pytest
 from helpers.loopback import serve_app
 
 from tandem.settings import EngineSettings
-from tandem_inference.engine.server import create_engine_app
+from tandem_inference.engines.transformers.server import create_engine_app
 from tandem_trainer.tiny_model import build_random_adapter
 
 pytestmark = pytest.mark.integration
@@ -418,7 +418,7 @@ def test_admin_routes_need_the_key(url: str) -> None:
 
 
 def test_every_admin_route_refuses_without_the_key_before_reading_the_body(url: str) -> None:
-    from tandem_inference.engine import routes_admin
+    from tandem_inference.engines.transformers import routes_admin
 
     paths = {route.path for route in routes_admin.router.routes}
     assert paths == {"/load_lora_adapter", "/unload_lora_adapter", "/update_weights_from_disk", "/flush_cache",

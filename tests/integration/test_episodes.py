@@ -26,7 +26,7 @@ from helpers.waiting import wait_until
 
 from tandem import keys
 from tandem.settings import EngineSettings
-from tandem_inference.engine.server import create_engine_app
+from tandem_inference.engines.transformers.server import create_engine_app
 from tandem_inference.errors import EpisodeConflict
 from tandem_inference.gateway.episodes import Episode, EpisodeStore
 

@@ -27,7 +27,7 @@ from tandem.events import EventStream
 from tandem.registry import Registry
 from tandem.runs import RunSpec
 from tandem.settings import EngineSettings, InferenceSettings
-from tandem_inference.engine.server import create_engine_app
+from tandem_inference.engines.transformers.server import create_engine_app
 
 pytestmark = pytest.mark.integration
 
@@ -399,12 +399,12 @@ def test_serving_the_gateway_app_starts_no_controller(
 ) -> None:
     """The inference service (tandem_inference.main) starts and stops the controller; the gateway
     app only reads it (for /ready and /metrics), so serving the app alone leaves it unstarted."""
-    from tandem_inference.controller import Controller
-    from tandem_inference.engine_client import EngineClient
+    from tandem_inference.controller.service import Controller
+    from tandem_inference.engines.sglang import TransformersEngine
     from tandem_inference.gateway.app import create_gateway_app
     from tandem_inference.routing import RoutingTable
 
-    engine = EngineClient.from_settings(httpx.AsyncClient(), settings.engine)
+    engine = TransformersEngine.from_settings(httpx.AsyncClient(), settings.engine)
     table = RoutingTable(settings.engine.served_model_name)
     controller = Controller(settings, redis_conn, engine, AdapterStore(settings.store.root), table)
     app = create_gateway_app(settings, engine=engine, table=table, tokenizer=tokenizer, registry=Registry(redis_conn),

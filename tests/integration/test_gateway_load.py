@@ -21,9 +21,10 @@ from helpers.servers import gateway, inference_settings
 from helpers.waiting import wait_until
 
 from tandem.settings import EngineSettings
-from tandem_inference.engine.server import create_engine_app
-from tandem_inference.engine_calls import ADMIN_CONNECTIONS, pool_limits
-from tandem_inference.engine_client import EngineClient
+from tandem_inference.engines.base import Sampling
+from tandem_inference.engines.calls import ADMIN_CONNECTIONS, pool_limits
+from tandem_inference.engines.transformers.client import TransformersEngine
+from tandem_inference.engines.transformers.server import create_engine_app
 
 pytestmark = pytest.mark.integration
 
@@ -140,8 +141,8 @@ async def test_admin_calls_do_not_wait_behind_rollouts(engine_url: str) -> None:
     """A rollout pool with its one connection busy: health and adapter listings still answer."""
     async with (httpx.AsyncClient(limits=pool_limits(1)) as rollouts,
                 httpx.AsyncClient(limits=pool_limits(ADMIN_CONNECTIONS)) as admin):
-        engine = EngineClient(rollouts, engine_url, admin_http=admin, info_timeout_s=5)
-        stream = engine.generate_stream([5, 6, 7], {"max_new_tokens": LIMIT, "temperature": 0})
+        engine = TransformersEngine(rollouts, engine_url, admin_http=admin, info_timeout_s=5)
+        stream = engine.stream([5, 6, 7], Sampling(max_tokens=LIMIT, temperature=0))
         await stream.__anext__()  # the rollout pool's only connection is taken now
         try:
             assert await asyncio.wait_for(engine.health(), 10)

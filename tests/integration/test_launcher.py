@@ -24,8 +24,8 @@ from helpers.loopback import free_port
 from helpers.waiting import wait_until
 
 from tandem.settings import EngineSettings, InferenceSettings
+from tandem_inference.engines.launcher import Launcher
 from tandem_inference.errors import EngineBootError
-from tandem_inference.sglang_launcher import Launcher
 
 pytestmark = pytest.mark.integration
 
@@ -103,7 +103,7 @@ def engine_launcher(tiny_model: Path, tmp_path: Path, **engine: object) -> tuple
     env = {**os.environ, "TANDEM_ENGINE__PORT": str(port), "TANDEM_ENGINE__MODEL": str(tiny_model),
            "OMP_NUM_THREADS": "1"}
     # a helper process in the engine's group stands in for SGLang's scheduler
-    argv = ["sh", "-c", f"sleep 600 & exec {sys.executable} -m tandem_inference.engine"]
+    argv = ["sh", "-c", f"sleep 600 & exec {sys.executable} -m tandem_inference.engines.transformers"]
     http = httpx.AsyncClient()
     return Launcher(settings, http, argv=argv, env=env, log_path=tmp_path / "engine.log"), http
 

@@ -35,10 +35,10 @@ from tandem.settings import (
     StoreSettings,
 )
 from tandem.trajectories import Trajectory, TrajectoryGroup
-from tandem_inference.controller import Controller
-from tandem_inference.engine.server import create_engine_app
-from tandem_inference.engine_client import EngineClient
-from tandem_inference.heartbeat import Heartbeat
+from tandem_inference.controller.heartbeat import Heartbeat
+from tandem_inference.controller.service import Controller
+from tandem_inference.engines.transformers.client import TransformersEngine
+from tandem_inference.engines.transformers.server import create_engine_app
 from tandem_inference.routing import RoutingTable
 
 pytestmark = pytest.mark.integration
@@ -60,7 +60,7 @@ def events_of(conn: redis.Redis, kind: EventKind, run: str) -> list[Event]:
 class Replica:
     """One inference replica as the service runs it: an engine, a controller and a heartbeat."""
 
-    def __init__(self, settings: InferenceSettings, conn: redis.Redis, engine: EngineClient) -> None:
+    def __init__(self, settings: InferenceSettings, conn: redis.Redis, engine: TransformersEngine) -> None:
         self.settings = settings
         self.table = RoutingTable(settings.engine.model)
         self.controller = Controller(settings, conn, engine, AdapterStore(settings.store.root), self.table)
@@ -109,7 +109,7 @@ async def replicas(redis_url: str, redis_conn: redis.Redis, tmp_path: Path, tiny
                     replica=ReplicaSettings(id=f"replica-{name}", url=f"http://{name}.invalid:8000",
                                             heartbeat_s=0.2, agree_s=agree_s),
                 )
-                replica = Replica(settings, redis_conn, EngineClient(http, engine_urls[name]))
+                replica = Replica(settings, redis_conn, TransformersEngine(http, engine_urls[name]))
                 replica.start()
                 out[name] = replica
                 started.append(replica)

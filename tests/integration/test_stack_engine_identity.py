@@ -10,7 +10,7 @@ from helpers.loopback import serve_app
 from tandem.dev.stack import Stack, StackConfig, free_port
 from tandem.errors import StackError
 from tandem.settings import EngineSettings
-from tandem_inference.engine.server import create_engine_app
+from tandem_inference.engines.transformers.server import create_engine_app
 
 pytestmark = pytest.mark.integration
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem_inference.capacity import Capacity, Permit
 from tandem_inference.errors import Overloaded
+from tandem_inference.gateway.capacity import Capacity, Permit
 
 pytestmark = pytest.mark.unit
 

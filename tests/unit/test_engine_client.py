@@ -1,4 +1,4 @@
-"""The engine client against httpx.MockTransport: requests, error translation, timeouts, retries."""
+"""The SGLang engine client against httpx.MockTransport: requests, error translation, timeouts, retries."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import httpx
 import pytest
 
 from tandem.settings import EngineSettings
-from tandem_inference import engine_calls
-from tandem_inference.engine_calls import CallKind, should_retry
-from tandem_inference.engine_client import EngineClient
+from tandem_inference.engines import calls as engine_calls
+from tandem_inference.engines.base import Sampling
+from tandem_inference.engines.calls import CallKind, should_retry
+from tandem_inference.engines.sglang import SGLangEngine
 from tandem_inference.errors import (
     AdapterLoadFailed,
     AdapterLoadRefused,
+    AdapterMissing,
     EngineClientError,
     EngineError,
     EngineResponseError,
@@ -24,6 +26,7 @@ from tandem_inference.errors import (
 )
 
 BASE = "http://engine.test:30000"
+TWO = Sampling(max_tokens=2)
 
 
 @pytest.fixture(autouse=True)
@@ -31,9 +34,9 @@ def _no_retry_pause(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine_calls, "RETRY_PAUSE_S", 0.0)
 
 
-def make_client(handler: Callable[[httpx.Request], httpx.Response], **kw) -> EngineClient:
+def make_client(handler: Callable[[httpx.Request], httpx.Response], **kw) -> SGLangEngine:
     http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    return EngineClient(http, BASE, **kw)
+    return SGLangEngine(http, BASE, **kw)
 
 
 def generate_reply(ids: list[int]) -> dict:
@@ -49,7 +52,7 @@ def generate_reply(ids: list[int]) -> dict:
     }
 
 
-async def test_generate_sends_the_native_request_and_returns_the_body() -> None:
+async def test_complete_sends_the_native_request_and_returns_the_sample() -> None:
     seen: list[dict] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -63,23 +66,27 @@ async def test_generate_sends_the_native_request_and_returns_the_body() -> None:
         return httpx.Response(200, json=generate_reply([7, 8]))
 
     client = make_client(handler, admin_api_key="secret")
-    out = await client.generate([1, 2, 3], {"max_new_tokens": 2}, lora_name="digits-v3")
-    assert out["output_ids"] == [7, 8]
+    (out,) = await client.complete([1, 2, 3], TWO, adapter="digits-v3")
+    assert (out.token_ids, out.logprobs, out.text, out.finish_reason) == ([7, 8], [-0.5, -0.5], "hi", "length")
     assert seen == [
         {
             "path": "/generate",
             "auth": None,
             "body": {
                 "input_ids": [1, 2, 3],
-                "sampling_params": {"max_new_tokens": 2},
+                "sampling_params": {"max_new_tokens": 2, "temperature": 1.0, "top_p": 1.0},
                 "return_logprob": True,
                 "logprob_start_len": -1,
                 "lora_path": "digits-v3",
             },
         }
     ]
-    base = await client.generate([1], {}, lora_name=None)
-    assert base["text"] == "hi"
+    await client.complete([1], Sampling(max_tokens=3, temperature=0.0, stop=("\n",), top_logprobs=2, ignore_eos=True))
+    assert seen[-1]["body"] == {
+        "input_ids": [1],
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0.0, "top_p": 1.0, "stop": ["\n"], "ignore_eos": True},
+        "return_logprob": True, "logprob_start_len": -1, "top_logprobs_num": 2,
+    }
 
 
 @pytest.mark.parametrize(
@@ -104,7 +111,7 @@ async def test_generate_errors_carry_the_engine_message_and_url(
         return httpx.Response(status, json=body)
 
     with pytest.raises(EngineResponseError) as info:
-        await make_client(handler).generate([1], {})
+        await make_client(handler).complete([1], TWO)
     assert info.value.status_code == status
     assert info.value.engine_message == expected
     assert f"{BASE}/generate" in str(info.value) and expected in str(info.value)
@@ -144,7 +151,7 @@ async def test_engine_503_and_connection_errors_are_engine_unavailable() -> None
         return httpx.Response(503, json={"error": {"message": "memory released"}})
 
     with pytest.raises(EngineUnreachable, match="memory released"):
-        await make_client(busy).generate([1], {})
+        await make_client(busy).complete([1], TWO)
 
     def refused(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("connection refused", request=request)
@@ -175,8 +182,8 @@ async def test_each_call_kind_uses_its_own_timeout() -> None:
         return httpx.Response(200, json={"success": True})
 
     settings = EngineSettings(url=BASE, load_timeout_s=61, unload_timeout_s=31, generate_timeout_s=301)
-    client = EngineClient.from_settings(httpx.AsyncClient(transport=httpx.MockTransport(handler)), settings)
-    await client.generate([1], {})
+    client = SGLangEngine.from_settings(httpx.AsyncClient(transport=httpx.MockTransport(handler)), settings)
+    await client.complete([1], TWO)
     await client.load_adapter("r-v1", "/p")
     await client.unload_adapter("r-v1")
     await client.health()
@@ -217,7 +224,7 @@ async def test_idempotent_calls_retry_connection_errors_a_bounded_number_of_time
             raise httpx.ConnectError("refused", request=request)
         return httpx.Response(200, json={"max_lora_rank": 16})
 
-    assert (await make_client(flaky).server_info())["max_lora_rank"] == 16
+    assert (await make_client(flaky).info()).max_lora_rank == 16
     assert calls == ["/server_info"] * 3
 
     calls.clear()
@@ -227,7 +234,7 @@ async def test_idempotent_calls_retry_connection_errors_a_bounded_number_of_time
         raise httpx.ConnectError("refused", request=request)
 
     with pytest.raises(EngineUnreachable):
-        await make_client(down).generate([1], {})
+        await make_client(down).complete([1], TWO)
     assert len(calls) == engine_calls.MAX_ATTEMPTS
 
     calls.clear()
@@ -277,7 +284,7 @@ async def test_admin_routes_send_the_key_and_memory_body() -> None:
     assert json.loads(seen[1][2]) == {"tags": None} and json.loads(seen[2][2]) == {"tags": ["weights"]}
 
 
-async def test_update_weights_from_disk_sends_sglang_body_key_and_timeout_and_raises_on_refusal() -> None:
+async def test_update_weights_sends_sglang_body_key_and_timeout_and_raises_on_refusal() -> None:
     seen: list[tuple[str | None, dict, float]] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -290,11 +297,10 @@ async def test_update_weights_from_disk_sends_sglang_body_key_and_timeout_and_ra
                                           "num_paused_requests": 0})
 
     client = make_client(handler, admin_api_key="k", weights_timeout_s=123)
-    out = await client.update_weights_from_disk("/merged", weight_version="v7")
-    assert out["success"] is True
+    assert await client.update_weights("/merged", version="v7") == "Succeeded to update model weights."
     assert seen[0] == ("Bearer k", {"model_path": "/merged", "abort_all_requests": False, "weight_version": "v7"}, 123)
     with pytest.raises(EngineResponseError, match="hidden_size=32") as info:
-        await client.update_weights_from_disk("/bad")
+        await client.update_weights("/bad")
     assert info.value.status_code == 400 and len(seen) == 2  # a refit is never retried
 
 
@@ -302,7 +308,7 @@ def sse(*events: object) -> bytes:
     return b"".join(f"data: {json.dumps(e) if not isinstance(e, str) else e}\n\n".encode() for e in events)
 
 
-async def test_generate_stream_yields_chunks_until_done() -> None:
+async def test_stream_yields_increments_until_done() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         assert json.loads(request.content)["stream"] is True
         return httpx.Response(
@@ -311,32 +317,45 @@ async def test_generate_stream_yields_chunks_until_done() -> None:
             headers={"content-type": "text/event-stream"},
         )
 
-    chunks = [c async for c in make_client(handler).generate_stream([1], {"max_new_tokens": 2})]
-    assert [c["output_ids"] for c in chunks] == [[5], [5, 6]]
+    pieces = [g async for g in make_client(handler).stream([1], TWO)]
+    assert [(g.token_ids, g.logprobs) for g in pieces] == [([5], [-0.5]), ([6], [-0.5])]
 
 
-async def test_generate_stream_error_event_raises_with_the_engine_message() -> None:
+async def test_stream_of_n_samples_names_each_increments_sample() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert json.loads(request.content)["sampling_params"]["n"] == 2
+        return httpx.Response(200, content=sse({**generate_reply([5]), "index": 1}, {**generate_reply([7]), "index": 0},
+                                               {**generate_reply([5, 6]), "index": 1}, "[DONE]"))
+
+    pieces = [(g.index, g.token_ids) async for g in make_client(handler).stream([1], TWO, n=2)]
+    assert pieces == [(1, [5]), (0, [7]), (1, [6])]
+
+
+async def test_stream_error_event_raises_with_the_engine_message() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, content=sse(generate_reply([5]), {"error": {"message": "oom"}}, "[DONE]"))
 
     got = []
     with pytest.raises(EngineResponseError, match="oom"):
-        async for chunk in make_client(handler).generate_stream([1], {}):
-            got.append(chunk)
+        async for piece in make_client(handler).stream([1], TWO):
+            got.append(piece)
     assert len(got) == 1
 
 
-async def test_generate_stream_http_error_before_the_stream() -> None:
+async def test_a_generation_naming_an_adapter_the_engine_lacks_is_adapter_missing() -> None:
+    """SGLang's 400 for an adapter it does not hold is tandem's fault (a 502 at the gateway), not the client's."""
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(400, json={"error": {"message": "Got LoRA adapter that has never been loaded"}})
 
-    with pytest.raises(EngineResponseError, match="never been loaded") as info:
-        async for _ in make_client(handler).generate_stream([1], {}, lora_name="x-v9"):
+    with pytest.raises(AdapterMissing, match="never been loaded") as info:
+        async for _ in make_client(handler).stream([1], TWO, adapter="x-v9"):
             pass
     assert info.value.status_code == 400
+    with pytest.raises(AdapterMissing):
+        await make_client(handler).complete([1], TWO, adapter="x-v9")
 
 
-async def test_generate_n_is_one_call_with_n_and_returns_the_samples_in_order() -> None:
+async def test_n_samples_are_one_call_with_n_and_come_back_in_order() -> None:
     seen: list[dict] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -347,17 +366,17 @@ async def test_generate_n_is_one_call_with_n_and_returns_the_samples_in_order() 
         return httpx.Response(200, json=[{**generate_reply([i]), "index": i} for i in reversed(range(n))])
 
     client = make_client(handler)
-    outs = await client.generate_n([1, 2], {"max_new_tokens": 1}, 3)
-    assert [o["output_ids"] for o in outs] == [[0], [1], [2]]
-    assert len(seen) == 1 and seen[0]["sampling_params"] == {"max_new_tokens": 1, "n": 3}
-    assert [o["output_ids"] for o in await client.generate_n([1], {"max_new_tokens": 1}, 1)] == [[1]]
+    outs = await client.complete([1, 2], Sampling(max_tokens=1), n=3)
+    assert [(o.index, o.token_ids) for o in outs] == [(0, [0]), (1, [1]), (2, [2])]
+    assert len(seen) == 1 and seen[0]["sampling_params"]["n"] == 3
+    assert [o.token_ids for o in await client.complete([1], Sampling(max_tokens=1))] == [[1]]
     assert "n" not in seen[1]["sampling_params"]
 
 
-async def test_generate_n_refuses_a_reply_with_the_wrong_number_of_samples() -> None:
+async def test_a_reply_with_the_wrong_number_of_samples_is_refused() -> None:
     client = make_client(lambda r: httpx.Response(200, json=[generate_reply([1])] * 2))
     with pytest.raises(EngineResponseError, match="answered 2 outputs for n=3"):
-        await client.generate_n([1], {}, 3)
+        await client.complete([1], TWO, n=3)
 
 
 async def test_generation_and_admin_calls_use_separate_pools() -> None:
@@ -372,8 +391,8 @@ async def test_generation_and_admin_calls_use_separate_pools() -> None:
 
         return httpx.AsyncClient(transport=httpx.MockTransport(handler))
 
-    client = EngineClient(pool("rollouts"), BASE, admin_http=pool("admin"))
-    await client.generate([1], {})
+    client = SGLangEngine(pool("rollouts"), BASE, admin_http=pool("admin"))
+    await client.complete([1], TWO)
     await client.load_adapter("a-v1", "/adapters/a/v1")
     assert await client.health()
     await client.loaded_adapters()

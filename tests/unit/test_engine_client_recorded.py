@@ -14,13 +14,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tandem_inference.engine_client import EngineClient
-from tandem_inference.errors import AdapterLoadRefused, EngineClientError, EngineResponseError, EngineTimeout
+from tandem_inference.engines.base import Sampling
+from tandem_inference.engines.sglang import SGLangEngine
+from tandem_inference.errors import AdapterLoadRefused, AdapterMissing, EngineClientError, EngineTimeout
 from tandem_inference.gateway.outputs import Output
 
 RECORDED = json.loads((Path(__file__).parents[1] / "fixtures" / "sglang-0.5.12.json").read_text())
 BY_NAME = {e["name"]: e for e in RECORDED["exchanges"]}
 URL = "http://sglang:30000"
+SIX = Sampling(max_tokens=6)
 
 
 def replay(name: str) -> httpx.MockTransport:
@@ -39,8 +41,8 @@ def replay(name: str) -> httpx.MockTransport:
     return httpx.MockTransport(handler)
 
 
-async def client_for(name: str, **kw: Any) -> EngineClient:
-    return EngineClient(httpx.AsyncClient(transport=replay(name)), URL, **kw)
+async def client_for(name: str, **kw: Any) -> SGLangEngine:
+    return SGLangEngine(httpx.AsyncClient(transport=replay(name)), URL, **kw)
 
 
 async def test_a_load_returns_its_latency() -> None:
@@ -67,9 +69,7 @@ async def test_refused_loads_carry_sglangs_message(name: str, fragment: str) -> 
 
 async def test_generate_with_an_adapter_gives_ids_and_logprobs() -> None:
     client = await client_for("generate_lora")
-    result = await client.generate([1, 18, 19, 20, 21], {"max_new_tokens": 6}, lora_name="rec-v1")
-    out = Output()
-    out.update(result)
+    (out,) = await client.complete([1, 18, 19, 20, 21], SIX, adapter="rec-v1")
     assert out.token_ids == BY_NAME["generate_lora"]["response"]["output_ids"]
     assert len(out.logprobs) == len(out.token_ids) == 6
     assert all(lp <= 0 for lp in out.logprobs)
@@ -78,8 +78,8 @@ async def test_generate_with_an_adapter_gives_ids_and_logprobs() -> None:
 
 async def test_an_adapter_never_loaded_is_an_engine_error_naming_it() -> None:
     client = await client_for("generate_unknown_adapter")
-    with pytest.raises(EngineResponseError) as info:
-        await client.generate([1, 2], {"max_new_tokens": 2}, lora_name="never-loaded")
+    with pytest.raises(AdapterMissing) as info:
+        await client.complete([1, 2], Sampling(max_tokens=2), adapter="never-loaded")
     assert info.value.status_code == 400
     assert "never been loaded: never-loaded" in info.value.engine_message
 
@@ -87,8 +87,8 @@ async def test_an_adapter_never_loaded_is_an_engine_error_naming_it() -> None:
 async def test_a_stream_folds_into_the_same_tokens() -> None:
     client = await client_for("generate_stream")
     out = Output()
-    async for chunk in client.generate_stream([1, 18, 19, 20, 21], {"max_new_tokens": 6}, lora_name="rec-v1"):
-        out.update(chunk)
+    async for piece in client.stream([1, 18, 19, 20, 21], SIX, adapter="rec-v1"):
+        out.update(piece)
     assert len(out.token_ids) == 6 and len(out.logprobs) == 6
     assert out.finish_reason == "length"
 
@@ -100,8 +100,8 @@ async def test_loaded_adapters_come_from_v1_models() -> None:
 
 
 async def test_server_info_tells_the_max_rank_and_health_is_an_empty_200() -> None:
-    info = await (await client_for("server_info")).server_info()
-    assert info["max_lora_rank"] == 16 and info["enable_lora"] is True
+    info = await (await client_for("server_info")).info()
+    assert info.max_lora_rank == 16 and info.context_length is None  # SGLang says only when set
     assert await (await client_for("health")).health() is True
 
 

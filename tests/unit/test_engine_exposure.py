@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tandem.settings import EngineSettings, GpuSettings, InferenceSettings
-from tandem_inference.sglang_launcher import sglang_argv
+from tandem_inference.engines.sglang_launcher import sglang_argv
 
 pytestmark = pytest.mark.unit
 

@@ -1,8 +1,9 @@
-"""How the gateway folds engine outputs (whole, or cumulative / incremental stream chunks) into choices."""
+"""How SGLang's outputs (whole, or cumulative / incremental stream chunks) become the gateway's choices."""
 
 from __future__ import annotations
 
 import pytest
+from helpers.sglang_chunks import Fed
 from pydantic import ValidationError
 
 from tandem_inference.gateway.outputs import Output, usage
@@ -19,7 +20,7 @@ def chunk(
 
 
 def test_a_whole_result() -> None:
-    out = Output()
+    out = Fed()
     out.update(chunk("abc", [4, 5, 6], 3, finish="length"))
     assert (out.text, out.token_ids, out.logprobs, out.finish_reason) == (
         "abc",
@@ -27,7 +28,7 @@ def test_a_whole_result() -> None:
         [-4.0, -5.0, -6.0],
         "length",
     )
-    other = Output()
+    other = Fed()
     other.update(
         {"text": "x", "output_ids": [9], "meta_info": {"finish_reason": {"type": "stop", "matched": 2}}}
     )
@@ -37,7 +38,7 @@ def test_a_whole_result() -> None:
 @pytest.mark.parametrize("cumulative", [True, False])
 def test_stream_chunks_cumulative_or_incremental_give_the_same_result(cumulative: bool) -> None:
     steps = [("He", [1]), ("llo", [2]), (" you", [3, 4])]
-    out, deltas, text, ids = Output(), [], "", []
+    out, deltas, text, ids = Fed(), [], "", []
     for n, (piece, new) in enumerate(steps):
         text, ids = text + piece, ids + new
         last = n == len(steps) - 1
@@ -53,7 +54,7 @@ def test_stream_chunks_cumulative_or_incremental_give_the_same_result(cumulative
 
 
 def test_half_decoded_characters_are_held_back() -> None:
-    out = Output()
+    out = Fed()
     assert out.update(chunk("a\ufffd", [1], 1)) == ("a", 0)
     assert out.update(chunk("a\u00e9", [1, 2], 2)) == ("\u00e9", 1)
     assert out.update(chunk(None, [1, 2, 3], 3, finish="length")) == ("", 2)  # no text in this chunk
@@ -87,14 +88,14 @@ def test_request_models() -> None:
 
 def test_cached_prompt_tokens_reach_the_usage() -> None:
     """SGLang's meta_info.cached_tokens becomes OpenAI's usage.prompt_tokens_details.cached_tokens."""
-    first, second = Output(), Output()
+    first, second = Fed(), Fed()
     c1 = chunk("a", [4], 1, finish="length")
     c1["meta_info"]["cached_tokens"] = 0
     c2 = chunk("b", [5], 1, finish="length")
     c2["meta_info"]["cached_tokens"] = 7
     first.update(c1)
     second.update(c2)
-    both = usage([1] * 8, [first, second])
+    both = usage([1] * 8, [first.out, second.out])
     assert both["prompt_tokens_details"] == {"cached_tokens": 7}
     assert (both["prompt_tokens"], both["completion_tokens"]) == (8, 2)
     assert usage([1, 2], [Output()])["prompt_tokens_details"] == {"cached_tokens": 0}

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem_inference.engine.runtime import HFEngine
-from tandem_inference.engine.sampling import SamplingParams
+from tandem_inference.engines.transformers.runtime import HFEngine
+from tandem_inference.engines.transformers.sampling import SamplingParams
 from tandem_inference.errors import (
     AdapterLoadFailed,
     AdapterNotLoaded,

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from tandem.settings import EngineSettings, GpuSettings, InferenceSettings
-from tandem_inference.sglang_launcher import sglang_argv, sglang_env
+from tandem_inference.engines.sglang_launcher import sglang_argv, sglang_env
 
 
 def settings(**engine) -> InferenceSettings:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from helpers.sglang_chunks import Fed
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
-from tandem_inference.gateway.outputs import Output
 from tandem_inference.stops import cut_at_stop, first_stop, sendable
 
 texts = st.text(alphabet="ab e8w\n", max_size=12)
@@ -62,26 +62,26 @@ def engine_chunks(texts: list[str], finish: str) -> list[dict]:
 
 def test_a_stop_string_across_two_tokens_is_never_streamed() -> None:
     # tokens " wvid", "e8", " w": the stop string "e8 w" spans the last two; the engine then cuts the text
-    out = Output(stops=["e8 w"])
+    out = Fed(stops=["e8 w"])
     deltas = [out.update(c)[0] for c in engine_chunks([" wvid", " wvide8", " wvid"], "stop")]
     assert "".join(deltas) == out.text == " wvid"
     assert deltas == [" wvid", "", ""]
 
 
 def test_a_held_back_start_that_was_no_stop_string_is_sent_later() -> None:
-    out = Output(stops=["e8 w"])
+    out = Fed(stops=["e8 w"])
     deltas = [out.update(c)[0] for c in engine_chunks([" wvid", " wvide8", " wvide8!"], "length")]
     assert deltas == [" wvid", "", "e8!"]
 
 
 def test_top_logprobs_follow_their_tokens_in_cumulative_and_incremental_chunks() -> None:
     top = [[[-0.5, 7, None], [-1.5, 8, None]], [[-0.1, 9, "x"], [-3.0, 7, None]]]
-    whole = Output()
+    whole = Fed()
     for n in (1, 2):
         whole.update({"text": "", "output_ids": [7, 9][:n], "meta_info": {
             "completion_tokens": n, "output_token_logprobs": [[-0.5, 7, None], [-0.1, 9, None]][:n],
             "output_top_logprobs": top[:n]}})
-    pieces = Output()
+    pieces = Fed()
     for n in (1, 2):
         pieces.update({"text": "", "output_ids": [[7], [9]][n - 1], "meta_info": {
             "completion_tokens": n, "output_token_logprobs": [[[-0.5, 7, None]], [[-0.1, 9, None]]][n - 1],

@@ -69,7 +69,7 @@ class ChatLogprobs(Body):
         return self
 
     @property
-    def top_logprobs_num(self) -> int:
+    def alternatives_per_token(self) -> int:
         """How many alternatives per token the reply lists (0: none)."""
         return (self.top_logprobs or 0) if self.logprobs else 0
 

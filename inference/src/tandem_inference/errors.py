@@ -15,8 +15,10 @@
         │   │   └── EngineTimeout      the engine did not answer within the call kind's timeout
         │   └── EngineResponseError    the engine answered an error status (or `success: false`);
         │       │                      carries the status and the engine's own message
-        │       └── AdapterLoadRefused the engine refused to load an adapter; carries its name
-        ├── EngineBootError            (SGLang launcher) the engine did not become healthy, its port is
+        │       ├── AdapterLoadRefused the engine refused to load an adapter; carries its name
+        │       └── AdapterMissing     a generation named an adapter the engine does not hold (a
+        │                              server fault: unloaded under it, or the engine restarted)
+        ├── EngineBootError            (engine launcher) the engine did not become healthy, its port is
         │                              taken, or it died more often than allowed
         ├── ModelNotFound              (gateway) a `model` that names no run or loaded version (404);
         │                              carries the known names
@@ -38,7 +40,7 @@ sees when it calls any engine over HTTP. An adapter the transformers engine refu
 
 Errors from torch, transformers and peft are translated where they enter tandem_inference,
 with a message that names the offending value and what to do. The engine client translates
-httpx errors and engine error bodies (engine_replies.py), the launcher OS and process errors,
+httpx errors and engine error bodies (engines/http_errors.py), the launcher OS and process errors,
 and Redis errors reach this package only as `tandem.errors.BackendUnavailable` (Registry,
 EventStream, Cursor, GpuLease, and `tandem.connection.translated` around the controller's own
 Redis calls). The inference side also raises these of the light package's tree on purpose:
@@ -55,7 +57,7 @@ class InferenceError(TandemError):
     """Root of every error the inference side raises on purpose."""
 
 
-# Raised by the transformers engine (tandem_inference.engine) ------------------------------
+# Raised by the transformers engine (tandem_inference.engines.transformers) ------------------------------
 
 
 class EngineError(InferenceError):
@@ -75,7 +77,7 @@ class AdapterLoadFailed(EngineError):
 
 
 class WeightsLoadFailed(EngineError):
-    """A checkpoint given to /update_weights_from_disk was refused; the old weights keep serving."""
+    """A full-weight checkpoint was refused; the old weights keep serving."""
 
 
 class EngineUnavailable(EngineError):
@@ -86,7 +88,7 @@ class EngineBusy(EngineError):
     """In-flight requests did not finish within the allowed time; nothing was changed."""
 
 
-# Raised by the engine client (engine_client.py, engine_replies.py) ------------------------
+# Raised by the engine clients (tandem_inference.engines) ---------------------------------
 
 
 class EngineClientError(InferenceError):
@@ -120,7 +122,11 @@ class AdapterLoadRefused(EngineResponseError):
         self.adapter = adapter
 
 
-# Raised by the SGLang launcher (sglang_launcher.py) ---------------------------------------
+class AdapterMissing(EngineResponseError):
+    """A generation named an adapter the engine does not hold: tandem's fault, not the client's."""
+
+
+# Raised by the engine launcher (engines/launcher.py) --------------------------------------
 
 
 class EngineBootError(InferenceError):

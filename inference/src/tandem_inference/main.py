@@ -5,12 +5,12 @@
 They share a process so that a version switch is an in-memory change of the routing table,
 not a Redis round trip per request. The engine is reached over HTTP only: with
 `engine.kind = sglang` this process also launches SGLang from its own environment and
-supervises it (`tandem_inference.sglang_launcher`); with `transformers` the engine runs
-separately (`tandem-engine`), or, with `engine.launch`, as this process's supervised child
-(one engine per replica). In shared GPU mode it also lends the GPU to the trainer on
-request (`tandem_inference.gpu_sharing`).
+supervises it (`tandem_inference.engines.own_engine`, `engines.launcher`); with `transformers`
+the engine runs separately (`tandem-engine`), or, with `engine.launch`, as this process's
+supervised child (one engine per replica). In shared GPU mode it also lends the GPU to the trainer on
+request (`tandem_inference.controller.gpu_sharing`).
 
-This module owns every lifecycle: it starts the engine (SGLang), the controller, the
+This module owns every lifecycle: it starts the replica's own engine, the controller, the
 background loops (engine supervision, GPU sharing) and then serves the gateway; when the
 gateway stops, whatever stopped it, they stop in the reverse order.
 """
@@ -34,8 +34,8 @@ from tandem.settings import GatewaySettings, InferenceSettings
 from tandem_inference.bodies import is_loopback
 
 if TYPE_CHECKING:
-    from tandem_inference.controller import Controller
-    from tandem_inference.engine_client import EngineClient
+    from tandem_inference.controller.service import Controller
+    from tandem_inference.engines.base import Engine
 
 log = logging.getLogger("tandem_inference.main")  # not __name__: that is "__main__" under python -m
 
@@ -52,15 +52,15 @@ async def serve(settings: InferenceSettings) -> None:
 
     from tandem.adapters import AdapterStore
     from tandem.registry import Registry
-    from tandem_inference.controller import Controller
-    from tandem_inference.engine_calls import ADMIN_CONNECTIONS, pool_limits
-    from tandem_inference.engine_client import EngineClient
+    from tandem_inference.controller.gpu_sharing import Admission, GpuSharing
+    from tandem_inference.controller.heartbeat import Heartbeat
+    from tandem_inference.controller.service import Controller
+    from tandem_inference.engines import connect, own_engine
+    from tandem_inference.engines.calls import ADMIN_CONNECTIONS, pool_limits
+    from tandem_inference.engines.launcher import Launcher
     from tandem_inference.gateway.app import create_gateway_app
     from tandem_inference.gateway.schemas import MAX_N
-    from tandem_inference.gpu_sharing import Admission, GpuSharing
-    from tandem_inference.heartbeat import Heartbeat
     from tandem_inference.routing import RoutingTable
-    from tandem_inference.sglang_launcher import Launcher
 
     t0 = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(settings.engine.model)
@@ -76,15 +76,17 @@ async def serve(settings: InferenceSettings) -> None:
             httpx.AsyncClient(limits=pool_limits(ADMIN_CONNECTIONS)) as http,
             contextlib.AsyncExitStack() as running,  # stops what started, newest first
         ):
-            engine = EngineClient.from_settings(rollouts, settings.engine, admin_http=http)
+            engine = connect(settings.engine, rollouts, admin_http=http)
             table = RoutingTable(settings.engine.served_model_name)
             jobs: list[Job] = []
             launcher = None
-            if settings.engine.kind == "sglang":
+            own = own_engine(settings)
+            if own is not None and own.log_name is not None:
                 log_dir = Path(settings.store.root).parent / "logs"
-                launcher = Launcher(settings, http, log_path=log_dir / "sglang.log", pid_path=log_dir / "sglang.pid")
-            elif settings.engine.launch:  # the transformers engine as this replica's own, logging to this output
-                launcher = Launcher(settings, http, argv=[sys.executable, "-m", "tandem_inference.engine"])
+                launcher = Launcher(settings, http, argv=own.argv, env=own.env,
+                                    log_path=log_dir / f"{own.log_name}.log", pid_path=log_dir / f"{own.log_name}.pid")
+            elif own is not None:  # logging to this process's output
+                launcher = Launcher(settings, http, argv=own.argv, env=own.env)
             if launcher is not None:
                 running.callback(launcher.stop)  # the engine stops with this service, whatever ends it
                 await launcher.start()
@@ -114,9 +116,9 @@ async def serve(settings: InferenceSettings) -> None:
         conn.close()
 
 
-async def _ready(engine: EngineClient, controller: Controller) -> bool:
+async def _ready(engine: Engine, controller: Controller) -> bool:
     """What /ready answers: the engine answers, the controller has reconciled, and this replica
-    serves what the other ready replicas serve (tandem_inference.agreement)."""
+    serves what the other ready replicas serve (tandem_inference.controller.agreement)."""
     return bool(controller.reconciled) and controller.agreement.in_rotation and bool(await engine.health())
 
 

@@ -3,7 +3,7 @@
 The controller and the gateway run in one process so that a version switch is a change to
 this table, not a Redis round trip per request. Per run it holds the loaded versions and
 the one the run's alias points at (the newest, or an older one while a newer one waits for the
-other replicas to hold it: tandem_inference.agreement), per version the number of requests in
+other replicas to hold it: tandem_inference.controller.agreement), per version the number of requests in
 flight, so the controller unloads a version only once nothing uses it.
 
 Model strings the gateway accepts:

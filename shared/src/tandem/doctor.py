@@ -31,7 +31,7 @@ from pathlib import Path
 IMPORTS: dict[str, tuple[str, ...]] = {
     "sglang": ("sglang", "torch", "transformers"),
     "trainer": ("torch", "peft", "transformers", "tandem_trainer.main"),
-    "tandem": ("tandem_inference.main", "tandem_inference.sglang_launcher"),
+    "tandem": ("tandem_inference.main", "tandem_inference.engines.sglang_launcher"),
 }
 # Installed on purpose without a pin: tandem's own packages (from the source tree) and the pip a
 # venv is created with.

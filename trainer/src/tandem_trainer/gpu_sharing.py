@@ -1,6 +1,6 @@
 """Shared mode, the trainer side: hold the GPU lease for the compute part of a job.
 
-The inference side (tandem_inference.gpu_sharing) drains and releases its GPU memory when it
+The inference side (tandem_inference.controller.gpu_sharing) drains and releases its GPU memory when it
 sees the request, then grants; the trainer computes only after the grant, renews the lease
 while it works (so a dead trainer's lease expires within one TTL), empties its CUDA cache
 and gives the lease back, upon which inference resumes.

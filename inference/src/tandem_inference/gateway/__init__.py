@@ -2,14 +2,14 @@
 
 Clients name a run (`model="digits"`), a pinned version (`digits@v7`) or the base model; the
 routing table picks the adapter. The gateway applies the chat template itself with the base
-model's tokenizer and calls the engine's native `/generate` with `input_ids`, so the response
+model's tokenizer and asks the engine (tandem_inference.engines) for prompt ids, so the response
 can carry the exact prompt and completion token ids and their logprobs for training, with no
 re-tokenisation anywhere. Responses are OpenAI-shaped (any OpenAI client works) plus a
 `tandem` object and `x-tandem-run` / `x-tandem-version` / `x-tandem-replica` headers saying which
 version of the run, on which replica, served.
 
-A request's `n` samples are one engine call (`sampling_params.n`), or n calls with
-`gateway.fan_out_n` (SGLang's unload can deadlock after n>1 sampling). Generation is admitted
+A request's `n` samples are one engine call, or n calls of one sample with `gateway.fan_out_n`
+(for engines whose unload can deadlock after n > 1 sampling). Generation is admitted
 within a budget (capacity.py): beyond it requests wait in a bounded queue, then are refused with
 429 and Retry-After. A client that leaves ends its engine calls, streamed or not, so the engine
 stops generating for nobody. Each request holds the in-flight count of its version until its

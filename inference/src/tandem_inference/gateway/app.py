@@ -14,25 +14,25 @@ from prometheus_client import CollectorRegistry
 
 from tandem.registry import Registry
 from tandem.settings import InferenceSettings
-from tandem_inference.engine_client import EngineClient
+from tandem_inference.controller.gpu_sharing import Admission
+from tandem_inference.engines.base import Engine
 from tandem_inference.gateway import routes
 from tandem_inference.gateway.body_limit import BodyLimit
 from tandem_inference.gateway.error_replies import install_error_handlers
 from tandem_inference.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from tandem_inference.gateway.service import Gateway
-from tandem_inference.gpu_sharing import Admission
 from tandem_inference.routing import RoutingTable
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from tandem_inference.controller import Controller
+    from tandem_inference.controller.service import Controller
 
 
 def create_gateway_app(
     settings: InferenceSettings,
     *,
-    engine: EngineClient,
+    engine: Engine,
     table: RoutingTable,
     tokenizer: PreTrainedTokenizerBase,
     registry: Registry,

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tandem.errors import BackendUnavailable
 from tandem_inference.bodies import error_response, invalid_request
 from tandem_inference.errors import (
+    AdapterMissing,
     EngineClientError,
     EngineResponseError,
     EngineUnreachable,
@@ -50,7 +51,7 @@ def error_reply(status: int, message: str, kind: str, *, param: str | None = Non
 def _refused_as_invalid(exc: EngineResponseError) -> bool:
     """Whether the engine refused a generation for what the client asked (a prompt longer than
     the context, ...): a 4xx about the request, not about an adapter it lacks (a server fault)."""
-    return exc.status_code in (400, 413, 422) and "never been loaded" not in exc.engine_message
+    return exc.status_code in (400, 413, 422) and not isinstance(exc, AdapterMissing)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,24 +1,22 @@
 """One admitted request's generation, and its engine calls: one call, or n calls fanned out.
 
-By default a request's n samples are one engine call (`sampling_params.n`), which the engine
-answers with n outputs or n interleaved streams, each chunk naming its sample's `index`. With
-`gateway.fan_out_n` they are n calls of one sample each (SGLang's unload can deadlock after
-n>1 sampling, sglang#36894). Either way the caller sees the samples in order, and when one
+By default a request's n samples are one engine call, which the engine answers with n outputs or
+n interleaved streams, each increment naming its sample's `index`. With
+`gateway.fan_out_n` they are n calls of one sample each (for engines whose unload can deadlock
+after n > 1 sampling: see the setting). Either way the caller sees the samples in order, and when one
 fails or the client leaves, every other call of the request ends too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tandem.logprobs import policy_temperature
-from tandem_inference.capacity import Permit
-from tandem_inference.engine_client import EngineClient
-from tandem_inference.errors import EngineResponseError
+from tandem_inference.engines.base import Engine, Generated, Sampling
+from tandem_inference.gateway.capacity import Permit
 from tandem_inference.gateway.schemas import Kind
 from tandem_inference.routing import Route, VersionHold
 
@@ -30,8 +28,7 @@ class Generation:
 
     kind: Kind
     input_ids: list[int]
-    params: dict[str, Any]
-    """Sampling parameters of /generate (max_new_tokens, temperature, top_p, stop, ...)."""
+    sampling: Sampling
     n: int
     logprobs: bool
     """Whether the reply lists token logprobs."""
@@ -45,7 +42,7 @@ class Generation:
     @property
     def policy_temperature(self) -> float:
         """The temperature whose distribution the engine's logprobs are under (1 for greedy)."""
-        return policy_temperature(self.params.get("temperature"))
+        return policy_temperature(self.sampling.temperature)
 
     def release(self) -> None:
         """Give back the version's in-flight count and the room; releasing twice is harmless."""
@@ -53,50 +50,35 @@ class Generation:
         self.permit.release()
 
 
-async def generate(engine: EngineClient, gen: Generation, *, fan_out: bool) -> list[dict[str, Any]]:
-    """The engine outputs of the n samples, in order: one call, or n calls with `fan_out`."""
+async def generate(engine: Engine, gen: Generation, *, fan_out: bool) -> list[Generated]:
+    """The n samples, whole, in order: one call, or n calls with `fan_out`."""
     adapter = gen.route.adapter
     if gen.n == 1 or not fan_out:
-        return await engine.generate_n(gen.input_ids, gen.params, gen.n, adapter)
-    calls = [asyncio.ensure_future(engine.generate(gen.input_ids, gen.params, adapter)) for _ in range(gen.n)]
+        return await engine.complete(gen.input_ids, gen.sampling, n=gen.n, adapter=adapter)
+    calls = [asyncio.ensure_future(engine.complete(gen.input_ids, gen.sampling, adapter=adapter))
+             for _ in range(gen.n)]
     try:
-        return list(await asyncio.gather(*calls))
+        return [replace(one, index=i) for i, (one,) in enumerate(await asyncio.gather(*calls))]
     finally:  # one sample failed (or the client left): the others stop too
         for call in calls:
             call.cancel()
         await asyncio.shield(asyncio.gather(*calls, return_exceptions=True))
 
 
-def stream(engine: EngineClient, gen: Generation, *, fan_out: bool) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
-    """The engine chunks of the n samples as (sample index, chunk): one call, or n with `fan_out`."""
+def stream(engine: Engine, gen: Generation, *, fan_out: bool) -> AsyncGenerator[Generated, None]:
+    """Increments of the n samples, each naming its sample: one call, or n with `fan_out`."""
     adapter, n = gen.route.adapter, gen.n
     if n > 1 and fan_out:
-        return _merge([engine.generate_stream(gen.input_ids, gen.params, adapter) for _ in range(n)])
-    params = {**gen.params, "n": n} if n > 1 else gen.params
-    return _indexed(engine.generate_stream(gen.input_ids, params, adapter), n)
+        return _merge([engine.stream(gen.input_ids, gen.sampling, adapter=adapter) for _ in range(n)])
+    return engine.stream(gen.input_ids, gen.sampling, n=n, adapter=adapter)
 
 
-async def _indexed(
-    stream: AsyncGenerator[dict[str, Any], None], n: int,
-) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
-    """One engine stream of n samples as (sample index, chunk): each chunk names its `index`."""
-    async with contextlib.aclosing(stream) as chunks:
-        async for chunk in chunks:
-            i = chunk.get("index", 0) if n > 1 else 0
-            if not isinstance(i, int) or not 0 <= i < n:
-                raise EngineResponseError(f"the engine streamed a chunk of sample {i!r}, expected 0..{n - 1}",
-                                          status_code=200)
-            yield i, chunk
-
-
-async def _merge(
-    streams: list[AsyncIterator[dict[str, Any]]],
-) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
-    """Interleave several engine streams as (index, chunk); the first error ends all of them."""
+async def _merge(streams: list[AsyncIterator[Generated]]) -> AsyncGenerator[Generated, None]:
+    """Interleave several one-sample streams, the i-th as sample i; the first error ends all of them."""
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, stream: AsyncIterator[dict[str, Any]]) -> None:
+    async def pump(i: int, stream: AsyncIterator[Generated]) -> None:
         try:
             async for item in stream:
                 await queue.put((i, item))
@@ -115,7 +97,8 @@ async def _merge(
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield i, item
+                item.index = i
+                yield item
     finally:
         for t in tasks:
             t.cancel()

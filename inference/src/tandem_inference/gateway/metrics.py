@@ -12,7 +12,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tandem_inference.capacity import Capacity
+from tandem_inference.gateway.capacity import Capacity
 from tandem_inference.gateway.schemas import Kind
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")

@@ -47,11 +47,11 @@ operations = APIRouter()
 
 @generation.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request, gw: GatewayDep) -> Response:
-    params = gw.sampling(body, body.max_completion_tokens or body.max_tokens)
+    sampling = gw.sampling(body, body.max_completion_tokens or body.max_tokens)
     if body.episode is not None:
-        turn = await gw.episode_turn(body, params["max_new_tokens"])
-        return await gw.serve(request, "chat", body, turn.input_ids, params, body.logprobs, episode=turn)
-    return await gw.serve(request, "chat", body, await gw.chat_ids(body), params, body.logprobs)
+        turn = await gw.episode_turn(body, sampling.max_tokens)
+        return await gw.serve(request, "chat", body, turn.input_ids, sampling, body.logprobs, episode=turn)
+    return await gw.serve(request, "chat", body, await gw.chat_ids(body), sampling, body.logprobs)
 
 
 EpisodeId = Annotated[str, PathParam(pattern=EPISODE_ID)]
@@ -76,9 +76,9 @@ async def delete_episode(episode_id: EpisodeId, gw: GatewayDep) -> Response:
 
 @generation.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, gw: GatewayDep) -> Response:
-    params = gw.sampling(body, body.max_tokens)
+    sampling = gw.sampling(body, body.max_tokens)
     prompt = await gw.completion_ids(body)
-    return await gw.serve(request, "text", body, prompt, params, body.logprobs is not None)
+    return await gw.serve(request, "text", body, prompt, sampling, body.logprobs is not None)
 
 
 @runs.get("/v1/models")

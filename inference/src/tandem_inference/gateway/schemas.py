@@ -140,7 +140,7 @@ class SamplingRequest(Body):
     stream: bool = False
 
     @property
-    def top_logprobs_num(self) -> int:
+    def alternatives_per_token(self) -> int:
         """How many alternatives per token the reply lists (0: none)."""
         return 0
 
@@ -197,5 +197,5 @@ class CompletionRequest(SamplingRequest):
     alternatives per token come back in `top_logprobs`."""
 
     @property
-    def top_logprobs_num(self) -> int:
+    def alternatives_per_token(self) -> int:
         return self.logprobs or 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse, Response
@@ -20,11 +20,12 @@ from tandem.errors import BackendUnavailable
 from tandem.registry import Registry
 from tandem.runs import RUN_NAME
 from tandem.settings import InferenceSettings
-from tandem_inference.capacity import Capacity
-from tandem_inference.engine_client import EngineClient
+from tandem_inference.controller.gpu_sharing import Admission
+from tandem_inference.engines.base import Engine, Sampling
 from tandem_inference.errors import ClientLeft, EngineClientError, ModelNotFound, Overloaded
 from tandem_inference.gateway import episodes, generation, prompts
 from tandem_inference.gateway.cancellation import unless_client_leaves
+from tandem_inference.gateway.capacity import Capacity
 from tandem_inference.gateway.episodes import EpisodeStore, Turn
 from tandem_inference.gateway.error_replies import error_reply
 from tandem_inference.gateway.generation import Generation
@@ -40,13 +41,12 @@ from tandem_inference.gateway.schemas import (
     SamplingRequest,
 )
 from tandem_inference.gateway.streaming import stream_reply
-from tandem_inference.gpu_sharing import Admission
 from tandem_inference.routing import RoutingTable, VersionHold, parse_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from tandem_inference.controller import Controller
+    from tandem_inference.controller.service import Controller
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 class Gateway:
     """What the routes share: engine, routing table, tokenizer, registry, controller, capacity."""
 
-    def __init__(self, settings: InferenceSettings, engine: EngineClient, table: RoutingTable,
+    def __init__(self, settings: InferenceSettings, engine: Engine, table: RoutingTable,
                  tokenizer: PreTrainedTokenizerBase, registry: Registry, controller: Controller | None,
                  admission: Admission | None = None, metrics: GatewayMetrics | None = None) -> None:
         self.settings = settings
@@ -129,29 +129,27 @@ class Gateway:
         """The engine's context length (asked once; None while the engine has not said)."""
         if self._engine_context is None:
             try:
-                context = (await self.engine.server_info()).get("context_length")
+                context = (await self.engine.info()).context_length
             except EngineClientError:
                 return None  # asked again next time
-            self._engine_context = context if type(context) is int and context > 0 else episodes.DEFAULT_MAX_TOKENS
+            self._engine_context = context or episodes.DEFAULT_MAX_TOKENS
         return self._engine_context
 
-    def sampling(self, body: SamplingRequest, max_tokens: int | None) -> dict[str, Any]:
-        """The engine's sampling parameters for `body`; a max_tokens above the limit is a 422."""
+    def sampling(self, body: SamplingRequest, max_tokens: int | None) -> Sampling:
+        """How `body` asks to sample; a max_tokens above the limit is a 422."""
         limit = self.settings.engine.max_new_tokens_limit
         max_tokens = max_tokens or min(DEFAULT_MAX_TOKENS, limit)  # a default never exceeds the limit
         if max_tokens > limit:
             raise HTTPException(422, f"max_tokens {max_tokens} is above the limit {limit} "
                                      "(settings.engine.max_new_tokens_limit)")
-        params: dict[str, Any] = {
-            "max_new_tokens": max_tokens,
-            "temperature": 1.0 if body.temperature is None else body.temperature,
-            "top_p": 1.0 if body.top_p is None else body.top_p,
-        }
-        if body.stop:
-            params["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
-        if body.top_logprobs_num:  # a request field of /generate: the engine client lifts it out
-            params["top_logprobs_num"] = body.top_logprobs_num
-        return params
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        return Sampling(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            stop=tuple(stop),
+            top_logprobs=body.alternatives_per_token,
+        )
 
     # episodes ---------------------------------------------------------------
     async def episode_turn(self, body: ChatRequest, max_new_tokens: int) -> Turn:
@@ -171,11 +169,11 @@ class Gateway:
 
     # responses --------------------------------------------------------------
     async def serve(self, request: Request, kind: Kind, body: SamplingRequest, input_ids: list[int],
-                    params: dict[str, Any], logprobs: bool, episode: Turn | None = None) -> Response:
+                    sampling: Sampling, logprobs: bool, episode: Turn | None = None) -> Response:
         """Admit, resolve the version and generate (and save the `episode` turn); 429 beyond
         capacity, 499 when the client left."""
         try:
-            serving = self._serve(request, kind, body, input_ids, params, logprobs, episode)
+            serving = self._serve(request, kind, body, input_ids, sampling, logprobs, episode)
             return await unless_client_leaves(request, serving)
         except Overloaded as exc:
             self.metrics.refused.labels(exc.reason).inc()
@@ -188,15 +186,15 @@ class Gateway:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
     async def _serve(self, request: Request, kind: Kind, body: SamplingRequest, input_ids: list[int],
-                     params: dict[str, Any], logprobs: bool, episode: Turn | None) -> Response:
-        permit = await self.capacity.acquire(body.n, body.n * params["max_new_tokens"])
+                     sampling: Sampling, logprobs: bool, episode: Turn | None) -> Response:
+        permit = await self.capacity.acquire(body.n, body.n * sampling.max_tokens)
         self.metrics.queue_wait.observe(permit.waited_s)
         try:
             hold = await self.checkout(body.model)
         except BaseException:
             permit.release()
             raise
-        gen = Generation(kind, input_ids, params, body.n, logprobs, hold, permit)
+        gen = Generation(kind, input_ids, sampling, body.n, logprobs, hold, permit)
         route = gen.route
         request.state.tandem_model = route.run or self.table.base_model
         headers = {"x-tandem-run": route.run or "", "x-tandem-version": str(route.version),

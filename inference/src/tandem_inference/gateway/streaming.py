@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tandem.errors import TandemError
-from tandem_inference.engine_client import EngineClient
+from tandem_inference.engines.base import Engine
 from tandem_inference.errors import EngineUnreachable
 from tandem_inference.gateway import generation
 from tandem_inference.gateway.error_replies import for_clients
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 async def stream_reply(
-    engine: EngineClient, gen: Generation, fmt: ResponseFormat, *, fan_out: bool, headers: dict[str, str],
+    engine: Engine, gen: Generation, fmt: ResponseFormat, *, fan_out: bool, headers: dict[str, str],
     on_client_left: Callable[[], None], tools: Collection[str] = (),
 ) -> EventStream:
     """The streamed reply of `gen` (a chat's calls of `tools` as `tool_calls` deltas); engine
@@ -48,13 +48,13 @@ async def stream_reply(
     return EventStream(first, events, headers={**headers, "cache-control": "no-cache"}, on_client_left=on_client_left)
 
 
-async def _events(engine: EngineClient, gen: Generation, fmt: ResponseFormat, *, fan_out: bool,
+async def _events(engine: Engine, gen: Generation, fmt: ResponseFormat, *, fan_out: bool,
                   tools: Collection[str]) -> AsyncGenerator[str, None]:
     kind, n, route = gen.kind, gen.n, gen.route
     calls = [StreamedCalls(tools if kind == "chat" else ()) for _ in range(n)]
     envelope = fmt.envelope(kind, route, stream=True)
     tag = {"run": route.run, "version": route.version}
-    outputs = [Output(stops=gen.params.get("stop") or ()) for _ in range(n)]
+    outputs = [Output() for _ in range(n)]
     finished = [False] * n
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
@@ -63,9 +63,10 @@ async def _events(engine: EngineClient, gen: Generation, fmt: ResponseFormat, *,
     merged = generation.stream(engine, gen, fan_out=fan_out)
     try:
         started = False
-        async for i, engine_chunk in merged:
+        async for new in merged:
+            i = new.index
             out = outputs[i]
-            delta, start = out.update(engine_chunk)
+            delta, start = out.update(new)
             if not started and kind == "chat":
                 started = True
                 yield chunk(fmt.role(n))

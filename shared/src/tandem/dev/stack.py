@@ -190,7 +190,7 @@ class Stack:
                                     ready=self._redis_ready))
         if not self.replicas:
             services += [
-                Service("engine", [py, "-m", "tandem_inference.engine"],
+                Service("engine", [py, "-m", "tandem_inference.engines.transformers"],
                         ready=lambda: self._engine_ready(self.engine_url)),
                 Service("inference", [py, "-m", "tandem_inference.main"],
                         ready=lambda: self._http_ok(f"{self.gateway_url}/ready")),
@@ -201,7 +201,7 @@ class Stack:
                    "TANDEM_GATEWAY__PORT": str(gateway_port), "TANDEM_REPLICA__ID": f"replica-{i}",
                    "TANDEM_REPLICA__URL": gateway_url}
             services += [
-                Service(f"engine-{i}", [py, "-m", "tandem_inference.engine"], env=env,
+                Service(f"engine-{i}", [py, "-m", "tandem_inference.engines.transformers"], env=env,
                         ready=functools.partial(self._engine_ready, engine_url)),
                 Service(f"inference-{i}", [py, "-m", "tandem_inference.main"], env=env,
                         ready=functools.partial(self._http_ok, f"{gateway_url}/ready")),

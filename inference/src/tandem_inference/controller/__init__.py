@@ -1,0 +1,1 @@
+"""The controller wing: it keeps the engine serving what Redis announces."""

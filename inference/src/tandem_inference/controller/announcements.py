@@ -1,0 +1,78 @@
+"""What the controller tells Redis: `adapter_held`, `adapter_loaded` and `adapter_rejected`, each run's status,
+load attempts.
+
+Clients wait on these (a synchronous `train()` returns on `adapter_loaded`), `tandem status`
+and the gateway's /v1/runs read the run status, and the attempt count keeps adapter names
+unique across controller restarts. Every write goes through the registry or the event stream,
+so every Redis error arrives as `BackendUnavailable`, naming the Redis URL.
+"""
+
+from __future__ import annotations
+
+from tandem.adapters import Manifest
+from tandem.events import Event, EventKind, EventStream
+from tandem.registry import Registry
+from tandem_inference.controller.metrics import ControllerMetrics
+from tandem_inference.routing import RoutingTable
+
+
+class Announcer:
+    """The controller's writes to Redis (and the gauges that mirror a run's status)."""
+
+    def __init__(self, registry: Registry, events: EventStream, table: RoutingTable,
+                 metrics: ControllerMetrics, *, replica: str = "") -> None:
+        self.registry = registry
+        self.replica = replica
+        """This replica's id: `adapter_loaded` and `adapter_rejected` name it."""
+        self.events = events
+        self.table = table
+        self.metrics = metrics
+
+    def next_attempt(self, run: str, version: int) -> int:
+        """The number of this load attempt of a version (0 first), counted in Redis.
+
+        A restarted controller so never reuses a name that the still running engine saw from
+        its predecessor.
+        """
+        return self.registry.next_load_attempt(run, version)
+
+    def loaded(self, manifest: Manifest, name: str, load_ms: float, ready_to_loaded_ms: float | None,
+               stages_ms: dict[str, float] | None = None) -> None:
+        """Record the run's serving version and append `adapter_loaded` for `manifest`'s version.
+
+        `stages_ms`: the load's stages (the checks before the engine saw it, the checksums
+        beside the engine's load), for anyone timing the sync path."""
+        self.registry.set_serving(manifest.run, self.table.serving(manifest.run))
+        data: dict[str, object] = {
+            "adapter": name,
+            "replica": self.replica,
+            "load_ms": round(load_ms, 3),
+            "ready_to_loaded_ms": None if ready_to_loaded_ms is None else round(ready_to_loaded_ms, 3),
+            "step": manifest.step,
+        }
+        if stages_ms:
+            data["stages_ms"] = {k: round(v, 3) for k, v in stages_ms.items()}
+        self.events.append(Event(
+            kind=EventKind.ADAPTER_LOADED, run=manifest.run, version=manifest.version, job_id=manifest.job_id,
+            data=data,
+        ))
+
+    def held(self, run: str, version: int, job_id: str | None, held_at: float) -> None:
+        """Append `adapter_held`: this replica loaded the version (at `held_at`, before its heartbeat
+        said so) and waits for the others to hold it."""
+        self.events.append(Event(kind=EventKind.ADAPTER_HELD, run=run, version=version, job_id=job_id,
+                                 data={"replica": self.replica, "held_at": held_at}))
+
+    def rejected(self, run: str, version: int | None, message: str, job_id: str | None) -> None:
+        """Append `adapter_rejected` with the reason."""
+        event = Event(kind=EventKind.ADAPTER_REJECTED, run=run, version=version, job_id=job_id,
+                      data={"message": message, "replica": self.replica})
+        self.events.append(event)
+
+    def write_status(self, run: str) -> None:
+        """Record the run's serving and loaded versions, in Redis and in the gauges."""
+        serving, loaded = self.table.serving(run), self.table.loaded(run)
+        self.registry.set_serving(run, serving)
+        self.registry.set_loaded(run, loaded)
+        self.metrics.serving.labels(run).set(serving)
+        self.metrics.loaded.labels(run).set(len(loaded))

@@ -1,0 +1,58 @@
+"""The command line and environment that start SGLang for a replica (run by engines/launcher.py)."""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlparse
+
+from tandem.settings import InferenceSettings
+
+
+def sglang_argv(settings: InferenceSettings) -> list[str]:
+    """The `sglang.launch_server` command line for these settings."""
+    eng = settings.engine
+    url = urlparse(eng.url)
+    argv = [
+        eng.sglang_python, "-m", "sglang.launch_server",
+        "--model-path", eng.model,
+        "--served-model-name", eng.served_model_name,
+        "--host", url.hostname or "127.0.0.1",
+        "--port", str(url.port or 30000),
+        "--enable-lora",
+        "--max-lora-rank", str(eng.max_lora_rank),
+        "--lora-target-modules", *eng.lora_target_modules,
+        "--max-loras-per-batch", str(eng.max_loras_per_batch),
+        "--max-loaded-loras", str(max(eng.max_loaded_adapters, eng.max_loras_per_batch)),
+        "--lora-backend", eng.lora_backend,
+        "--tp-size", str(eng.tp_size),
+        "--enable-metrics",
+        "--enable-cache-report",
+        # NOTE: dynamic LoRA loading breaks with more than one tokenizer worker (SGLang #31084, 0.5.x).
+        "--tokenizer-worker-num", "1",
+    ]
+    if eng.admin_api_key is not None:
+        argv += ["--admin-api-key", eng.admin_api_key.get_secret_value()]
+    if eng.mem_fraction_static is not None:
+        argv += ["--mem-fraction-static", str(eng.mem_fraction_static)]
+    if settings.gpus.mode == "shared":
+        argv.append("--enable-memory-saver")
+        if "weights" in settings.gpus.release_tags:
+            # Released weights come back as garbage unless SGLang keeps a CPU copy to restore.
+            argv.append("--enable-weights-cpu-backup")
+    if eng.disable_cuda_graph:
+        argv.append("--disable-cuda-graph")
+    elif eng.cuda_graph_max_bs is not None:
+        argv += ["--cuda-graph-max-bs", str(eng.cuda_graph_max_bs)]
+    return argv + list(eng.extra_args)
+
+
+def sglang_env(settings: InferenceSettings, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    if settings.gpus.mode != "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in settings.gpus.inference)
+    # /health as a liveness check: the default one-token generation fails while the scheduler is busy.
+    env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
+    # tandem's logprob convention (tandem.logprobs): the temperature-scaled distribution, which is
+    # SGLang's default; "true" would return the unscaled one and break every ratio at T != 1.
+    env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "false"
+    return env
