@@ -400,7 +400,7 @@ def test_serving_the_gateway_app_starts_no_controller(
     """The inference service (tandem_inference.main) starts and stops the controller; the gateway
     app only reads it (for /ready and /metrics), so serving the app alone leaves it unstarted."""
     from tandem_inference.controller.service import Controller
-    from tandem_inference.engines.sglang import TransformersEngine
+    from tandem_inference.engines.transformers.client import TransformersEngine
     from tandem_inference.gateway.app import create_gateway_app
     from tandem_inference.routing import RoutingTable
 
