@@ -312,6 +312,11 @@ class TrainerBackendSettings(BaseModel):
     """Token budget of one micro-batch (padded tokens); larger batches accumulate gradients."""
     gradient_checkpointing: bool = True
     """Recompute activations in backward on CUDA (less memory, ~30% more compute); ignored on CPU."""
+    step_breakdown: bool = False
+    """Time each stage of a training step (the order to the other ranks, packing, forward and
+    backward of each micro-batch, the ranks' settle, the gradient all-reduce, the optimizer, staging
+    the adapter) with a device synchronise around each, into each version's metrics as
+    `stage_<name>_s`. The synchronises cost time of their own: for measuring, not for training."""
     adapter_dtype: Literal["float32", "auto", "bfloat16", "float16"] = "auto"
     """Dtype of the published adapter weights, the bytes on the path to serving. `auto` is the
     trainer's compute dtype: bfloat16 on GPUs that have it (engines serve in it anyway), float32
