@@ -36,3 +36,15 @@ def make_job(job_id: str | None = None, *, run: str = RUN, step: int = 1, versio
 
 def status(conn: redis.Redis, job_id: str) -> JobStatus | None:
     return Job.fetch(job_id, connection=conn, serializer=JSONSerializer).get_status()
+
+
+def uneven_job(run: str, step: int) -> TrainJob:
+    """Step `step` of the data-parallel parity tests: 3 groups of 4, prompts and completions of
+    uneven lengths, so that a job packs into several micro-batches of different sizes to share."""
+    job = make_job(f"{run}-{step}", run=run, step=step, groups=3, size=4, prompt=5 + 3 * step,
+                   completion=6 + step, seed=step)
+    for g, group in enumerate(job.groups):
+        for t, traj in enumerate(group.trajectories):
+            traj.completion_ids = traj.completion_ids[: 3 + (g * 4 + t) % 6]
+            traj.rollout_logprobs = traj.rollout_logprobs[: len(traj.completion_ids)]
+    return job

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.jobs import make_job, status
+from helpers.jobs import make_job, status, uneven_job
 from helpers.workers import WorkerProcess, wait_for
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -40,13 +40,7 @@ def train(conn, worker: WorkerProcess, run: str, steps: int) -> list[TrainResult
     """Train `steps` jobs of run `run`, one after the other (each from the version before)."""
     results = []
     for step in range(1, steps + 1):
-        # uneven lengths: several micro-batches of different sizes to share between the ranks
-        job = make_job(f"{run}-{step}", run=run, step=step, groups=3, size=4, prompt=5 + 3 * step,
-                       completion=6 + step, seed=step)
-        for g, group in enumerate(job.groups):
-            for t, traj in enumerate(group.trajectories):
-                traj.completion_ids = traj.completion_ids[: 3 + (g * 4 + t) % 6]
-                traj.rollout_logprobs = traj.rollout_logprobs[: len(traj.completion_ids)]
+        job = uneven_job(run, step)  # several micro-batches of different sizes to share between the ranks
         enqueue(conn, job)
         wait_for(lambda job=job: status(conn, job.job_id) == JobStatus.FINISHED, 180, f"job {job.job_id}", worker)
         done = Job.fetch(job.job_id, connection=conn, serializer=JSONSerializer).return_value()
@@ -145,3 +139,32 @@ def test_a_killed_rank_0_leaves_its_job_to_the_restarted_ranks(workers, redis_co
     assert (result.version, result.parent, result.metrics["ranks"]) == (1, 0, 2.0)
     assert [m.version for m in Registry(redis_conn).manifests("leader")] == [1]
     assert ranked.stop() == 0
+
+
+def test_a_config_error_in_a_rank_ends_the_trainer_instead_of_restarting_it(workers, redis_conn) -> None:
+    """Rank 0 finds its worker name held by a live trainer (a configuration error that only a rank
+    meets): the launcher stops every rank and exits with 2 and the message, not after
+    `max_restarts` starts."""
+    from tandem import keys
+
+    redis_conn.set(keys.trainer_alive("taken"), "another-trainer", ex=600)
+    ranked = workers({**TWO_RANKS, "TANDEM_WORKER_NAME": "taken", "TANDEM_PARALLEL__MAX_RESTARTS": "100"})
+    assert ranked.wait_dead(180) == 2
+    log = ranked.log()
+    assert "trainer cannot run: rank 0: a trainer worker named 'taken' is alive" in log
+    assert "a configuration error is not restarted" in log
+    assert log.count("parallel.start rank=0 world=2") <= 2  # the start that met it, at most one more
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"TANDEM_BACKEND__KIND": "unsloth"}, "backend.kind='unsloth' cannot be used: the Unsloth backend needs CUDA"),
+    ({"TANDEM_REDIS__URL": "redis://127.0.0.1:1/0", "TANDEM_REDIS_OUTAGE_S": "1"},
+     "Redis at 'redis://127.0.0.1:1/0' does not answer"),
+])
+def test_what_every_rank_would_fail_on_ends_the_trainer_before_torchrun(workers, env: dict[str, str],
+                                                                          message: str) -> None:
+    ranked = workers({**TWO_RANKS, **env})
+    assert ranked.wait_dead(120) == 2
+    log = ranked.log()
+    assert "trainer cannot run:" in log and message in log, log[-3000:]
+    assert "trainer.launch" not in log and "parallel.start" not in log

@@ -452,3 +452,48 @@ def test_every_container_requests_and_limits_memory(rendered: tuple[str, list[di
             if request is None or limit is None or parse_quantity(limit) < parse_quantity(request):
                 missing.append(f"{name}/{container['name']}: request {request}, limit {limit}")
     assert missing == []
+
+
+def test_a_trainer_of_several_nodes_is_a_stateful_set_that_meets_at_its_headless_service(tmp_path: Path) -> None:
+    docs = render("gpu-trainer-nodes")
+    path = tmp_path / "gpu-trainer-nodes.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    checked = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", "--quiet", "-k", KUBERNETES_VERSION, str(path)], capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert not [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "trainer"]
+    trainer = find(docs, "StatefulSet", "trainer")
+    service = find(docs, "Service", trainer["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == trainer["spec"]["selector"]["matchLabels"]
+    [container] = trainer["spec"]["template"]["spec"]["containers"]
+    env = env_of(container)
+    nodes = trainer["spec"]["replicas"]
+    assert nodes > 1 and env["TANDEM_PARALLEL__NODES"] == str(nodes)
+    host, port = env["TANDEM_PARALLEL__RENDEZVOUS_ENDPOINT"].split(":")
+    assert host == f"trainer-0.{service['metadata']['name']}"  # the StatefulSet's first pod
+    assert int(port) in [p["port"] for p in service["spec"]["ports"]]
+    assert int(port) in [p["containerPort"] for p in container["ports"]]
+    assert env["TANDEM_PARALLEL__NODE_ADDRESS"] == f"$(POD_NAME).{service['metadata']['name']}"
+    names = [e["name"] for e in container["env"]]
+    assert names.index("POD_NAME") < names.index("TANDEM_PARALLEL__NODE_ADDRESS")  # defined before it is used
+    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+    assert env["TANDEM_PARALLEL__RANKS"] == str(gpus)
+    from tandem.settings import ParallelSettings
+
+    ParallelSettings(nodes=nodes, ranks=gpus, rendezvous_endpoint=env["TANDEM_PARALLEL__RENDEZVOUS_ENDPOINT"],
+                     node_address=f"trainer-1.{service['metadata']['name']}")  # values the trainer accepts
+    # the ranks reach each other (every port: store, gloo and NCCL take free ones) and nothing else does
+    policies = [d["spec"] for d in docs if d["kind"] == "NetworkPolicy"
+                and d["spec"]["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/component") == "trainer"]
+    assert policies == [{"podSelector": {"matchLabels": {"app.kubernetes.io/component": "trainer"}},
+                         "policyTypes": ["Ingress"],
+                         "ingress": [{"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/component": "trainer"}}}]}]}]
+    assert find(docs, "PersistentVolumeClaim", "adapters")["spec"]["accessModes"] == ["ReadWriteMany"]  # rank 0 on any pod
+    gpu = render("gpu")
+    ours = {("Service", "trainer-ranks"), ("NetworkPolicy", "trainer-from-trainer"), ("StatefulSet", "trainer")}
+    assert [d for d in docs if (d["kind"], d["metadata"]["name"]) not in ours] == [
+        d for d in gpu if (d["kind"], d["metadata"]["name"]) != ("Deployment", "trainer")]
+    for check in (test_nothing_runs_as_root, test_no_secret_is_inline, test_every_container_requests_and_limits_memory):
+        check(("gpu", docs))

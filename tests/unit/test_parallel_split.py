@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from tandem.settings import GpuSettings, ParallelSettings, TrainerSettings
 from tandem_trainer.errors import TrainerConfigError
-from tandem_trainer.main import torchrun_args
+from tandem_trainer.launcher import launch_env, torchrun_args
 from tandem_trainer.microbatch import pack, split_budget
 from tandem_trainer.parallel import Group
 
@@ -65,9 +65,43 @@ def test_ranks_that_do_not_fit_the_gpus_are_refused_with_both_values_named(monke
 
 
 def test_torchrun_starts_the_trainer_module_once_per_rank_on_this_machine() -> None:
-    args = torchrun_args(4, 7, ["--burst"])
+    args = torchrun_args(ParallelSettings(ranks=4, max_restarts=7), 4, ["--burst"])
     assert args[:3] == ["--standalone", "--nproc-per-node=4", "--max-restarts=7"]
     assert args[-3:] == ["--module", "tandem_trainer.main", "--burst"]
+    env = launch_env(ParallelSettings(ranks=4))
+    assert (env["GLOO_SOCKET_IFNAME"], env["NCCL_SOCKET_IFNAME"]) == ("lo", "lo")
+
+
+def test_several_nodes_meet_at_the_rendezvous_endpoint_instead_of_on_loopback() -> None:
+    parallel = ParallelSettings(ranks=2, nodes=3, rendezvous_endpoint="trainer-0.trainer-ranks:29400",
+                                rendezvous_id="run-a", node_address="10.0.0.7", rendezvous_timeout_s=60)
+    args = torchrun_args(parallel, 2, [])
+    assert "--standalone" not in args
+    assert args[:6] == ["--rdzv-backend=c10d", "--rdzv-endpoint=trainer-0.trainer-ranks:29400", "--rdzv-id=run-a",
+                        "--nnodes=3", "--rdzv-conf=join_timeout=60", "--local-addr=10.0.0.7"]
+    assert "--nproc-per-node=2" in args
+    assert parallel.total(GpuSettings(mode="cpu")) == 6
+    env = launch_env(parallel)
+    assert "GLOO_SOCKET_IFNAME" not in env and env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+def test_several_nodes_without_an_endpoint_or_with_a_bad_one_are_refused() -> None:
+    with pytest.raises(ValidationError, match="parallel.nodes=2 but parallel.rendezvous_endpoint is unset"):
+        ParallelSettings(nodes=2)
+    with pytest.raises(ValidationError, match="rendezvous_endpoint"):
+        ParallelSettings(nodes=2, rendezvous_endpoint="trainer-0")  # no port
+    with pytest.raises(ValidationError, match="rendezvous_endpoint"):
+        ParallelSettings(nodes=2, rendezvous_endpoint="http://trainer-0:29400")
+
+
+def test_every_rank_names_its_start_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem_trainer.parallel import start_key
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    monkeypatch.setenv("MASTER_ADDR", "trainer-0")
+    monkeypatch.setenv("MASTER_PORT", "41234")
+    assert start_key(agent_store=True) == "3"  # one machine: the agent's store, torchrun's count
+    assert start_key(agent_store=False) == "trainer-0:41234"  # several: a new store and port per start
 
 
 def test_a_failpoint_named_for_a_rank_fires_in_that_rank_and_only_in_its_first_start(

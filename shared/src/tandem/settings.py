@@ -312,6 +312,11 @@ class TrainerBackendSettings(BaseModel):
     """Token budget of one micro-batch (padded tokens); larger batches accumulate gradients."""
     gradient_checkpointing: bool = True
     """Recompute activations in backward on CUDA (less memory, ~30% more compute); ignored on CPU."""
+    step_breakdown: bool = False
+    """Time each stage of a training step (the order to the other ranks, packing, forward and
+    backward of each micro-batch, the ranks' settle, the gradient all-reduce, the optimizer, staging
+    the adapter) with a device synchronise around each, into each version's metrics as
+    `stage_<name>_s`. The synchronises cost time of their own: for measuring, not for training."""
     adapter_dtype: Literal["float32", "auto", "bfloat16", "float16"] = "auto"
     """Dtype of the published adapter weights, the bytes on the path to serving. `auto` is the
     trainer's compute dtype: bfloat16 on GPUs that have it (engines serve in it anyway), float32
@@ -325,20 +330,50 @@ class ParallelSettings(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True)
 
     ranks: int | None = Field(None, ge=1, le=64)
-    """Trainer processes, started by torchrun. Unset: one per GPU of `gpus.trainer` in split mode,
-    else 1. Rank 0 takes jobs from the queue and publishes; every rank trains a share of each
-    job's micro-batches and the gradients are summed across ranks before the optimizer step
-    (NCCL on GPUs, gloo on the CPU). Every rank needs the model in its own memory."""
+    """Trainer processes on this machine, started by torchrun. Unset: one per GPU of `gpus.trainer`
+    in split mode, else 1. Rank 0 takes jobs from the queue and publishes; every rank trains a
+    share of each job's micro-batches and the gradients are summed across ranks before the
+    optimizer step (NCCL on GPUs, gloo on the CPU). Every rank needs the model in its own memory."""
     max_restarts: int = Field(100, ge=0, le=100000)
     """How often torchrun starts the ranks again after one of them failed (a job in flight fails
     with a message naming the rank); past it the trainer exits and its container's restart policy
     takes over."""
+    nodes: int = Field(1, ge=1, le=256)
+    """Machines (containers, pods) whose ranks train as one group: each runs `tandem-trainer` with
+    the same settings and `ranks` ranks, so the group has `nodes x ranks` ranks. Above 1 the nodes
+    meet at `rendezvous_endpoint` (torchrun's c10d rendezvous) instead of on loopback."""
+    rendezvous_endpoint: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9.\-]*:[0-9]{1,5}$")
+    """`host:port` where the nodes meet (torchrun `--rdzv-endpoint`): the node whose host name or
+    address this is hosts the rendezvous store on that port, the others connect to it. Required
+    when `nodes` is above 1; unset, the ranks of one machine meet on loopback (`--standalone`)."""
+    rendezvous_id: str = Field("tandem-trainer", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+    """Name of the group at the rendezvous (torchrun `--rdzv-id`): the same on every node of one
+    trainer, another for a second trainer that meets at the same endpoint."""
+    node_address: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9.\-:]*$")
+    """Host name or address by which the other nodes reach this one (torchrun `--local-addr`);
+    unset: this machine's fully qualified host name, which must resolve on the other nodes."""
+    rendezvous_timeout_s: int = Field(900, ge=10, le=86400)
+    """How long a node waits at the rendezvous for the others, in seconds, at start and after a
+    restart; past it the node's trainer exits."""
 
     def world(self, gpus: GpuSettings) -> int:
-        """How many ranks train: `ranks`, or one per trainer GPU in split mode."""
+        """How many ranks train on this machine: `ranks`, or one per trainer GPU in split mode."""
         if self.ranks is not None:
             return self.ranks
         return len(gpus.trainer) if gpus.mode == "split" else 1
+
+    def total(self, gpus: GpuSettings) -> int:
+        """How many ranks the group has, on every node together."""
+        return self.world(gpus) * self.nodes
+
+    @model_validator(mode="after")
+    def _nodes_meet_somewhere(self) -> ParallelSettings:
+        if self.nodes > 1 and self.rendezvous_endpoint is None:
+            raise ValueError(
+                f"parallel.nodes={self.nodes} but parallel.rendezvous_endpoint is unset; the nodes "
+                "need a host:port to meet at (TANDEM_PARALLEL__RENDEZVOUS_ENDPOINT, e.g. trainer-0:29400)"
+            )
+        return self
 
 
 #: Where `tandem up` (run from this directory) writes the gateway and Redis URLs of its stack.
@@ -382,6 +417,11 @@ class TrainerSettings(_ServiceSettings):
     @model_validator(mode="after")
     def _ranks_fit_gpus(self) -> TrainerSettings:
         ranks = self.parallel.ranks
+        if self.parallel.nodes > 1 and self.gpus.mode == "shared":
+            raise ValueError(
+                f"parallel.nodes={self.parallel.nodes} in shared mode: the trainer shares the one "
+                "inference GPU; training on several nodes needs split (or cpu) mode"
+            )
         if ranks is None or ranks == 1:
             return self
         if self.gpus.mode == "shared":

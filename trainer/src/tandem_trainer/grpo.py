@@ -80,7 +80,14 @@ class LossTerms:
 
     loss: torch.Tensor
     """Scalar to call backward() on: this micro-batch's share of the job's per-token loss."""
-    sums: dict[str, float]
+    totals: dict[str, torch.Tensor]
+    """The masked sums as 0-d tensors on the loss's device: reading them is left to the caller,
+    once per step, so that a step does not wait for the device after every micro-batch."""
+
+    @property
+    def sums(self) -> dict[str, float]:
+        """The masked sums as numbers (waits for the device)."""
+        return {key: float(value) for key, value in self.totals.items()}
 
 
 def grpo_loss(
@@ -107,9 +114,8 @@ def grpo_loss(
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     advantages = advantages.to(logprobs.dtype).expand_as(logprobs)
-    tokens = float(mask.sum())
-    if normalizer is None:
-        normalizer = max(tokens, 1.0)
+    tokens = mask.sum()
+    scale: float | torch.Tensor = tokens.clamp(min=1.0) if normalizer is None else normalizer
 
     log_ratio = (logprobs - rollout_logprobs.to(logprobs.dtype)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
@@ -117,14 +123,14 @@ def grpo_loss(
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
 
-    sums: dict[str, float] = {}
+    sums: dict[str, torch.Tensor] = {}
     if ref_logprobs is not None and kl_coef > 0:
         ref_log_ratio = (ref_logprobs.to(logprobs.dtype) - logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         ref_kl = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0  # k3: unbiased, always >= 0
         per_token = per_token + kl_coef * ref_kl
-        sums["ref_kl"] = float((ref_kl.detach() * mask).sum())
+        sums["ref_kl"] = (ref_kl.detach() * mask).sum()
 
-    loss = (per_token * mask).sum() / normalizer
+    loss = (per_token * mask).sum() / scale
     with torch.no_grad():
         ratio_d = ratio.detach()
         is_clipped = ((advantages > 0) & (ratio_d > 1.0 + clip_high)) | (
@@ -132,13 +138,13 @@ def grpo_loss(
         )
         sums.update(
             tokens=tokens,
-            loss=float((per_token.detach() * mask).sum()),
-            clipped=float((is_clipped.to(mask.dtype) * mask).sum()),
-            ratio=float((ratio_d * mask).sum()),
+            loss=(per_token.detach() * mask).sum(),
+            clipped=(is_clipped.to(mask.dtype) * mask).sum(),
+            ratio=(ratio_d * mask).sum(),
             # k3 estimate of KL(rollout || current) on tokens the rollout policy sampled.
-            approx_kl=float(((ratio_d - 1.0 - log_ratio.detach()) * mask).sum()),
+            approx_kl=((ratio_d - 1.0 - log_ratio.detach()) * mask).sum(),
         )
-    return LossTerms(loss=loss, sums=sums)
+    return LossTerms(loss=loss, totals=sums)
 
 
 @dataclass

@@ -39,6 +39,7 @@ from tandem_trainer.microbatch import Sample
 from tandem_trainer.parallel import Group
 from tandem_trainer.publisher import Publisher
 from tandem_trainer.run_lock import RunLock
+from tandem_trainer.stage_clock import StageClock
 from tandem_trainer.step import StepOrder, train_step
 from tandem_trainer.turns import check_trained_spans
 
@@ -280,21 +281,26 @@ class Trainer:
             version_dir=str(self.store.version_dir(job.run, parent)) if parent else None,
             budget=self.settings.backend.micro_batch_tokens,
         )
+        clock = StageClock(self.backend.synchronize if self.settings.backend.step_breakdown else None)
         if self.group is not None:
-            self.group.send("step", order=order.model_dump(mode="json"))
-        step = train_step(self.backend, order, self.group)
+            with clock.stage("order"):
+                self.group.send("step", order=order.model_dump(mode="json"))
+        step = train_step(self.backend, order, self.group, clock)
         train_s = time.perf_counter() - started
         stepped_at = time.time()
-        adapter = self.backend.stage_adapter()
+        with clock.stage("stage_adapter"):
+            adapter = self.backend.stage_adapter()
         metrics = {
             **step.stats.metrics(), **reward_stats(rewards), "grad_norm": step.grad_norm,
             "tokens": float(step.tokens), "sequences": float(len(samples)),
+            "sequence_tokens": float(sum(s.length for s in samples)),
             "groups": float(len(job.groups)), "zero_advantage_groups": float(flat_groups),
             "microbatches": float(step.microbatches), "epochs": float(spec.loss.epochs), "train_s": train_s,
             "ranks": float(self.group.world if self.group is not None else 1),
         }
         if gpu_wait_s is not None:
             metrics["gpu_wait_s"] = gpu_wait_s
+        metrics.update(clock.metrics())
         manifest = Manifest(
             run=job.run, version=latest + 1, parent=parent, step=job.step, job_id=job.job_id,
             base_model=spec.base_model, lora_rank=spec.lora.r, metrics=metrics,

@@ -16,8 +16,9 @@ follow rank 0's orders (step.py):
 - `stop`: rank 0's worker is shutting down.
 
 Orders and notes travel as JSON over a gloo group (nothing is unpickled), gradients over the
-default group: NCCL when each rank has its own GPU, gloo on the CPU. gloo binds to loopback
-(`GLOO_SOCKET_IFNAME=lo`): the ranks of one trainer run on one machine. A rank that dies breaks
+default group: NCCL when each rank has its own GPU, gloo on the CPU. On one machine gloo and
+NCCL bind to loopback (`GLOO_SOCKET_IFNAME=lo`); with several nodes (launcher.py) they take the
+interface of the host name, and rank 0 may be on any node. A rank that dies breaks
 the group: the next collective of the others fails at once (gloo sees the closed connection),
 rank 0 fails the job in flight with `RanksLost`, and every rank exits, so that torchrun starts
 the group again; a job's retry then runs on the new group.
@@ -194,12 +195,22 @@ def _attempt_store(rank: int, world: int) -> dist.Store:  # type: ignore[name-de
     """torchrun's store, with keys of this start of the ranks only.
 
     After a restart the ranks would otherwise read the addresses the previous start wrote
-    there and fail to connect (pytorch#167288); torchrun numbers the starts
-    (TORCHELASTIC_RESTART_COUNT), so each start gets its own prefix."""
+    there and fail to connect (pytorch#167288), so each start gets its own prefix (`start_key`)."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts it
     store = dist.TCPStore(  # type: ignore[attr-defined]
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
         is_master=not agent and rank == 0, timeout=timedelta(seconds=300), multi_tenant=not agent,
     )
-    start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"tandem/start-{start}", store)  # type: ignore[attr-defined]
+    return dist.PrefixStore(f"tandem/start-{start_key(agent)}", store)  # type: ignore[attr-defined]
+
+
+def start_key(agent_store: bool) -> str:
+    """A name of this start of the ranks that every rank reads alike from its environment.
+
+    With the agent's store (one machine) it is torchrun's restart count. With several nodes the
+    counts differ (a node whose rank did not fail restarts without counting), but then the store
+    is new at every start, hosted by rank 0 on a port of its own (launcher.py): its port names
+    the start."""
+    if agent_store:
+        return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"

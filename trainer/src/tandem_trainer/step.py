@@ -28,6 +28,7 @@ from tandem_trainer.errors import RanksLost, TrainStepFailed
 from tandem_trainer.grpo import LossStats, grpo_loss
 from tandem_trainer.microbatch import MicroBatch, Sample, accumulation_weights, build_microbatches, split_budget
 from tandem_trainer.parallel import Group
+from tandem_trainer.stage_clock import StageClock
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +56,18 @@ class StepOutcome:
     microbatches: int
 
 
-def train_step(backend: Backend, order: StepOrder, group: Group | None = None) -> StepOutcome:
+def train_step(backend: Backend, order: StepOrder, group: Group | None = None,
+               clock: StageClock | None = None) -> StepOutcome:
     """Train `order` on `backend`; with a group, this rank's share, then the group's sum.
 
     In a group every rank raises the same `RankFailed` when any rank's share failed, and the
     group is marked broken when this rank fails anywhere else, since the ranks may then no
     longer agree on what comes next. (The optimizer step's own failure, a non-finite gradient
-    norm, is alike on every rank: they all hold the same summed gradient.)
+    norm, is alike on every rank: they all hold the same summed gradient.) `clock` times the
+    stages (stage_clock.py).
     """
     try:
-        return _train_step(backend, order, group)
+        return _train_step(backend, order, group, clock or StageClock())
     except TrainStepFailed:  # RankFailed, RanksLost, or the optimizer's step: alike on every rank
         raise
     except Exception:
@@ -73,17 +76,19 @@ def train_step(backend: Backend, order: StepOrder, group: Group | None = None) -
         raise
 
 
-def _train_step(backend: Backend, order: StepOrder, group: Group | None) -> StepOutcome:
+def _train_step(backend: Backend, order: StepOrder, group: Group | None, clock: StageClock) -> StepOutcome:
     spec = order.spec
     world = group.world if group is not None else 1
-    lengths = [s.length for s in order.samples]
-    budget = split_budget(lengths, order.budget, world)
-    batches = build_microbatches(order.samples, budget, pad_id=order.pad_id)
-    weights = accumulation_weights([mb.tokens for mb in batches])
-    mine = group.share([mb.padded_tokens for mb in batches]) if group is not None else range(len(batches))
+    with clock.stage("pack"):
+        lengths = [s.length for s in order.samples]
+        budget = split_budget(lengths, order.budget, world)
+        batches = build_microbatches(order.samples, budget, pad_id=order.pad_id)
+        weights = accumulation_weights([mb.tokens for mb in batches])
+        mine = group.share([mb.padded_tokens for mb in batches]) if group is not None else range(len(batches))
     error: str | None = None
     try:
-        backend.activate(spec, order.parent, Path(order.version_dir) if order.version_dir else None)
+        with clock.stage("activate"):
+            backend.activate(spec, order.parent, Path(order.version_dir) if order.version_dir else None)
     except Exception as exc:
         if group is None:
             raise
@@ -93,26 +98,35 @@ def _train_step(backend: Backend, order: StepOrder, group: Group | None) -> Step
         local = LossStats()
         if error is None:
             try:
+                totals: list[tuple[MicroBatch, dict[str, torch.Tensor]]] = []
                 for i in mine:
                     if weights[i] > 0:
-                        _accumulate(backend, spec, batches[i].to(backend.device), weights[i], order.entropy, local)
+                        with clock.stage("forward_backward"):
+                            mb = batches[i].to(backend.device)
+                            totals.append((mb, _accumulate(backend, spec, mb, weights[i], order.entropy)))
+                with clock.stage("read_sums"):
+                    local.add(_read(totals))  # one wait for the device per epoch, not per micro-batch
             except Exception as exc:
                 if group is None:
                     raise
                 error = _describe(exc)
         if group is not None:
-            local.sums = group.settle(error, local.sums)
-            group.all_reduce(backend.trainable_parameters())
+            with clock.stage("settle"):
+                local.sums = group.settle(error, local.sums)
+            with clock.stage("all_reduce"):
+                group.all_reduce(backend.trainable_parameters())
         stats.add(local.sums)
-        grad_norms.append(backend.step(spec.optimizer.max_grad_norm))
+        with clock.stage("optimizer"):
+            grad_norms.append(backend.step(spec.optimizer.max_grad_norm))
     backend.synchronize()  # the step is done when the device is, not when it was queued
     return StepOutcome(stats=stats, grad_norm=grad_norms[-1], tokens=sum(mb.tokens for mb in batches),
                        microbatches=len(batches))
 
 
-def _accumulate(backend: Backend, spec: RunSpec, mb: MicroBatch, weight: float, entropy: bool,
-                stats: LossStats) -> None:
-    """Forward and backward of one micro-batch, its share of the job's loss added to the gradient."""
+def _accumulate(backend: Backend, spec: RunSpec, mb: MicroBatch, weight: float,
+                entropy: bool) -> dict[str, torch.Tensor]:
+    """Forward and backward of one micro-batch, its share of the job's loss added to the gradient;
+    returns its masked sums on the device (read once per epoch by `_read`)."""
     fwd = backend.forward(mb, entropy=entropy)
     ref = backend.reference_logprobs(mb) if spec.loss.kl_coef > 0 else None
     terms = grpo_loss(
@@ -120,14 +134,27 @@ def _accumulate(backend: Backend, spec: RunSpec, mb: MicroBatch, weight: float, 
         clip_low=spec.loss.clip_low, clip_high=spec.loss.clip_high,
         ref_logprobs=ref, kl_coef=spec.loss.kl_coef,
     )
-    loss_value = float(terms.loss.detach())
-    if not math.isfinite(loss_value):
-        raise TrainStepFailed(f"the loss is {loss_value} on micro-batch {mb.indices}")
     torch.autograd.backward(terms.loss * weight)
     failpoints.hit("mid_training")
-    stats.add(terms.sums)
+    totals = dict(terms.totals)
     if fwd.entropy is not None:
-        stats.add({"entropy": float((fwd.entropy * mb.mask).sum())})
+        totals["entropy"] = (fwd.entropy.detach() * mb.mask).sum()
+    return totals
+
+
+def _read(totals: list[tuple[MicroBatch, dict[str, torch.Tensor]]]) -> dict[str, float]:
+    """The micro-batches' sums as numbers, read from the device at once; a non-finite loss fails
+    the step naming the first micro-batch that had one (its gradient is already in the sum)."""
+    if not totals:
+        return {}
+    keys = sorted({key for _, t in totals for key in t})
+    table = torch.stack([torch.stack([t[key].float() if key in t else t["loss"].new_zeros(()) for key in keys])
+                         for _, t in totals]).cpu()
+    losses = table[:, keys.index("loss")]
+    for (mb, _), value in zip(totals, losses.tolist(), strict=True):
+        if not math.isfinite(value):
+            raise TrainStepFailed(f"the loss is {value} on micro-batch {mb.indices}")
+    return dict(zip(keys, table.double().sum(dim=0).tolist(), strict=True))
 
 
 def _describe(exc: Exception) -> str:
