@@ -37,7 +37,7 @@ COMPOSE_FILES = -f compose.yaml $(if $(filter cpu,$(STACK)),-f compose.cpu.yaml)
 # them and builds nothing.
 IMAGES_ENV ?=
 ifneq ($(IMAGES_ENV),)
-IMAGE_VARS := $(shell images/publish.sh compose-env '$(IMAGES_ENV)' 2>&1)
+IMAGE_VARS := $(shell $(dir $(abspath $(firstword $(MAKEFILE_LIST))))images/publish.sh compose-env '$(IMAGES_ENV)' 2>&1)
 ifneq ($(.SHELLSTATUS),0)
 $(error IMAGES_ENV=$(IMAGES_ENV): $(IMAGE_VARS))
 endif
