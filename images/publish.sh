@@ -13,9 +13,9 @@
 #     set: `make images` sets them from git;
 #   - its in-image check passes: `tandem-doctor` (every environment exactly its lock, importing,
 #     unprivileged) in the Python images; the redis and router images check their one program;
-#   - its software bill of materials is written (CycloneDX JSON, DIR/sbom/IMAGE.cdx.json): from
-#     the lock files the image carries in /opt/locks (cyclonedx-py, from .venv-tools: `make
-#     tools`), or, for an image without Python environments, from its Debian packages.
+#   - its software bill of materials is written (CycloneDX JSON, DIR/sbom/IMAGE.cdx.json): the
+#     Python packages of the lock files the image carries in /opt/locks (cyclonedx-py, from
+#     .venv-tools: `make tools`) and the Debian/Ubuntu packages installed in it (images/sbom.py).
 # Then each image is tagged REGISTRY/IMAGE:TAG for every --tag (default sha-<12 hex of HEAD>),
 # pushed, and DIR/images.env (default .tandem/publish) gets one `IMAGE=REGISTRY/IMAGE@sha256:...`
 # line per image, sorted: the format images.yml's `image-digests` artifact has.
@@ -83,25 +83,23 @@ check_image() {
 }
 
 sbom() {
-  local image="$1" local_ref="$2" out="$3" tool="$4" version tmp locks lock python
+  local image="$1" local_ref="$2" out="$3" tool="$4" version tmp locks lock os
   version="$(docker image inspect --format '{{index .Config.Labels "org.opencontainers.image.version"}}' "$local_ref")"
-  python="$(dirname "$tool")/python"
   tmp="$(mktemp -d)"
+  local -a python=()
   locks="$(docker run --rm --network none "$local_ref" sh -c 'ls /opt/locks/*.txt 2>/dev/null || true')"
   if [[ -n "$locks" ]]; then
-    # Every environment of the image in one BOM: its locks, concatenated.
+    # Every Python environment of the image in one BOM: its locks, concatenated.
     for lock in $locks; do
       docker run --rm --network none "$local_ref" cat "$lock" >>"$tmp/requirements.txt"
     done
     "$tool" requirements --output-reproducible --of JSON -o "$tmp/python.json" "$tmp/requirements.txt"
-    "$python" "$here/sbom.py" python "$image" "$version" <"$tmp/python.json" >"$out"
-    echo "publish: $image: SBOM of $(echo "$locks" | xargs -n1 basename | paste -sd' ') -> $out"
-  else
-    docker run --rm --network none "$local_ref" dpkg-query -W -f '${Package}\t${Version}\t${Architecture}\n' \
-      >"$tmp/packages.tsv"
-    "$python" "$here/sbom.py" deb "$image" "$version" <"$tmp/packages.tsv" >"$out"
-    echo "publish: $image: SBOM of $(wc -l <"$tmp/packages.tsv") Debian packages -> $out"
+    python=(--python "$tmp/python.json")
   fi
+  os="$(docker run --rm --network none "$local_ref" sh -c '. /etc/os-release && echo "$ID:$VERSION_CODENAME"')"
+  docker run --rm --network none "$local_ref" dpkg-query -W -f '${Package}\t${Version}\t${Architecture}\n' >"$tmp/packages.tsv"
+  "$(dirname "$tool")/python" "$here/sbom.py" "$image" "$version" --os "$os" --packages "$tmp/packages.tsv" "${python[@]}" >"$out"
+  echo "publish: $image: SBOM ($(wc -l <"$tmp/packages.tsv") $os packages${locks:+; Python: $(echo "$locks" | xargs -n1 basename | paste -sd' ')}) -> $out"
   rm -rf "$tmp"
 }
 
