@@ -227,7 +227,7 @@ logs: ## follow the container stack's logs
 ps: ## the container stack's services and health
 	$(DC) ps
 
-e2e: install ## the CPU container stack end to end with faults (docker; 5 min 11 s with the images built, 8 min building them)
+e2e: install ## the CPU container stack end to end with faults, and publish/pull by digest via a local registry (docker; docker-registry)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/e2e $(PYTEST_ARGS)
 
 lint: install ## ruff, mypy --strict on the three packages, and actionlint (.github/workflows)
