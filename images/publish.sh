@@ -127,18 +127,20 @@ push() {
   fi
   mkdir -p "$out/sbom"
 
-  local image local_ref tag digest line
+  local image local_ref tag digest line started=$SECONDS
   for image in "${images[@]}"; do
     [[ "$image" =~ ^tandem-[a-z0-9-]+$ ]] || die "push: '$image' is not an image name such as tandem-trainer-cpu"
     local_ref="$image:$local_tag"
     check_image "$image" "$local_ref"
     sbom "$image" "$local_ref" "$out/sbom/$image.cdx.json" "$tool"
   done
+  echo "publish: ${#images[@]} image(s) checked, SBOMs written in $((SECONDS - started)) s; pushing"
 
   local -a lines=()
   for image in "${images[@]}"; do
     local_ref="$image:$local_tag"
     digest=""
+    started=$SECONDS
     for tag in "${tags[@]}"; do
       docker tag "$local_ref" "$registry/$image:$tag"
       line="$(docker push "$registry/$image:$tag" | tail -n 1)"
@@ -147,7 +149,7 @@ push() {
         || die "push $registry/$image: tag $tag got ${BASH_REMATCH[1]}, an earlier tag $digest"
       digest="${BASH_REMATCH[1]}"
     done
-    echo "publish: $registry/$image@$digest (tags: ${tags[*]})"
+    echo "publish: $registry/$image@$digest (tags: ${tags[*]}; pushed in $((SECONDS - started)) s)"
     lines+=("$image=$registry/$image@$digest")
   done
   printf '%s\n' "${lines[@]}" | sort >"$out/images.env"
