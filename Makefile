@@ -32,14 +32,24 @@ REPLICAS ?=
 COMPOSE_FILES = -f compose.yaml $(if $(filter cpu,$(STACK)),-f compose.cpu.yaml) $(if $(filter 1,$(CLIENT)),-f compose.client.yaml) \
 	$(if $(filter-out 1,$(REPLICAS)),-f compose.replicas.yaml) \
 	$(if $(wildcard compose.override.yaml),-f compose.override.yaml)
-DC = $(strip GPU_MODE=$(GPU_MODE) INFERENCE_GPU=$(INFERENCE_GPU) TRAINER_GPU=$(TRAINER_GPU) \
+# IMAGES_ENV=FILE (an images.env from `make publish` or images.yml): every image it names runs by
+# its digest (TANDEM_<IMAGE>_IMAGE=REF@sha256:..., which the compose files read); `make up` pulls
+# them and builds nothing.
+IMAGES_ENV ?=
+ifneq ($(IMAGES_ENV),)
+IMAGE_VARS := $(shell $(dir $(abspath $(firstword $(MAKEFILE_LIST))))images/publish.sh compose-env '$(IMAGES_ENV)' 2>&1)
+ifneq ($(.SHELLSTATUS),0)
+$(error IMAGES_ENV=$(IMAGES_ENV): $(IMAGE_VARS))
+endif
+endif
+DC = $(strip GPU_MODE=$(GPU_MODE) INFERENCE_GPU=$(INFERENCE_GPU) TRAINER_GPU=$(TRAINER_GPU) $(IMAGE_VARS) \
 	$(if $(filter-out 1,$(REPLICAS)),INFERENCE_REPLICAS=$(REPLICAS)) $(COMPOSE) $(COMPOSE_FILES))
 PYTEST_ARGS ?=
 # Extra flags of `make up`'s `docker compose up -d`, e.g. "--wait --wait-timeout 1200" (CI).
 UP_FLAGS ?=
 BENCH_ARGS ?=
 
-.PHONY: help install demo dev test test-unit test-integration test-latest test-clients bench bench-quick lint clean images up down logs ps e2e locks compose-v2
+.PHONY: help install demo dev test test-unit test-integration test-latest test-clients bench bench-quick lint clean images up down logs ps e2e locks compose-v2 publish tools
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_.-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -119,21 +129,64 @@ compose-v2:
 	if ! printf '2.24\n%s\n' "$$v" | sort -V -C 2>/dev/null || [ "$${v%%.*}" != 2 ]; then \
 	  echo "make: '$(COMPOSE)' answered '$${v:-nothing}': the stack needs Docker Compose v2.24 or newer (images/install-compose-v2.sh installs it)" >&2; exit 1; fi
 
+# The images' OCI labels, from git: what a platform team checks before it pulls. created is the
+# commit's time, so one commit builds one image; the source is origin's URL (without credentials).
+IMAGE_VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null)
+IMAGE_REVISION ?= $(shell git rev-parse HEAD 2>/dev/null)
+IMAGE_CREATED ?= $(shell git log -1 --format=%cI 2>/dev/null)
+IMAGE_SOURCE ?= $(shell git remote get-url origin 2>/dev/null | sed -E 's#^(https?://)[^/@]*@#\1#')
+# SPDX expression of the project's licence; NOASSERTION: none is declared.
+IMAGE_LICENSES ?= NOASSERTION
+LABEL_ARGS = $(foreach a,VERSION=$(IMAGE_VERSION) REVISION=$(IMAGE_REVISION) CREATED=$(IMAGE_CREATED) \
+	SOURCE=$(IMAGE_SOURCE) LICENSES=$(IMAGE_LICENSES),--build-arg $(a))
 # The base image (debootstrap: Debian for cpu, Ubuntu 24.04 for gpu), then the stack's images.
 define BUILD_IMAGES
 $(if $(filter cpu,$(STACK)),images/build-base.sh,SUITE=noble images/build-base.sh tandem-base:noble)
-$(DC) build
+$(DC) build $(LABEL_ARGS)
 endef
+# The images `make images` builds for each stack, the ones `make publish` pushes.
+STACK_IMAGES_cpu := tandem-redis tandem-inference-cpu tandem-trainer-cpu
+STACK_IMAGES_gpu := tandem-inference tandem-trainer
 # Published GPU images (TANDEM_IMAGE_PREFIX given or in .env) are pulled by `make up`, not built.
 PUBLISHED = $(and $(filter gpu,$(STACK)),$(or $(TANDEM_IMAGE_PREFIX),$(call dotenv,TANDEM_IMAGE_PREFIX)))
 
 images: compose-v2 | .env ## build the images (STACK=cpu: Debian base + local torch wheel; STACK=gpu: Ubuntu base + images/locks/)
 	$(BUILD_IMAGES)
 
-up: compose-v2 .env ## start the stack (GPU_MODE split/shared/cpu from nvidia-smi unless given); gateway on 127.0.0.1:8000 (CLIENT=1: + Redis on loopback)
-	@echo "make up: GPU_MODE=$(GPU_MODE) ($(GPU_MODE_WHY))$(if $(filter gpu,$(STACK)),; inference on GPU $(INFERENCE_GPU) and trainer on GPU $(TRAINER_GPU))"
-	$(if $(PUBLISHED),$(DC) pull inference trainer,$(BUILD_IMAGES))
-	$(DC) up -d $(UP_FLAGS)
+# With IMAGES_ENV: every tandem image of the stack must be pinned there (no tag is looked up),
+# and compose pulls and runs exactly those digests (--no-build, --pull never after the pull).
+define DIGEST_IMAGES
+@unpinned="$$($(DC) config --images | grep 'tandem-' | grep -v '@sha256:' | sort -u | paste -sd' ' -)"; \
+if [ -n "$$unpinned" ]; then echo "make up: IMAGES_ENV=$(IMAGES_ENV) pins no digest for $$unpinned; publish the $(STACK) stack (make publish STACK=$(STACK)) or leave IMAGES_ENV out to build" >&2; exit 1; fi
+$(DC) pull --quiet
+endef
+
+up: compose-v2 .env ## start the stack (GPU_MODE split/shared/cpu from nvidia-smi unless given); gateway on 127.0.0.1:8000 (CLIENT=1: + Redis on loopback; IMAGES_ENV=images.env: those digests)
+	@echo "make up: GPU_MODE=$(GPU_MODE) ($(GPU_MODE_WHY))$(if $(filter gpu,$(STACK)),; inference on GPU $(INFERENCE_GPU) and trainer on GPU $(TRAINER_GPU))$(if $(IMAGES_ENV),; images by digest from $(IMAGES_ENV))"
+	$(if $(IMAGES_ENV),$(DIGEST_IMAGES),$(if $(PUBLISHED),$(DC) pull inference trainer,$(BUILD_IMAGES)))
+	$(DC) up -d $(if $(IMAGES_ENV),--no-build --pull never) $(UP_FLAGS)
+
+# The release tools (cyclonedx-py, for the images' SBOMs), hash-checked from images/locks/tools.txt.
+TOOLS_VENV ?= .venv-tools
+$(TOOLS_VENV)/.installed: images/locks/tools.txt
+	@test -x $(TOOLS_VENV)/bin/python || $(PYTHON) -m venv $(TOOLS_VENV)
+	$(TOOLS_VENV)/bin/python -m pip install -q --require-hashes -r images/locks/tools.txt
+	@touch $@
+
+tools: $(TOOLS_VENV)/.installed ## the release tools in .venv-tools (cyclonedx-py, from the hash-checked images/locks/tools.txt)
+
+# REGISTRY=host[:port][/prefix]; PUBLISH_DIR gets images.env and sbom/; PUBLISH_TAGS: the tags
+# pushed (default sha-<12 hex of HEAD>).
+REGISTRY ?=
+PUBLISH_DIR ?= .tandem/publish
+PUBLISH_TAGS ?=
+publish: compose-v2 tools | .env ## build, check (tandem-doctor), push a stack's images to REGISTRY=host[:port][/prefix]; digests in .tandem/publish/images.env, SBOMs beside
+	@test -n "$(REGISTRY)" || { echo "make publish: give REGISTRY=host[:port][/prefix], e.g. REGISTRY=ghcr.io/acme or REGISTRY=127.0.0.1:5000" >&2; exit 1; }
+	@test -n "$(IMAGE_SOURCE)" || { echo "make publish: no git remote 'origin' to name the images' source: give IMAGE_SOURCE=<the repository's URL>" >&2; exit 1; }
+	$(if $(filter cpu,$(STACK)),images/build-base.sh,SUITE=noble images/build-base.sh tandem-base:noble)
+	TANDEM_IMAGE_PREFIX= $(DC) build $(LABEL_ARGS)
+	images/publish.sh push --registry $(REGISTRY) --out $(PUBLISH_DIR) --local-tag $(or $(TANDEM_TAG),$(call dotenv,TANDEM_TAG),dev) \
+	  $(foreach t,$(PUBLISH_TAGS),--tag $(t)) $(STACK_IMAGES_$(STACK))
 
 # The lock files, compiled by uv from images/locks/<env>.in (+ <env>.overrides) and the pyprojects
 # they name, wheels only, with every file's sha256. GPU images (sglang, trainer, tandem): Linux x86-64,
@@ -142,7 +195,7 @@ up: compose-v2 .env ## start the stack (GPU_MODE split/shared/cpu from nvidia-sm
 # Linux x86-64, Python 3.11 (Debian bookworm's), torch's CPU build from TORCH_LINKS.
 # Pins already in a lock are kept unless its inputs changed; LOCK_UPGRADE=1 moves everything to the newest.
 LOCKS := sglang trainer tandem
-DEV_LOCKS := cpu-inference cpu-trainer rq-dashboard clients
+DEV_LOCKS := cpu-inference cpu-trainer rq-dashboard clients tools
 # A page or folder listing torch's CPU wheels (uv's --find-links).
 TORCH_LINKS ?= $(TORCH_INDEX)/torch/
 LOCK_COMMON = --quiet --no-python-downloads --no-sources --default-index https://pypi.org/simple --only-binary :all: \
@@ -174,7 +227,7 @@ logs: ## follow the container stack's logs
 ps: ## the container stack's services and health
 	$(DC) ps
 
-e2e: install ## the CPU container stack end to end with faults (docker; 5 min 11 s with the images built, 8 min building them)
+e2e: install ## the CPU container stack end to end with faults, and publish/pull by digest via a local registry (docker; docker-registry)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/e2e $(PYTEST_ARGS)
 
 lint: install ## ruff, mypy --strict on the three packages, and actionlint (.github/workflows)

@@ -52,17 +52,27 @@ RUN pip install -q --no-deps --no-build-isolation "/src/shared" "/src/inference[
 ENV TANDEM_STORE__ROOT=/adapters TANDEM_GPUS__MODE=cpu TANDEM_ENGINE__KIND=transformers \
     TANDEM_ENGINE__DEVICE=cpu TANDEM_ENGINE__HOST=0.0.0.0 TANDEM_GATEWAY__HOST=0.0.0.0 \
     HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_PROGRESS_BARS=1
-# Labels last: a new VERSION/REVISION rebuilds no other layer.
+COPY images/locks/cpu-inference.txt /opt/locks/cpu-inference.txt
+USER tandem
+WORKDIR /home/tandem
+# The build fails unless the environment is exactly its lock, imports, and runs unprivileged.
+RUN tandem-doctor
+# Labels last (VERSION, REVISION, SOURCE, LICENSES, CREATED: from git, by `make images`): a new
+# revision rebuilds no other layer.
 ARG BASE_IMAGE
 ARG VERSION=dev
 ARG REVISION=unknown
+ARG SOURCE=
+ARG LICENSES=NOASSERTION
+ARG CREATED=
 LABEL org.opencontainers.image.title="tandem-inference-cpu" \
       org.opencontainers.image.description="tandem inference (transformers engine, controller, OpenAI gateway), CPU build" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.licenses="${LICENSES}" \
+      org.opencontainers.image.created="${CREATED}" \
       org.opencontainers.image.base.name="${BASE_IMAGE}"
-USER tandem
-WORKDIR /home/tandem
 EXPOSE 8000 30000
 # The gateway's readiness: engine reachable and the controller caught up with the registry.
 # The engine service overrides it with the engine's /health (compose.cpu.yaml).

@@ -3,10 +3,6 @@
 # upstream image instead (REDIS_IMAGE); both run the same command line from compose.yaml.
 ARG BASE_IMAGE=tandem-base:bookworm
 FROM ${BASE_IMAGE}
-ARG BASE_IMAGE
-LABEL org.opencontainers.image.title="tandem-redis" \
-      org.opencontainers.image.description="redis-server from Debian bookworm, for tandem's CPU stack" \
-      org.opencontainers.image.base.name="${BASE_IMAGE}"
 RUN apt-get update -qq \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null \
  && rm -rf /var/lib/apt/lists/* \
@@ -16,4 +12,20 @@ WORKDIR /data
 VOLUME /data
 EXPOSE 6379
 HEALTHCHECK --interval=5s --timeout=3s --retries=5 CMD ["redis-cli", "ping"]
+# Labels last (VERSION, REVISION, SOURCE, LICENSES, CREATED: from git, by `make images`): a new
+# revision rebuilds no other layer.
+ARG BASE_IMAGE
+ARG VERSION=dev
+ARG REVISION=unknown
+ARG SOURCE=
+ARG LICENSES=NOASSERTION
+ARG CREATED=
+LABEL org.opencontainers.image.title="tandem-redis" \
+      org.opencontainers.image.description="redis-server from Debian bookworm, for tandem's CPU stack" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.licenses="${LICENSES}" \
+      org.opencontainers.image.created="${CREATED}" \
+      org.opencontainers.image.base.name="${BASE_IMAGE}"
 CMD ["redis-server", "--appendonly", "yes", "--dir", "/data"]

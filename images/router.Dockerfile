@@ -4,10 +4,6 @@
 # /ready answers 200.
 ARG BASE_IMAGE=tandem-base:bookworm
 FROM ${BASE_IMAGE}
-ARG BASE_IMAGE
-LABEL org.opencontainers.image.title="tandem-router" \
-      org.opencontainers.image.description="HAProxy in front of tandem's inference replicas" \
-      org.opencontainers.image.base.name="${BASE_IMAGE}"
 RUN apt-get update -qq \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends haproxy >/dev/null \
  && rm -rf /var/lib/apt/lists/*
@@ -20,4 +16,20 @@ ENV ROUTER_BIND=0.0.0.0 \
 USER haproxy
 EXPOSE 8000
 RUN haproxy -c -f /etc/tandem/haproxy.cfg
+# Labels last (VERSION, REVISION, SOURCE, LICENSES, CREATED: from git, by `make images`): a new
+# revision rebuilds no other layer.
+ARG BASE_IMAGE
+ARG VERSION=dev
+ARG REVISION=unknown
+ARG SOURCE=
+ARG LICENSES=NOASSERTION
+ARG CREATED=
+LABEL org.opencontainers.image.title="tandem-router" \
+      org.opencontainers.image.description="HAProxy in front of tandem's inference replicas" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.licenses="${LICENSES}" \
+      org.opencontainers.image.created="${CREATED}" \
+      org.opencontainers.image.base.name="${BASE_IMAGE}"
 CMD ["haproxy", "-db", "-W", "-f", "/etc/tandem/haproxy.cfg"]

@@ -36,4 +36,20 @@ USER dashboard
 EXPOSE 9181
 HEALTHCHECK --interval=10s --timeout=5s --retries=3 \
   CMD ["python3", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:9181/', timeout=4)"]
+# Labels last (VERSION, REVISION, SOURCE, LICENSES, CREATED: from git, by `make images`): a new
+# revision rebuilds no other layer.
+ARG BASE_IMAGE
+ARG VERSION=dev
+ARG REVISION=unknown
+ARG SOURCE=
+ARG LICENSES=NOASSERTION
+ARG CREATED=
+LABEL org.opencontainers.image.title="tandem-rq-dashboard" \
+      org.opencontainers.image.description="rq-dashboard for tandem's train queue (monitoring profile)" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.licenses="${LICENSES}" \
+      org.opencontainers.image.created="${CREATED}" \
+      org.opencontainers.image.base.name="${BASE_IMAGE}"
 CMD ["rq-dashboard", "--bind", "0.0.0.0", "--port", "9181"]

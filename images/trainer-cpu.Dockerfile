@@ -50,17 +50,27 @@ RUN pip install -q --no-deps --no-build-isolation /src/shared /src/trainer && rm
  && python -c "import tandem_trainer.main, tandem_trainer.tiny_model"
 ENV TANDEM_STORE__ROOT=/adapters TANDEM_GPUS__MODE=cpu TANDEM_WORKER_NAME=trainer \
     HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_PROGRESS_BARS=1
-# Labels last: a new VERSION/REVISION rebuilds no other layer.
+COPY images/locks/cpu-trainer.txt /opt/locks/cpu-trainer.txt
+USER tandem
+WORKDIR /home/tandem
+# The build fails unless the environment is exactly its lock, imports, and runs unprivileged.
+RUN tandem-doctor
+# Labels last (VERSION, REVISION, SOURCE, LICENSES, CREATED: from git, by `make images`): a new
+# revision rebuilds no other layer.
 ARG BASE_IMAGE
 ARG VERSION=dev
 ARG REVISION=unknown
+ARG SOURCE=
+ARG LICENSES=NOASSERTION
+ARG CREATED=
 LABEL org.opencontainers.image.title="tandem-trainer-cpu" \
       org.opencontainers.image.description="tandem trainer (rq worker, GRPO on LoRA with peft), CPU build" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.licenses="${LICENSES}" \
+      org.opencontainers.image.created="${CREATED}" \
       org.opencontainers.image.base.name="${BASE_IMAGE}"
-USER tandem
-WORKDIR /home/tandem
 # Healthy while this worker's liveness key (refreshed every 2 s, TTL 8 s) is in Redis.
 HEALTHCHECK --interval=10s --timeout=10s --start-period=120s --retries=3 \
   CMD ["python", "-c", "from tandem import keys; from tandem.settings import TrainerSettings as S; s = S(); raise SystemExit(0 if s.redis.connect().exists(keys.trainer_alive(s.worker_name or '')) else 1)"]

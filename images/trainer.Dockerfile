@@ -51,14 +51,21 @@ USER tandem
 WORKDIR /home/tandem
 # The build fails unless the environment is exactly its lock, imports, and runs unprivileged.
 RUN tandem-doctor
-# Labels last: a new VERSION/REVISION rebuilds no other layer.
+# Labels last (VERSION, REVISION, SOURCE, LICENSES, CREATED: from git, by `make images`): a new
+# revision rebuilds no other layer.
 ARG BASE_IMAGE
 ARG VERSION=dev
 ARG REVISION=unknown
+ARG SOURCE=
+ARG LICENSES=NOASSERTION
+ARG CREATED=
 LABEL org.opencontainers.image.title="tandem-trainer" \
       org.opencontainers.image.description="tandem trainer (rq worker, GRPO on LoRA with Unsloth), CUDA build" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.licenses="${LICENSES}" \
+      org.opencontainers.image.created="${CREATED}" \
       org.opencontainers.image.base.name="${BASE_IMAGE}"
 HEALTHCHECK --interval=15s --timeout=10s --start-period=10m --retries=3 \
   CMD ["sh", "-c", "eval \"$TANDEM_HEALTHCHECK\""]

@@ -98,3 +98,13 @@ def test_the_cli_refuses_a_malformed_python_option(capsys: pytest.CaptureFixture
 def test_lock_names_are_normalized(tmp_path: Path) -> None:
     lock = write_lock(tmp_path, "x", {"Foo_Bar.baz": "1.0", "pydantic-core": "2.50.4"})
     assert doctor.read_lock(lock) == {"foo-bar-baz": "1.0", "pydantic-core": "2.50.4"}
+
+
+def test_the_cpu_images_environments_live_in_opt_tandem(tmp_path: Path) -> None:
+    """The CPU images install their one lock (cpu-inference or cpu-trainer) into /opt/tandem."""
+    (tmp_path / "cpu-trainer.txt").write_text("peft==1.0\n")
+    (tmp_path / "trainer.txt").write_text("peft==1.0\n")
+    assert doctor.environments(tmp_path, {}) == [("cpu-trainer", tmp_path / "cpu-trainer.txt", "/opt/tandem/bin/python"),
+                                                 ("trainer", tmp_path / "trainer.txt", "/opt/trainer/bin/python")]
+    assert "tandem_trainer.main" in doctor.IMPORTS["cpu-trainer"]
+    assert "tandem_inference.engine.server" in doctor.IMPORTS["cpu-inference"]

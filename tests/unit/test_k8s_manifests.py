@@ -204,7 +204,9 @@ def test_images_are_compose_images(rendered: tuple[str, list[dict[str, Any]]]) -
             continue  # compose.yaml takes redis from a registry where one is reachable; the CPU stack builds it
         else:
             compose_image = compose["services"][base_name.removeprefix("tandem-")]["image"]
-        expanded = compose_image.replace("${TANDEM_IMAGE_PREFIX:-}", "").replace("${TANDEM_TAG:-dev}", "dev")
+        # `${TANDEM_<IMAGE>_IMAGE:-<prefix><name>:<tag>}`: a digest from images.env, else prefix and tag
+        unpinned = re.sub(r"^\$\{TANDEM_[A-Z_]+_IMAGE:-(.*)\}$", r"\1", compose_image)
+        expanded = unpinned.replace("${TANDEM_IMAGE_PREFIX:-}", "").replace("${TANDEM_TAG:-dev}", "dev")
         assert expanded == image, (overlay, base_name, compose_image)
 
 

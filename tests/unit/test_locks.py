@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LOCKS = ROOT / "images" / "locks"
 # What the locks are compiled for (the Makefile's LOCK_FLAGS and DEV_LOCK_FLAGS): Linux x86-64,
 # CPython 3.12 for the GPU images, 3.11 for the development / CPU environment.
-DEV_ENVS = ["clients", "cpu-inference", "cpu-trainer", "dev", "rq-dashboard"]
+DEV_ENVS = ["clients", "cpu-inference", "cpu-trainer", "dev", "rq-dashboard", "tools"]
 TARGET = {
     "python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "platform_system": "Linux",
     "platform_machine": "x86_64", "os_name": "posix", "implementation_name": "cpython",

@@ -1,7 +1,8 @@
-"""`tandem-doctor`: a GPU image's environments checked against the lock files they came from.
+"""`tandem-doctor`: an image's environments checked against the lock files they came from.
 
-The GPU images install each Python environment from a hash-pinned lock (images/locks/, copied
-to /opt/locks/<env>.txt) into /opt/<env>. Run inside an image (no GPU needed)::
+The images install each Python environment from a hash-pinned lock (images/locks/, copied
+to /opt/locks/<env>.txt) into /opt/<env> (the CPU images' cpu-inference and cpu-trainer into
+/opt/tandem). Run inside an image (no GPU needed)::
 
     docker run --rm tandem-inference:dev tandem-doctor
 
@@ -32,7 +33,11 @@ IMPORTS: dict[str, tuple[str, ...]] = {
     "sglang": ("sglang", "torch", "transformers"),
     "trainer": ("torch", "peft", "transformers", "tandem_trainer.main"),
     "tandem": ("tandem_inference.main", "tandem_inference.engines.sglang_launcher"),
+    "cpu-inference": ("torch", "transformers", "tandem_inference.main", "tandem_inference.engines.transformers.server"),
+    "cpu-trainer": ("torch", "peft", "transformers", "tandem_trainer.main", "tandem_trainer.tiny_model"),
 }
+# Environments that do not live in /opt/<env>: the CPU images install their one lock into /opt/tandem.
+VENVS: dict[str, str] = {"cpu-inference": "/opt/tandem", "cpu-trainer": "/opt/tandem"}
 # Installed on purpose without a pin: tandem's own packages (from the source tree) and the pip a
 # venv is created with.
 UNLOCKED = {"pip", "tandem", "tandem-trainer", "tandem-inference"}
@@ -131,8 +136,10 @@ def check_user(uid: int, report: Report) -> None:
 
 
 def environments(locks: Path, pythons: dict[str, str]) -> list[tuple[str, Path, str]]:
-    """(name, lock, interpreter) for every <name>.txt in `locks`; the interpreter is /opt/<name>/bin/python unless given."""
-    return [(p.stem, p, pythons.get(p.stem, f"/opt/{p.stem}/bin/python")) for p in sorted(locks.glob("*.txt"))]
+    """(name, lock, interpreter) for every <name>.txt in `locks`; the interpreter is /opt/<name>/bin/python
+    (VENVS: another directory) unless given."""
+    return [(p.stem, p, pythons.get(p.stem, f"{VENVS.get(p.stem, '/opt/' + p.stem)}/bin/python"))
+            for p in sorted(locks.glob("*.txt"))]
 
 
 def run(locks: Path, pythons: dict[str, str], uid: int, healthcheck: str | None) -> Report:
@@ -140,7 +147,7 @@ def run(locks: Path, pythons: dict[str, str], uid: int, healthcheck: str | None)
     envs = environments(locks, pythons)
     if not envs:
         report.lines.append(f"locks: none in {locks}")
-        report.fail("no lock files: is this a GPU image? (tandem-doctor --locks DIR)")
+        report.fail("no lock files: is this a tandem image? (tandem-doctor --locks DIR)")
     for name, lock, python in envs:
         check_env(name, lock, python, report)
     report.lines.append("user:")

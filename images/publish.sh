@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# Publish tandem's built images to a registry and say, by digest, what was published; and turn
+# that record back into what compose runs. One script for `make publish`, `make up IMAGES_ENV=`,
+# .github/workflows/images.yml and gpu.yml:
+#
+#   images/publish.sh push --registry HOST[:PORT][/PREFIX] [--out DIR] [--local-tag TAG] [--tag TAG]... IMAGE...
+#   images/publish.sh compose-env FILE    # FILE (an images.env): the compose variables that pin each image
+#
+# push: for every IMAGE (a name such as tandem-trainer-cpu; the local image is IMAGE:LOCAL_TAG,
+# default dev), first every check, then every push, so one failed check publishes nothing:
+#   - the image runs as a user other than root;
+#   - its OCI labels (org.opencontainers.image.source, revision, version, licenses, created) are
+#     set: `make images` sets them from git;
+#   - its in-image check passes: `tandem-doctor` (every environment exactly its lock, importing,
+#     unprivileged) in the Python images; the redis and router images check their one program;
+#   - its software bill of materials is written (CycloneDX JSON, DIR/sbom/IMAGE.cdx.json): the
+#     Python packages of the lock files the image carries in /opt/locks (cyclonedx-py, from
+#     .venv-tools: `make tools`) and the Debian/Ubuntu packages installed in it (images/sbom.py).
+# Then each image is tagged REGISTRY/IMAGE:TAG for every --tag (default sha-<12 hex of HEAD>),
+# pushed, and DIR/images.env (default .tandem/publish) gets one `IMAGE=REGISTRY/IMAGE@sha256:...`
+# line per image, sorted: the format images.yml's `image-digests` artifact has.
+#
+# compose-env: each `IMAGE=REF@sha256:<64 hex>` line becomes TANDEM_<IMAGE>_IMAGE=REF@sha256:...
+# (tandem-inference-cpu -> TANDEM_INFERENCE_CPU_IMAGE), the variable compose.yaml,
+# compose.cpu.yaml and compose.replicas.yaml read for that image's `image:`. A line that is not
+# that shape is an error naming it.
+set -euo pipefail
+
+here="$(cd "$(dirname "$0")" && pwd)"
+die() { echo "images/publish.sh: $*" >&2; exit 1; }
+
+compose_env() {
+  local file="$1" line name ref n=0
+  [[ -f "$file" ]] || die "compose-env: no file $file (an images.env written by \`make publish\` or images.yml)"
+  while IFS= read -r line || [[ -n "$line" ]]; do
+    [[ -z "$line" || "$line" == \#* ]] && continue
+    if [[ ! "$line" =~ ^(tandem-[a-z0-9-]+)=([a-z0-9.:/_-]+@sha256:[0-9a-f]{64})$ ]]; then
+      die "compose-env: $file: '$line' is not IMAGE=REGISTRY/IMAGE@sha256:<64 hex>; write it with \`make publish\` or take images.yml's image-digests artifact"
+    fi
+    name="${BASH_REMATCH[1]}" ref="${BASH_REMATCH[2]}"
+    name="${name^^}"
+    echo "${name//-/_}_IMAGE=$ref"
+    n=$((n + 1))
+  done <"$file"
+  ((n > 0)) || die "compose-env: $file names no image"
+}
+
+# The command that checks IMAGE from inside it.
+in_image_check() {
+  case "$1" in
+    tandem-redis) echo "redis-server --version" ;;
+    tandem-router) echo "haproxy -c -f /etc/tandem/haproxy.cfg" ;;
+    tandem-rq-dashboard) echo "rq-dashboard --help" ;;
+    *) echo "tandem-doctor" ;;
+  esac
+}
+
+LABELS=(org.opencontainers.image.source org.opencontainers.image.revision org.opencontainers.image.version
+  org.opencontainers.image.licenses org.opencontainers.image.created)
+
+check_image() {
+  local image="$1" local_ref="$2" user label value check out
+  docker image inspect "$local_ref" >/dev/null 2>&1 \
+    || die "$local_ref: no such local image; build it first (make images STACK=cpu|gpu, or make publish, which builds)"
+  user="$(docker image inspect --format '{{.Config.User}}' "$local_ref")"
+  if [[ -z "$user" || "$user" == root || "$user" == 0 || "$user" == 0:* ]]; then
+    die "$local_ref runs as root (USER '${user}'): tandem's images run unprivileged; not publishing"
+  fi
+  for label in "${LABELS[@]}"; do
+    value="$(docker image inspect --format "{{index .Config.Labels \"$label\"}}" "$local_ref")"
+    if [[ -z "$value" || "$value" == unknown || "$value" == "<no value>" ]]; then
+      die "$local_ref has no $label label ('$value'); build it with \`make images\` (which sets the labels from git) or pass --build-arg, then publish"
+    fi
+  done
+  check="$(in_image_check "$image")"
+  echo "publish: $local_ref: $check"
+  # shellcheck disable=SC2086  # the check is a command line
+  if ! out="$(docker run --rm --network none "$local_ref" $check 2>&1)"; then
+    echo "$out" >&2
+    die "$local_ref: its in-image check \`$check\` failed (above); not publishing"
+  fi
+  echo "$out" | tail -n 1
+}
+
+sbom() {
+  local image="$1" local_ref="$2" out="$3" tool="$4" version tmp locks lock os
+  version="$(docker image inspect --format '{{index .Config.Labels "org.opencontainers.image.version"}}' "$local_ref")"
+  tmp="$(mktemp -d)"
+  local -a python=()
+  locks="$(docker run --rm --network none "$local_ref" sh -c 'ls /opt/locks/*.txt 2>/dev/null || true')"
+  if [[ -n "$locks" ]]; then
+    # Every Python environment of the image in one BOM: its locks, concatenated.
+    for lock in $locks; do
+      docker run --rm --network none "$local_ref" cat "$lock" >>"$tmp/requirements.txt"
+    done
+    "$tool" requirements --output-reproducible --of JSON -o "$tmp/python.json" "$tmp/requirements.txt"
+    python=(--python "$tmp/python.json")
+  fi
+  os="$(docker run --rm --network none "$local_ref" sh -c '. /etc/os-release && echo "$ID:$VERSION_CODENAME"')"
+  docker run --rm --network none "$local_ref" dpkg-query -W -f '${Package}\t${Version}\t${Architecture}\n' >"$tmp/packages.tsv"
+  "$(dirname "$tool")/python" "$here/sbom.py" "$image" "$version" --os "$os" --packages "$tmp/packages.tsv" "${python[@]}" >"$out"
+  echo "publish: $image: SBOM ($(wc -l <"$tmp/packages.tsv") $os packages${locks:+; Python: $(echo "$locks" | xargs -n1 basename | paste -sd' ')}) -> $out"
+  rm -rf "$tmp"
+}
+
+push() {
+  local registry="" out=".tandem/publish" local_tag="dev" tool="${SBOM_TOOL:-.venv-tools/bin/cyclonedx-py}"
+  local -a tags=() images=()
+  while (($#)); do
+    case "$1" in
+      --registry) registry="${2:?--registry needs HOST[:PORT][/PREFIX]}"; shift 2 ;;
+      --out) out="${2:?--out needs a directory}"; shift 2 ;;
+      --local-tag) local_tag="${2:?--local-tag needs a tag}"; shift 2 ;;
+      --tag) tags+=("${2:?--tag needs a tag}"); shift 2 ;;
+      -*) die "push: unknown option $1" ;;
+      *) images+=("$1"); shift ;;
+    esac
+  done
+  [[ -n "$registry" ]] || die "push: give --registry HOST[:PORT][/PREFIX], e.g. ghcr.io/acme or 127.0.0.1:5000"
+  registry="${registry%/}"
+  [[ "$registry" =~ ^[a-z0-9.-]+(:[0-9]+)?(/[a-z0-9._/-]+)?$ ]] \
+    || die "push: --registry '$registry' is not HOST[:PORT][/PREFIX] in lower case (e.g. ghcr.io/acme, 127.0.0.1:5000/tandem)"
+  ((${#images[@]})) || die "push: name the images to publish (e.g. tandem-inference-cpu tandem-trainer-cpu)"
+  [[ -x "$tool" ]] || die "push: no SBOM tool at $tool: run \`make tools\` (.venv-tools from images/locks/tools.txt), or set SBOM_TOOL"
+  if ((${#tags[@]} == 0)); then
+    tags=("sha-$(git rev-parse --short=12 HEAD)") || die "push: no --tag and no git revision to name one after"
+  fi
+  mkdir -p "$out/sbom"
+
+  local image local_ref tag digest line started=$SECONDS
+  for image in "${images[@]}"; do
+    [[ "$image" =~ ^tandem-[a-z0-9-]+$ ]] || die "push: '$image' is not an image name such as tandem-trainer-cpu"
+    local_ref="$image:$local_tag"
+    check_image "$image" "$local_ref"
+    sbom "$image" "$local_ref" "$out/sbom/$image.cdx.json" "$tool"
+  done
+  echo "publish: ${#images[@]} image(s) checked, SBOMs written in $((SECONDS - started)) s; pushing"
+
+  local -a lines=()
+  for image in "${images[@]}"; do
+    local_ref="$image:$local_tag"
+    digest=""
+    started=$SECONDS
+    for tag in "${tags[@]}"; do
+      docker tag "$local_ref" "$registry/$image:$tag"
+      line="$(docker push "$registry/$image:$tag" | tail -n 1)"
+      [[ "$line" =~ digest:\ (sha256:[0-9a-f]{64}) ]] || die "push $registry/$image:$tag: no digest in docker's answer: $line"
+      [[ -z "$digest" || "$digest" == "${BASH_REMATCH[1]}" ]] \
+        || die "push $registry/$image: tag $tag got ${BASH_REMATCH[1]}, an earlier tag $digest"
+      digest="${BASH_REMATCH[1]}"
+    done
+    echo "publish: $registry/$image@$digest (tags: ${tags[*]}; pushed in $((SECONDS - started)) s)"
+    lines+=("$image=$registry/$image@$digest")
+  done
+  printf '%s\n' "${lines[@]}" | sort >"$out/images.env"
+  echo "publish: wrote $out/images.env"
+}
+
+case "${1:-}" in
+  push) shift; push "$@" ;;
+  compose-env) [[ $# -eq 2 ]] || die "usage: $0 compose-env FILE"; compose_env "$2" ;;
+  *) echo "usage: $0 push --registry HOST[:PORT][/PREFIX] [--out DIR] [--local-tag TAG] [--tag TAG]... IMAGE..." >&2
+     echo "       $0 compose-env FILE" >&2
+     exit 2 ;;
+esac
