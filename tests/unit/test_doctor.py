@@ -107,4 +107,4 @@ def test_the_cpu_images_environments_live_in_opt_tandem(tmp_path: Path) -> None:
     assert doctor.environments(tmp_path, {}) == [("cpu-trainer", tmp_path / "cpu-trainer.txt", "/opt/tandem/bin/python"),
                                                  ("trainer", tmp_path / "trainer.txt", "/opt/trainer/bin/python")]
     assert "tandem_trainer.main" in doctor.IMPORTS["cpu-trainer"]
-    assert "tandem_inference.engine.server" in doctor.IMPORTS["cpu-inference"]
+    assert "tandem_inference.engines.transformers.server" in doctor.IMPORTS["cpu-inference"]
