@@ -61,8 +61,16 @@ $(VENV)/.installed: images/locks/dev.txt shared/pyproject.toml trainer/pyproject
 
 install: $(VENV)/.installed ## create .venv from the hash-checked lock images/locks/dev.txt (CPU torch)
 
-demo: install ## the CPU loop end to end: tiny model, whole stack, toy task, reward table + PNG
-	HF_HUB_OFFLINE=1 $(PY) examples/digits.py --steps $(STEPS)
+# TRACKER=mlflow or wandb: the demo's trainer logs the run's curves to a local MLflow database
+# (.tandem/mlflow.db: `.venv/bin/mlflow ui --backend-store-uri sqlite:///.tandem/mlflow.db`) or to an
+# offline Weights & Biases run (.tandem/wandb/). Any TANDEM_TRACKER__* in the environment does the same.
+TRACKER ?=
+TRACKER_ENV = $(if $(filter mlflow,$(TRACKER)),TANDEM_TRACKER__KIND=mlflow TANDEM_TRACKER__MLFLOW_URI=sqlite:///$(CURDIR)/.tandem/mlflow.db,$(if $(filter wandb,$(TRACKER)),TANDEM_TRACKER__KIND=wandb TANDEM_TRACKER__WANDB_DIR=$(CURDIR)/.tandem))
+
+demo: install ## the CPU loop end to end: tiny model, whole stack, toy task, reward table + PNG (TRACKER=mlflow|wandb: + the curves)
+	@$(if $(filter-out mlflow wandb,$(TRACKER)),echo "make demo: TRACKER=$(TRACKER) is not a tracker; give TRACKER=mlflow or TRACKER=wandb" >&2; exit 2)
+	@mkdir -p .tandem
+	HF_HUB_OFFLINE=1 $(TRACKER_ENV) $(PY) examples/digits.py --steps $(STEPS)
 
 dev: install ## start the stack as local processes (Ctrl-C stops it)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/tandem up
