@@ -37,6 +37,10 @@ DC = $(strip GPU_MODE=$(GPU_MODE) INFERENCE_GPU=$(INFERENCE_GPU) TRAINER_GPU=$(T
 PYTEST_ARGS ?=
 # Extra flags of `make up`'s `docker compose up -d`, e.g. "--wait --wait-timeout 1200" (CI).
 UP_FLAGS ?=
+# PROFILES=metrics (or "metrics monitoring"): `make up` also builds and starts the services of these
+# compose profiles (metrics: Prometheus on 127.0.0.1:$$PROMETHEUS_PORT; monitoring: rq-dashboard).
+PROFILES ?=
+PROFILE_FLAGS = $(foreach p,$(PROFILES),--profile $(p))
 BENCH_ARGS ?=
 
 .PHONY: help install demo dev test test-unit test-integration test-latest test-clients bench bench-quick lint clean images up down logs ps e2e locks compose-v2
@@ -130,7 +134,7 @@ compose-v2:
 # The base image (debootstrap: Debian for cpu, Ubuntu 24.04 for gpu), then the stack's images.
 define BUILD_IMAGES
 $(if $(filter cpu,$(STACK)),images/build-base.sh,SUITE=noble images/build-base.sh tandem-base:noble)
-$(DC) build
+$(DC) $(PROFILE_FLAGS) build
 endef
 # Published GPU images (TANDEM_IMAGE_PREFIX given or in .env) are pulled by `make up`, not built.
 PUBLISHED = $(and $(filter gpu,$(STACK)),$(or $(TANDEM_IMAGE_PREFIX),$(call dotenv,TANDEM_IMAGE_PREFIX)))
@@ -141,7 +145,7 @@ images: compose-v2 | .env ## build the images (STACK=cpu: Debian base + local to
 up: compose-v2 .env ## start the stack (GPU_MODE split/shared/cpu from nvidia-smi unless given); gateway on 127.0.0.1:8000 (CLIENT=1: + Redis on loopback)
 	@echo "make up: GPU_MODE=$(GPU_MODE) ($(GPU_MODE_WHY))$(if $(filter gpu,$(STACK)),; inference on GPU $(INFERENCE_GPU) and trainer on GPU $(TRAINER_GPU))"
 	$(if $(PUBLISHED),$(DC) pull inference trainer,$(BUILD_IMAGES))
-	$(DC) up -d $(UP_FLAGS)
+	$(DC) $(PROFILE_FLAGS) up -d $(UP_FLAGS)
 
 # The lock files, compiled by uv from images/locks/<env>.in (+ <env>.overrides) and the pyprojects
 # they name, wheels only, with every file's sha256. GPU images (sglang, trainer, tandem): Linux x86-64,
@@ -174,7 +178,7 @@ locks: install ## regenerate images/locks/*.txt, every hash-pinned environment (
 	done
 
 down: ## stop the container stack (volumes kept)
-	$(DC) --profile monitoring down
+	$(DC) --profile monitoring --profile metrics down
 
 logs: ## follow the container stack's logs
 	$(DC) logs -f --tail=100
