@@ -247,5 +247,5 @@ def started_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
         if os.environ.get("TANDEM_E2E_KEEP") == "1":
             print(f"TANDEM_E2E_KEEP=1: leaving {s.project} up (env file {env_file})")
         else:
-            s.compose("--profile", "monitoring", "--profile", "metrics", "down", "-v", "--remove-orphans", "-t", "30", check=False,
-                      timeout_s=300)
+            s.compose("--profile", "monitoring", "--profile", "metrics", "down", "-v", "--remove-orphans", "-t", "30",
+                      check=False, timeout_s=300)
