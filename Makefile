@@ -47,6 +47,10 @@ DC = $(strip GPU_MODE=$(GPU_MODE) INFERENCE_GPU=$(INFERENCE_GPU) TRAINER_GPU=$(T
 PYTEST_ARGS ?=
 # Extra flags of `make up`'s `docker compose up -d`, e.g. "--wait --wait-timeout 1200" (CI).
 UP_FLAGS ?=
+# PROFILES=metrics (or "metrics monitoring"): `make up` also builds and starts the services of these
+# compose profiles (metrics: Prometheus on 127.0.0.1:$$PROMETHEUS_PORT; monitoring: rq-dashboard).
+PROFILES ?=
+PROFILE_FLAGS = $(foreach p,$(PROFILES),--profile $(p))
 BENCH_ARGS ?=
 
 .PHONY: help install demo dev test test-unit test-integration test-latest test-clients bench bench-quick lint clean images up down logs ps e2e locks compose-v2 publish tools
@@ -71,8 +75,16 @@ $(VENV)/.installed: images/locks/dev.txt shared/pyproject.toml trainer/pyproject
 
 install: $(VENV)/.installed ## create .venv from the hash-checked lock images/locks/dev.txt (CPU torch)
 
-demo: install ## the CPU loop end to end: tiny model, whole stack, toy task, reward table + PNG
-	HF_HUB_OFFLINE=1 $(PY) examples/digits.py --steps $(STEPS)
+# TRACKER=mlflow or wandb: the demo's trainer logs the run's curves to a local MLflow database
+# (.tandem/mlflow.db: `.venv/bin/mlflow ui --backend-store-uri sqlite:///.tandem/mlflow.db`) or to an
+# offline Weights & Biases run (.tandem/wandb/). Any TANDEM_TRACKER__* in the environment does the same.
+TRACKER ?=
+TRACKER_ENV = $(if $(filter mlflow,$(TRACKER)),TANDEM_TRACKER__KIND=mlflow TANDEM_TRACKER__MLFLOW_URI=sqlite:///$(CURDIR)/.tandem/mlflow.db,$(if $(filter wandb,$(TRACKER)),TANDEM_TRACKER__KIND=wandb TANDEM_TRACKER__WANDB_DIR=$(CURDIR)/.tandem))
+
+demo: install ## the CPU loop end to end: tiny model, whole stack, toy task, reward table + PNG (TRACKER=mlflow|wandb: + the curves)
+	@$(if $(filter-out mlflow wandb,$(TRACKER)),echo "make demo: TRACKER=$(TRACKER) is not a tracker; give TRACKER=mlflow or TRACKER=wandb" >&2; exit 2)
+	@mkdir -p .tandem
+	HF_HUB_OFFLINE=1 $(TRACKER_ENV) $(PY) examples/digits.py --steps $(STEPS)
 
 dev: install ## start the stack as local processes (Ctrl-C stops it)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/tandem up
@@ -142,7 +154,7 @@ LABEL_ARGS = $(foreach a,VERSION=$(IMAGE_VERSION) REVISION=$(IMAGE_REVISION) CRE
 # The base image (debootstrap: Debian for cpu, Ubuntu 24.04 for gpu), then the stack's images.
 define BUILD_IMAGES
 $(if $(filter cpu,$(STACK)),images/build-base.sh,SUITE=noble images/build-base.sh tandem-base:noble)
-$(DC) build $(LABEL_ARGS)
+$(DC) $(PROFILE_FLAGS) build $(LABEL_ARGS)
 endef
 # The images `make images` builds for each stack, the ones `make publish` pushes.
 STACK_IMAGES_cpu := tandem-redis tandem-inference-cpu tandem-trainer-cpu
@@ -161,10 +173,10 @@ if [ -n "$$unpinned" ]; then echo "make up: IMAGES_ENV=$(IMAGES_ENV) pins no dig
 $(DC) pull --quiet
 endef
 
-up: compose-v2 .env ## start the stack (GPU_MODE split/shared/cpu from nvidia-smi unless given); gateway on 127.0.0.1:8000 (CLIENT=1: + Redis on loopback; IMAGES_ENV=images.env: those digests)
+up: compose-v2 .env ## start the stack (GPU_MODE split/shared/cpu from nvidia-smi unless given); gateway on 127.0.0.1:8000 (CLIENT=1: + Redis on loopback; IMAGES_ENV=images.env: those digests; PROFILES=metrics: + Prometheus)
 	@echo "make up: GPU_MODE=$(GPU_MODE) ($(GPU_MODE_WHY))$(if $(filter gpu,$(STACK)),; inference on GPU $(INFERENCE_GPU) and trainer on GPU $(TRAINER_GPU))$(if $(IMAGES_ENV),; images by digest from $(IMAGES_ENV))"
 	$(if $(IMAGES_ENV),$(DIGEST_IMAGES),$(if $(PUBLISHED),$(DC) pull inference trainer,$(BUILD_IMAGES)))
-	$(DC) up -d $(if $(IMAGES_ENV),--no-build --pull never) $(UP_FLAGS)
+	$(DC) $(PROFILE_FLAGS) up -d $(if $(IMAGES_ENV),--no-build --pull never) $(UP_FLAGS)
 
 # The release tools (cyclonedx-py, for the images' SBOMs), hash-checked from images/locks/tools.txt.
 TOOLS_VENV ?= .venv-tools
@@ -219,7 +231,7 @@ locks: install ## regenerate images/locks/*.txt, every hash-pinned environment (
 	done
 
 down: ## stop the container stack (volumes kept)
-	$(DC) --profile monitoring down
+	$(DC) --profile monitoring --profile metrics down
 
 logs: ## follow the container stack's logs
 	$(DC) logs -f --tail=100

@@ -96,7 +96,7 @@ def train(args: argparse.Namespace, url: str, root: Path, model: Path, run: str,
         enqueue(conn, job)
     env = {**os.environ, "TANDEM_REDIS__URL": url, "TANDEM_STORE__ROOT": str(root), "TANDEM_GPUS__MODE": "cpu",
            "TANDEM_BACKEND__KIND": args.backend, "TANDEM_BACKEND__DEVICE": args.device, "HF_HUB_OFFLINE": "1",
-           "TANDEM_WORKER_NAME": f"bench-{run}", "PYTHONUNBUFFERED": "1"}
+           "TANDEM_WORKER_NAME": f"bench-{run}", "TANDEM_METRICS__ENABLED": "false", "PYTHONUNBUFFERED": "1"}
     if ranks > 1:
         env["TANDEM_PARALLEL__RANKS"] = str(ranks)
     if args.breakdown:

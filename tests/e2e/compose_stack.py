@@ -194,8 +194,9 @@ class Probe:
 
 def started_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, *,
                   files: tuple[str, ...] = (), env: str = "",
-                  services: tuple[str, ...] = SERVICES) -> Iterator[ComposeStack]:
-    """Build and start the CPU stack with `files` on top and `env` lines in its .env; take it down after."""
+                  services: tuple[str, ...] = SERVICES, profiles: tuple[str, ...] = ()) -> Iterator[ComposeStack]:
+    """Build and start the CPU stack with `files` on top, `env` lines in its .env and the services of
+    `profiles` too; take it down after."""
     if not docker_answers():
         pytest.skip("no docker engine answers (images/install-docker.sh installs and starts one)")
     subprocess.run(["images/build-base.sh"], cwd=ROOT, check=True, timeout=900)
@@ -223,10 +224,10 @@ def started_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     started = False
     try:
         t0 = time.monotonic()
-        s.compose("--profile", "monitoring", "build", timeout_s=1200)
+        s.compose("--profile", "monitoring", "--profile", "metrics", "build", timeout_s=1200)
         s.timings["build_s"] = time.monotonic() - t0
         t0 = time.monotonic()
-        s.compose("up", "-d", timeout_s=600)
+        s.compose(*(a for p in profiles for a in ("--profile", p)), "up", "-d", timeout_s=600)
         s.wait_healthy()
         wait_for(lambda: httpx.get(f"{s.gateway_url}/ready", timeout=3).status_code == 200, 60,
                  "the published gateway to be ready")
@@ -246,5 +247,5 @@ def started_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
         if os.environ.get("TANDEM_E2E_KEEP") == "1":
             print(f"TANDEM_E2E_KEEP=1: leaving {s.project} up (env file {env_file})")
         else:
-            s.compose("--profile", "monitoring", "down", "-v", "--remove-orphans", "-t", "30", check=False,
-                      timeout_s=300)
+            s.compose("--profile", "monitoring", "--profile", "metrics", "down", "-v", "--remove-orphans", "-t", "30",
+                      check=False, timeout_s=300)

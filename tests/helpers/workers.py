@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tandem.dev.stack import free_port
+
 
 class WorkerProcess:
     """One trainer worker subprocess; its output goes to a log file shown on failure."""
@@ -22,10 +24,12 @@ class WorkerProcess:
             "TANDEM_REDIS__URL": redis_url,
             "TANDEM_STORE__ROOT": str(store_root),
             "TANDEM_BACKEND__DEVICE": os.environ.get("TANDEM_TEST_TRAINER_DEVICE", "cpu"),
+            "TANDEM_METRICS__PORT": str(free_port()),
             "HF_HUB_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
             **(env or {}),
         }
+        self.metrics_url = f"http://127.0.0.1:{env['TANDEM_METRICS__PORT']}/metrics"
         self.log_path = log_path
         self._log = log_path.open("ab")
         self.proc = subprocess.Popen(

@@ -131,7 +131,8 @@ def test_a_cuda_trainer_with_fewer_gpus_than_ranks_exits_before_torchrun(tmp_pat
     import sys
 
     env = {**os.environ, "TANDEM_GPUS__MODE": "split", "TANDEM_GPUS__INFERENCE": "[0]", "TANDEM_GPUS__TRAINER": "[1,2]",
-           "TANDEM_BACKEND__DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": "", "TANDEM_REDIS__URL": "redis://127.0.0.1:1/0"}
+           "TANDEM_BACKEND__DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": "", "TANDEM_REDIS__URL": "redis://127.0.0.1:1/0",
+           "TANDEM_METRICS__ENABLED": "false"}
     done = subprocess.run([sys.executable, "-m", "tandem_trainer.main"], env=env, capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
     assert done.returncode == 2

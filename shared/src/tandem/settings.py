@@ -324,6 +324,40 @@ class TrainerBackendSettings(BaseModel):
     master weights then go into the version's trainer state, so resuming loses no precision."""
 
 
+class TrainerMetricsSettings(BaseModel):
+    """The trainer's Prometheus endpoint (`GET /metrics`), served by the process that runs the jobs."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    enabled: bool = True
+    """Serve `/metrics`; off: the trainer listens on no port at all."""
+    host: str = "127.0.0.1"
+    """Address `/metrics` binds to: loopback by default; the container stacks set `0.0.0.0`, their
+    private network, and never publish the port."""
+    port: int = Field(9310, ge=1, le=65535)
+    """Port of `/metrics`."""
+
+
+class TrackerSettings(BaseModel):
+    """Where the trainer logs each run's learning curve, one tracker run per tandem run."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    kind: Literal["none", "mlflow", "wandb"] = "none"
+    """`mlflow` (needs `tandem-trainer[mlflow]`), `wandb` (needs `tandem-trainer[wandb]`) or `none`."""
+    experiment: str = Field("tandem", min_length=1, max_length=128)
+    """MLflow experiment, or Weights & Biases project, that the runs go into."""
+    mlflow_uri: str = "sqlite:///mlflow.db"
+    """MLflow tracking URI: a tracking server (`http://127.0.0.1:5000`; what `tandem-trainer[mlflow]`
+    talks to), or, with the full `mlflow` package installed, a database (`sqlite:///mlflow.db`,
+    relative to the trainer's working directory) or a file store (`file:./mlruns`)."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """Weights & Biases mode: `offline` writes the runs under `wandb_dir` only (`wandb sync` uploads
+    them later); `online` sends them (needs `WANDB_API_KEY`)."""
+    wandb_dir: Path = Path(".")
+    """Directory Weights & Biases writes its `wandb/` folder of runs into."""
+
+
 class ParallelSettings(BaseModel):
     """Data-parallel training: several trainer processes (ranks) train each job together."""
 
@@ -413,6 +447,13 @@ class TrainerSettings(_ServiceSettings):
     that ends while Redis is away completes once Redis is back; past it the worker exits and its
     restart recovers the job."""
     parallel: ParallelSettings = ParallelSettings()
+    metrics: TrainerMetricsSettings = TrainerMetricsSettings()
+    tracker: TrackerSettings = TrackerSettings()
+
+    def redacted(self) -> dict[str, Any]:
+        data = super().redacted()
+        data["tracker"]["mlflow_uri"] = redact_url(self.tracker.mlflow_uri)
+        return data
 
     @model_validator(mode="after")
     def _ranks_fit_gpus(self) -> TrainerSettings:

@@ -15,9 +15,14 @@ turns them into a scalar loss and the numbers worth logging.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from tandem.trajectories import TrajectoryGroup
 
 #: Log-ratios are clamped to this magnitude before exp, so one wild token cannot make inf.
 MAX_LOG_RATIO = 20.0
@@ -176,3 +181,17 @@ def reward_stats(rewards: list[float]) -> dict[str, float]:
     """Mean and (population) std of the job's rewards."""
     t = torch.tensor(rewards, dtype=torch.float64)
     return {"reward_mean": float(t.mean()), "reward_std": float(t.std(unbiased=False))}
+
+
+def rollout_stats(groups: Sequence[TrajectoryGroup], parent: int) -> dict[str, float]:
+    """What a step's rollouts were: the mean of the groups' reward stds (the signal GRPO sees; 0
+    when every group is flat), and the versions that sampled them, against `parent`, the version
+    the step trains from (staleness: how many versions older a rollout is)."""
+    stds = [float(torch.tensor(g.rewards, dtype=torch.float64).std(unbiased=False)) for g in groups]
+    versions = [t.version for g in groups for t in g.trajectories]
+    staleness = [parent - v for v in versions]
+    return {
+        "reward_group_std": sum(stds) / len(stds),
+        "rollout_version_min": float(min(versions)), "rollout_version_max": float(max(versions)),
+        "staleness_mean": sum(staleness) / len(staleness), "staleness_max": float(max(staleness)),
+    }

@@ -34,13 +34,15 @@ from tandem_trainer.adapter_files import StagedAdapter
 from tandem_trainer.backends.base import Backend, ModelInfo
 from tandem_trainer.errors import CheckpointError, JobRejected, RanksLost, TrainStepFailed
 from tandem_trainer.gpu_sharing import SharedGpu
-from tandem_trainer.grpo import group_advantages, reward_stats
+from tandem_trainer.grpo import group_advantages, reward_stats, rollout_stats
+from tandem_trainer.metrics import TrainerMetrics
 from tandem_trainer.microbatch import Sample
 from tandem_trainer.parallel import Group
 from tandem_trainer.publisher import Publisher
 from tandem_trainer.run_lock import RunLock
 from tandem_trainer.stage_clock import StageClock
 from tandem_trainer.step import StepOrder, train_step
+from tandem_trainer.tracking import Tracker
 from tandem_trainer.turns import check_trained_spans
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,8 @@ class Trainer:
         entropy: bool = True,
         gpu: SharedGpu | None = None,
         group: Group | None = None,
+        metrics: TrainerMetrics | None = None,
+        tracker: Tracker | None = None,
     ) -> None:
         self.settings, self.conn, self.backend = settings, conn, backend
         self.gpu = gpu
@@ -91,6 +95,10 @@ class Trainer:
         self.registry, self.events = Registry(conn), EventStream(conn)
         self.publisher = Publisher(conn, self.store)
         self.owner, self.holder_alive, self.entropy = owner, holder_alive, entropy
+        self.metrics = metrics or TrainerMetrics()
+        """Prometheus metrics of the jobs (metrics.py); the worker serves them on /metrics."""
+        self.tracker = tracker
+        """The experiment tracker each published step is logged to (tracking.py), if any."""
 
     # the job ------------------------------------------------------------------
     def train(self, payload: TrainJob | JsonValue, *, retries_left: int = 0,
@@ -107,6 +115,7 @@ class Trainer:
         run, job_id = _names(payload, job_id)
         log.info("train.start run=%s job_id=%s", run, job_id)
         version: int | None = None
+        self.metrics.in_progress.set(1)
         try:
             job = payload if isinstance(payload, TrainJob) else self._parse(payload)
             result = self.publisher.reused(job)
@@ -132,9 +141,14 @@ class Trainer:
                         result = self._publish(job, trained)
                         # off the path to serving: after the announcement
                         self._save_state(job, version, result.parent)
+                        self.metrics.record_step(job.run, result.version, result.metrics)
+                        if self.tracker is not None:
+                            self._track(job, spec, result, trained.stepped_at)
                 finally:
                     lock.release()
         except Exception as exc:
+            self.metrics.in_progress.set(0)
+            self.metrics.job_seconds.observe(time.perf_counter() - started)
             if not isinstance(exc, JobRejected):
                 self._invalidate()  # partial gradients or a half-done step: reload next time
             failure = self._translate(exc)
@@ -151,6 +165,8 @@ class Trainer:
             if failure is exc:
                 raise
             raise failure from exc
+        self.metrics.in_progress.set(0)
+        self.metrics.job_seconds.observe(time.perf_counter() - started)
         log.info(
             "train.end run=%s job_id=%s version=%d parent=%d reused=%s duration_s=%.3f loss=%.5f "
             "reward_mean=%.4f",
@@ -291,7 +307,8 @@ class Trainer:
         with clock.stage("stage_adapter"):
             adapter = self.backend.stage_adapter()
         metrics = {
-            **step.stats.metrics(), **reward_stats(rewards), "grad_norm": step.grad_norm,
+            **step.stats.metrics(), **reward_stats(rewards), **rollout_stats(job.groups, latest),
+            "grad_norm": step.grad_norm,
             "tokens": float(step.tokens), "sequences": float(len(samples)),
             "sequence_tokens": float(sum(s.length for s in samples)),
             "groups": float(len(job.groups)), "zero_advantage_groups": float(flat_groups),
@@ -308,8 +325,10 @@ class Trainer:
         return Trained(manifest, adapter, train_s=train_s, stepped_at=stepped_at)
 
     def _publish(self, job: TrainJob, trained: Trained) -> TrainResult:
+        t0 = time.perf_counter()
         result = self.publisher.publish(job, trained.manifest, trained.adapter, train_s=trained.train_s,
                                         stepped_at=trained.stepped_at)
+        self.metrics.stage_seconds.labels("publish").observe(time.perf_counter() - t0)
         version_dir = self.store.version_dir(job.run, result.version)
         self.backend.mark_active(job.run, result.version, version_dir)
         self._tell("published", run=job.run, version=result.version, version_dir=str(version_dir))
@@ -330,6 +349,19 @@ class Trainer:
         except RanksLost as exc:
             log.warning("the other ranks are gone (%s); the worker stops after this job", exc)
 
+    def _track(self, job: TrainJob, spec: RunSpec, result: TrainResult, stepped_at: float) -> None:
+        """Log the step to the experiment tracker; a tracker that fails costs only its curve."""
+        assert self.tracker is not None
+        t0 = time.perf_counter()
+        try:
+            self.tracker.log_step(spec, result, stepped_at, self.events)
+        except Exception as exc:  # noqa: BLE001 - the version is out; the tracker is not on its path
+            self.metrics.tracker_errors.inc()
+            log.warning("tracker.failed run=%s version=%d: %s", job.run, result.version, exc, exc_info=True)
+            return
+        log.info("tracker.logged run=%s version=%d step=%d duration_s=%.3f", job.run, result.version, job.step,
+                 time.perf_counter() - t0)
+
     def _save_state(self, job: TrainJob, version: int, parent: int) -> None:
         """Attach the optimizer state to the published version; a failure costs only the state."""
         state: dict[str, JsonValue] = {"run": job.run, "version": version, "parent": parent, "step": job.step,
@@ -340,6 +372,7 @@ class Trainer:
                 self.backend.save_state(state_dir, trainer_state=state)
                 failpoints.hit("state_written")
             log.info("state.saved run=%s version=%d state_ms=%.1f", job.run, version, (time.perf_counter() - t0) * 1000)
+            self.metrics.stage_seconds.labels("state").observe(time.perf_counter() - t0)
         except Exception as exc:  # noqa: BLE001 - the version is already out; only its state is lost
             unexpected = not isinstance(exc, CheckpointError | OSError | VersionExists)
             log.warning("trainer state of %s v%d not saved (%s); resuming from it starts the optimizer fresh",

@@ -36,6 +36,7 @@ from tandem_trainer.backends.select import select_backend
 from tandem_trainer.errors import JobRejected, TrainerConfigError
 from tandem_trainer.gpu_sharing import SharedGpu
 from tandem_trainer.job import Trainer
+from tandem_trainer.metrics import TrainerMetrics, serve_metrics
 from tandem_trainer.outage import ride_out_outages
 from tandem_trainer.parallel import Group
 from tandem_trainer.recovery import (
@@ -48,6 +49,7 @@ from tandem_trainer.recovery import (
     owner_alive,
     recover_abandoned,
 )
+from tandem_trainer.tracking import open_tracker
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ class TrainWorker(SimpleWorker):
                            execution: Execution) -> None:
         failpoints.hit("before_finish")
         super().handle_job_success(job, queue, started_job_registry, execution)
+        _count("finished")
 
     def handle_job_failure(self, job: Job, queue: Queue, started_job_registry: StartedJobRegistry | None = None,
                            exc_string: str = "", execution: Execution | None = None) -> None:
@@ -84,6 +87,7 @@ class TrainWorker(SimpleWorker):
                 message = refusal or (lines[-1] if lines else "the job failed without an error message")
                 retries_left = job.retries_left if job.retries_left and job.retries_left > 0 else 0
                 EventStream(self.connection).append(failure_event(job, message, retries_left=retries_left))
+        _count("retried" if job.retries_left and job.retries_left > 0 else "failed")
         super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
 
 
@@ -97,6 +101,12 @@ class _Context:
 _context: _Context | None = None
 
 
+def _count(outcome: str) -> None:
+    """Count a job's outcome in the process's metrics (none before the trainer is set up)."""
+    if _context is not None:
+        _context.trainer.metrics.jobs.labels(outcome).inc()
+
+
 def setup(settings: TrainerSettings, conn: redis.Redis, liveness: Liveness, group: Group | None = None) -> Trainer:
     """Create the process's Trainer (and its backend, which keeps the model) once."""
     global _context
@@ -106,7 +116,7 @@ def setup(settings: TrainerSettings, conn: redis.Redis, liveness: Liveness, grou
             settings, conn, select_backend(settings.backend, device_index=index), AdapterStore(settings.store.root),
             owner=liveness.token, holder_alive=lambda owner: owner_alive(conn, owner),
             gpu=SharedGpu(conn, settings.gpus, holder=liveness.token) if settings.gpus.mode == "shared" else None,
-            group=group,
+            group=group, metrics=TrainerMetrics(), tracker=open_tracker(settings.tracker),
         )
         _context = _Context(trainer=trainer, liveness=liveness)
     return _context.trainer
@@ -185,12 +195,20 @@ def serve(settings: TrainerSettings, conn: redis.Redis, name: str, *, burst: boo
     log.info("recovery.end requeued=%d duration_s=%.3f jobs=%s",
              len(recovered), time.perf_counter() - started, recovered)
     liveness.start()
+    metrics_server = None
     try:
-        setup(settings, conn, liveness, group)
+        trainer = setup(settings, conn, liveness, group)
+        scrape_queue = train_queue(settings.redis.connect())  # a scrape never waits out an outage
+        trainer.metrics.watch_queue(lambda: scrape_queue.count)
+        metrics_server = serve_metrics(trainer.metrics, settings.metrics)
         worker = TrainWorker([train_queue(conn)], connection=conn, name=name, serializer=JSONSerializer)
         worker.group = group
         return worker.work(burst=burst, with_scheduler=False)
     finally:
         liveness.stop()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        if _context is not None and _context.trainer.tracker is not None:
+            _context.trainer.tracker.close()
         if group is not None:
             group.stop()

@@ -50,6 +50,8 @@ class Announcer:
             "ready_to_loaded_ms": None if ready_to_loaded_ms is None else round(ready_to_loaded_ms, 3),
             "step": manifest.step,
         }
+        if ready_to_loaded_ms is not None:
+            self.metrics.ready_to_serving_seconds.observe(ready_to_loaded_ms / 1000.0)
         if stages_ms:
             data["stages_ms"] = {k: round(v, 3) for k, v in stages_ms.items()}
         self.events.append(Event(

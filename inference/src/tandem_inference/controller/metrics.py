@@ -38,6 +38,11 @@ class ControllerMetrics:
             "Other replicas' heartbeat claims to serve a version the registry does not have (forged or foreign).",
             registry=registry,
         )
+        self.ready_to_serving_seconds = Histogram(
+            "tandem_adapter_ready_to_serving_seconds",
+            "Time from a version's `adapter_ready` (the trainer announced it) to this replica serving it.",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=registry,
+        )
         self.reconcile_seconds = Histogram(
             "tandem_controller_reconcile_seconds", "Time one reconciliation with the registry and engine took.",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=registry,

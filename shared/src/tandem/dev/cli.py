@@ -76,6 +76,8 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"  gateway  {stack.gateway_url}\n"
               f"  redis    {redact_url(stack.redis_url)} (the full URL, with its password, is in "
               f"{_shown_path(client_env)})\n"
+              f"  metrics  {stack.gateway_url}/metrics (gateway), "
+              f"http://127.0.0.1:{stack.trainer_metrics_port}/metrics (trainer)\n"
               f"{found};\n"
               f"elsewhere: Client(gateway_url, redis_url) with the URLs from {_shown_path(client_env)}.\n"
               "A service that dies is started again. Ctrl-C stops every service.", flush=True)

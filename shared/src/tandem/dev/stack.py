@@ -105,6 +105,8 @@ class StackConfig:
     model: str = ".tandem/models/tiny"
     gateway_port: int = 8000
     engine_port: int = 0
+    trainer_metrics_port: int = 0
+    """Port of the trainer's /metrics on loopback (0: a free one)."""
     redis_port: int = 0
     redis_url: str | None = None
     """Use this Redis instead of starting one."""
@@ -136,6 +138,7 @@ class Stack:
         self.engine_port = config.engine_port or free_port(30000, 31000)
         self.gateway_port = config.gateway_port or free_port()
         self.redis_port = config.redis_port or free_port()
+        self.trainer_metrics_port = config.trainer_metrics_port or free_port()
         self.redis_url = config.redis_url or (
             f"redis://:{self.secrets['redis_password']}@127.0.0.1:{self.redis_port}/0"
         )
@@ -143,7 +146,7 @@ class Stack:
         self.engine_url = f"http://127.0.0.1:{self.engine_port}"
         self.replicas: list[tuple[int, int]] = []
         """(engine port, gateway port) of each replica when there are several."""
-        taken = {self.engine_port, self.gateway_port, self.redis_port}
+        taken = {self.engine_port, self.gateway_port, self.redis_port, self.trainer_metrics_port}
         for _ in range(config.replicas if config.replicas > 1 else 0):
             ports = []
             for low in (30000, None):
@@ -171,6 +174,8 @@ class Stack:
                 "TANDEM_GATEWAY__HOST": "127.0.0.1",
                 "TANDEM_GATEWAY__PORT": str(self.gateway_port),
                 "TANDEM_GATEWAY_URL": self.gateway_url,
+                "TANDEM_METRICS__HOST": "127.0.0.1",
+                "TANDEM_METRICS__PORT": str(self.trainer_metrics_port),
                 "HF_HUB_OFFLINE": env.get("HF_HUB_OFFLINE", "1"),
                 "TOKENIZERS_PARALLELISM": "false",
                 "PYTHONUNBUFFERED": "1",

@@ -1,0 +1,22 @@
+# Prometheus for the container stacks (compose's `metrics` profile): the base's own distribution
+# package (Debian bookworm's, Ubuntu's on the GPU base) on the local base (images/build-base.sh), with
+# tandem's scrape configuration and alert rules, both checked by promtool while the image builds.
+ARG BASE_IMAGE=tandem-base:bookworm
+FROM ${BASE_IMAGE}
+ARG BASE_IMAGE
+LABEL org.opencontainers.image.title="tandem-prometheus" \
+      org.opencontainers.image.description="Prometheus scraping tandem's services" \
+      org.opencontainers.image.base.name="${BASE_IMAGE}"
+RUN apt-get update -qq \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
+ && rm -rf /var/lib/apt/lists/* \
+ && mkdir -p /prometheus && chown prometheus:prometheus /prometheus
+COPY images/prometheus/ /etc/tandem/prometheus/
+RUN promtool check config /etc/tandem/prometheus/prometheus.yml \
+ && promtool check rules /etc/tandem/prometheus/alerts.yml
+USER prometheus
+WORKDIR /prometheus
+VOLUME /prometheus
+EXPOSE 9090
+CMD ["prometheus", "--config.file=/etc/tandem/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus", \
+     "--storage.tsdb.retention.time=15d", "--web.listen-address=0.0.0.0:9090"]

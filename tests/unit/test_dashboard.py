@@ -1,0 +1,103 @@
+"""The Grafana dashboard (deploy/grafana/tandem.json) and the alert rules (images/prometheus/alerts.yml)
+name only metrics that tandem's services export: the names come from the services' own registries."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from tandem_inference.controller_metrics import ControllerMetrics
+from tandem_inference.engine.metrics import EngineMetrics
+from tandem_inference.gateway.metrics import GatewayMetrics
+from tandem_trainer.metrics import TrainerMetrics
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "deploy" / "grafana" / "tandem.json"
+ALERTS = ROOT / "images" / "prometheus" / "alerts.yml"
+METRIC = re.compile(r"\b(tandem_[a-z0-9_]+)\b")
+
+
+def exported() -> set[str]:
+    """Every sample name (counters' `_total`, histograms' `_bucket`/`_sum`/`_count`) the services'
+    registries hold; labelled metrics get one child each so that their samples show."""
+    registries = [TrainerMetrics().registry, EngineMetrics().registry]
+    for metrics_class in (GatewayMetrics, ControllerMetrics):
+        registry = CollectorRegistry()
+        metrics_class(registry)
+        registries.append(registry)
+    names: set[str] = set()
+    for registry in registries:
+        for family in registry.collect():
+            names.add(family.name)
+            names.update(sample.name for sample in family.samples)
+            for collector in list(registry._collector_to_names):  # noqa: SLF001 - labelled families
+                labels = getattr(collector, "_labelnames", ())
+                if labels:
+                    child = collector.labels(*("x" for _ in labels))  # type: ignore[attr-defined]
+                    names.update(s.name for m in child.collect() for s in m.samples)
+    return names
+
+
+def queries() -> list[tuple[str, str]]:
+    board = json.loads(DASHBOARD.read_text())
+    return [(panel["title"], target["expr"]) for panel in board["panels"] if panel["type"] != "row"
+            for target in panel["targets"]]
+
+
+def test_every_panel_queries_metrics_the_services_export() -> None:
+    names = exported()
+    assert "tandem_trainer_loss" in names and "tandem_gateway_requests_total" in names
+    panels = queries()
+    assert len(panels) >= 20
+    by_panel: dict[str, set[str]] = {}
+    for title, expr in panels:
+        by_panel.setdefault(title, set()).update(METRIC.findall(expr))
+    for title, used in by_panel.items():
+        assert used, f"panel {title!r} queries no tandem metric"
+        assert used <= names, f"panel {title!r} names metrics no service exports: {sorted(used - names)}"
+
+
+def test_the_dashboard_covers_the_loop_serving_training_and_health() -> None:
+    board = json.loads(DASHBOARD.read_text())
+    rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
+    assert rows == ["The loop", "Serving", "Training", "Health"]
+    text = " ".join(expr for _, expr in queries())
+    for needed in ("tandem_trainer_reward_mean", "tandem_serving_version", "tandem_adapter_ready_to_serving_seconds",
+                   "tandem_gateway_requests_total", "tandem_gateway_request_seconds", "tandem_gateway_refused_total",
+                   "tandem_gateway_queued_requests", "tandem_trainer_stage_seconds", "tandem_trainer_loss",
+                   "tandem_trainer_kl", "tandem_controller_malformed_events_total", 'up{job="gateway"}'):
+        assert needed in text, needed
+
+
+def test_the_dashboard_file_is_what_its_generator_writes() -> None:
+    spec = importlib.util.spec_from_file_location("dashboard", DASHBOARD.parent / "dashboard.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert DASHBOARD.read_text() == module.rendered(), "run .venv/bin/python deploy/grafana/dashboard.py"
+
+
+def test_every_alert_names_metrics_the_services_export() -> None:
+    names = exported()
+    rules = [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+    assert {"TandemTrainerStuck", "TandemReplicaOutOfRotation", "TandemSyncSlow"} <= {r["alert"] for r in rules}
+    for rule in rules:
+        used = set(METRIC.findall(rule["expr"]))
+        assert used <= names, f"alert {rule['alert']} names metrics no service exports: {sorted(used - names)}"
+
+
+def test_promtool_accepts_the_rules_and_the_scrape_configuration() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("no promtool here (Debian's `prometheus` package has it; the image's build runs the same check)")
+    for args in (["check", "rules", str(ALERTS)], ["check", "config", str(ALERTS.parent / "prometheus.yml")]):
+        done = subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
