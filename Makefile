@@ -136,12 +136,12 @@ up: compose-v2 .env ## start the stack (GPU_MODE split/shared/cpu from nvidia-sm
 	$(DC) up -d $(UP_FLAGS)
 
 # The lock files, compiled by uv from images/locks/<env>.in (+ <env>.overrides) and the pyprojects
-# they name, wheels only, with every file's sha256. GPU images (sglang, trainer, tandem): Linux x86-64,
+# they name, wheels only, with every file's sha256. GPU images (sglang, vllm, trainer, tandem): Linux x86-64,
 # Python 3.12 (the images' Ubuntu 24.04). The development / CPU environment (dev: .venv and CI) and
 # the CPU images' subsets of it (compiled with dev.txt as constraints, so their pins are dev.txt's):
 # Linux x86-64, Python 3.11 (Debian bookworm's), torch's CPU build from TORCH_LINKS.
 # Pins already in a lock are kept unless its inputs changed; LOCK_UPGRADE=1 moves everything to the newest.
-LOCKS := sglang trainer tandem
+LOCKS := sglang vllm trainer tandem
 DEV_LOCKS := cpu-inference cpu-trainer rq-dashboard clients
 # A page or folder listing torch's CPU wheels (uv's --find-links).
 TORCH_LINKS ?= $(TORCH_INDEX)/torch/
