@@ -21,6 +21,10 @@ GPU_MODE ?= $(or $(call dotenv,GPU_MODE),$(if $(filter 0,$(GPU_COUNT)),cpu,$(if 
 GPU_MODE_WHY = $(if $(filter command line environment,$(origin GPU_MODE)),GPU_MODE given,$(if $(call dotenv,GPU_MODE),GPU_MODE in .env,$(GPU_COUNT) GPU(s) listed by nvidia-smi))
 # The images and compose files: cpu (tiny model, transformers engine) or gpu (SGLang + Unsloth).
 STACK ?= $(if $(filter cpu,$(GPU_MODE)),cpu,gpu)
+# The GPU stack's rollout engine: sglang (default) or vllm (its own image, tandem-inference-vllm);
+# given, else from .env. compose.yaml reads ENGINE empty for SGLang, `vllm` for vLLM.
+ENGINE ?= $(call dotenv,ENGINE)
+ENGINE_IMAGE = $(filter-out sglang,$(ENGINE))
 # The host GPU of each service (nvidia-smi numbering); shared mode puts the trainer on INFERENCE_GPU.
 INFERENCE_GPU ?= $(or $(call dotenv,INFERENCE_GPU),0)
 TRAINER_GPU ?= $(if $(filter shared,$(GPU_MODE)),$(INFERENCE_GPU),$(or $(call dotenv,TRAINER_GPU),1))
@@ -42,7 +46,9 @@ ifneq ($(.SHELLSTATUS),0)
 $(error IMAGES_ENV=$(IMAGES_ENV): $(IMAGE_VARS))
 endif
 endif
-DC = $(strip GPU_MODE=$(GPU_MODE) INFERENCE_GPU=$(INFERENCE_GPU) TRAINER_GPU=$(TRAINER_GPU) $(IMAGE_VARS) \
+# With ENGINE=vllm, images.env's tandem-inference-vllm digest is the inference service's image.
+ENGINE_IMAGE_VARS = $(if $(filter vllm,$(ENGINE)),$(patsubst TANDEM_INFERENCE_VLLM_IMAGE=%,TANDEM_INFERENCE_IMAGE=%,$(filter-out TANDEM_INFERENCE_IMAGE=%,$(IMAGE_VARS))),$(IMAGE_VARS))
+DC = $(strip GPU_MODE=$(GPU_MODE) INFERENCE_GPU=$(INFERENCE_GPU) TRAINER_GPU=$(TRAINER_GPU) $(ENGINE_IMAGE_VARS) $(if $(ENGINE),ENGINE=$(ENGINE_IMAGE)) \
 	$(if $(filter-out 1,$(REPLICAS)),INFERENCE_REPLICAS=$(REPLICAS)) $(COMPOSE) $(COMPOSE_FILES))
 PYTEST_ARGS ?=
 # Extra flags of `make up`'s `docker compose up -d`, e.g. "--wait --wait-timeout 1200" (CI).
@@ -124,8 +130,8 @@ test-latest: ## the tests on the newest allowed releases, in .venv-latest (what 
 	@grep -iE '^(transformers|peft|tokenizers|torch|rq|redis|fastapi|uvicorn|pydantic|httpx)==' $(LATEST_VENV)/freeze.txt | tr '\n' ' '; echo
 	HF_HUB_OFFLINE=1 $(LATEST_VENV)/bin/python -m pytest tests/unit tests/integration $(PYTEST_ARGS)
 
-bench: install ## the benchmark suite on the local CPU stack (4 min 19 s on 2 cores); report in bench/results/<timestamp>/
-	HF_HUB_OFFLINE=1 $(PY) bench/suite.py $(BENCH_ARGS)
+bench: install ## the benchmark suite on the local CPU stack (4 min 19 s on 2 cores); report in bench/results/<timestamp>/ (ENGINE=sglang|vllm: on GPUs)
+	HF_HUB_OFFLINE=1 $(PY) bench/suite.py $(if $(filter command line,$(origin ENGINE)),--engine $(ENGINE)) $(BENCH_ARGS)
 
 bench-quick: install ## every benchmark scenario, small (2 min 18 s on 2 cores; CI keeps the suite working with it)
 	HF_HUB_OFFLINE=1 $(PY) bench/suite.py --quick $(BENCH_ARGS)
@@ -140,6 +146,7 @@ compose-v2:
 	@v="$$($(COMPOSE) version --short 2>/dev/null)"; v="$${v#v}"; \
 	if ! printf '2.24\n%s\n' "$$v" | sort -V -C 2>/dev/null || [ "$${v%%.*}" != 2 ]; then \
 	  echo "make: '$(COMPOSE)' answered '$${v:-nothing}': the stack needs Docker Compose v2.24 or newer (images/install-compose-v2.sh installs it)" >&2; exit 1; fi
+	@case "$(ENGINE)" in ""|sglang|vllm) ;; *) echo "make: ENGINE=$(ENGINE): pick sglang (the default) or vllm" >&2; exit 1;; esac
 
 # The images' OCI labels, from git: what a platform team checks before it pulls. created is the
 # commit's time, so one commit builds one image; the source is origin's URL (without credentials).
@@ -201,12 +208,12 @@ publish: compose-v2 tools | .env ## build, check (tandem-doctor), push a stack's
 	  $(foreach t,$(PUBLISH_TAGS),--tag $(t)) $(STACK_IMAGES_$(STACK))
 
 # The lock files, compiled by uv from images/locks/<env>.in (+ <env>.overrides) and the pyprojects
-# they name, wheels only, with every file's sha256. GPU images (sglang, trainer, tandem): Linux x86-64,
+# they name, wheels only, with every file's sha256. GPU images (sglang, vllm, trainer, tandem): Linux x86-64,
 # Python 3.12 (the images' Ubuntu 24.04). The development / CPU environment (dev: .venv and CI) and
 # the CPU images' subsets of it (compiled with dev.txt as constraints, so their pins are dev.txt's):
 # Linux x86-64, Python 3.11 (Debian bookworm's), torch's CPU build from TORCH_LINKS.
 # Pins already in a lock are kept unless its inputs changed; LOCK_UPGRADE=1 moves everything to the newest.
-LOCKS := sglang trainer tandem
+LOCKS := sglang vllm trainer tandem
 DEV_LOCKS := cpu-inference cpu-trainer rq-dashboard clients tools
 # A page or folder listing torch's CPU wheels (uv's --find-links).
 TORCH_LINKS ?= $(TORCH_INDEX)/torch/

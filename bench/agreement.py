@@ -30,7 +30,7 @@ SETTINGS = [(t, p) for t in (0.3, 0.7, 1.0) for p in (1.0, 0.9)]
 
 def trainer_env(ctx: Ctx) -> dict[str, str]:
     env = {**os.environ, **ctx.engine_env, "HF_HUB_OFFLINE": "1"}
-    if ctx.engine == "sglang":  # the trainer's GPU (shared mode: the engine's)
+    if ctx.engine != "transformers":  # the trainer's GPU (shared mode: the engine's)
         gpus = env["TANDEM_GPUS__TRAINER"] if env.get("TANDEM_GPUS__MODE") == "split" else env["TANDEM_GPUS__INFERENCE"]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in json.loads(gpus)[:1])
     return env

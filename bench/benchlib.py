@@ -47,7 +47,7 @@ class BenchStack(Stack):
     """The local stack with each side in an interpreter of its own choosing.
 
     On a CPU every side runs in this interpreter with the transformers engine. On GPUs the
-    inference service launches SGLang from `sglang_python` and the trainer runs in
+    inference service launches SGLang (or vLLM) from its own interpreter and the trainer runs in
     `trainer_python` (Unsloth), exactly as the two images do.
     """
 
@@ -92,6 +92,8 @@ class Ctx:
     lr: float = 5e-3
     """Learning rate of the toy task (pipeline scenario); larger shapes want less."""
     notes: list[str] = field(default_factory=list)
+    vllm_python: str = "python3"
+    """Interpreter of vLLM's environment (--engine vllm)."""
 
     def progress(self, msg: str) -> None:
         print(f"  {msg}", flush=True)

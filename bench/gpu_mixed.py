@@ -1,4 +1,4 @@
-"""On a GPU: SGLang as tandem launches it, checked against references instead of timed.
+"""On a GPU: SGLang or vLLM as tandem launches it, checked against references instead of timed.
 
 1. Batch invariance across adapters: a random model of a real shape, four random rank-16
    adapters A-D with distinct weights, greedy decoding. Each (prompt, adapter) alone is the
@@ -6,19 +6,23 @@
    16 x B; A, B, C, D one each; one prompt with A and with B, the shape of a version swap),
    each twice. A request is right when its tokens equal its solo tokens, all of them.
 2. Rollout/trainer agreement: samples of adapter A at temperatures 0.3, 0.7 and 1.0, with and
-   without top_p 0.9, their logprobs as SGLang returns them, recomputed by the trainer's peft
+   without top_p 0.9, their logprobs as the engine returns them, recomputed by the trainer's peft
    backend (bfloat16 on the GPU) on the same adapter, in tandem's convention (each sample's
    temperature) and in the unscaled one tandem's trainer used before.
 
 One SGLang server per `--lora-backends` entry (tandem's own flags from `sglang_argv`, CUDA
-graphs on, as shipped), one after the other on GPU 0. Results: OUT/results.json, OUT/report.md.
+graphs on, as shipped), one after the other on GPU 0; with `--engine vllm` one vLLM server
+(tandem's flags from `vllm_argv`). Every call goes through the engine's `Engine` client, as the
+gateway's do. Results: OUT/results.json, OUT/report.md.
 
     python bench/gpu_mixed.py --out /tmp/mixed --sglang-python /tmp/sgpython --lora-backends csgmv,triton
+    python bench/gpu_mixed.py --out /tmp/mixed-vllm --engine vllm --vllm-python /opt/vllm/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import shutil
@@ -35,43 +39,42 @@ from tandem.logprobs import Mismatch
 from tandem.runs import LoraConfig, RunSpec
 from tandem.settings import EngineSettings, InferenceSettings
 from tandem.trajectories import Sample
-from tandem_inference.engines.sglang_launcher import sglang_argv, sglang_env
+from tandem_inference.engines import connect, own_engine
+from tandem_inference.engines.base import Generated, Sampling
 
 ADAPTERS = ["A", "B", "C", "D"]
 NEW_TOKENS = 48
 
 
-def generate(url: str, ids: list[int], adapter: str | None, params: dict[str, Any]) -> dict[str, Any]:
-    body: dict[str, Any] = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
-    if adapter is not None:
-        body["lora_path"] = adapter
-    reply = httpx.post(f"{url}/generate", json=body, timeout=300)
-    reply.raise_for_status()
-    out: dict[str, Any] = reply.json()
+async def _complete(engine: EngineSettings, ids: list[int], adapter: str | None, sampling: Sampling) -> Generated:
+    async with httpx.AsyncClient() as http:
+        (out,) = await connect(engine, http).complete(ids, sampling, adapter=adapter)
     return out
 
 
-def tokens(reply: dict[str, Any]) -> list[int]:
-    return [int(t[1]) for t in reply["meta_info"]["output_token_logprobs"]]
+def generate(engine: EngineSettings, ids: list[int], adapter: str | None, sampling: Sampling) -> Generated:
+    """One sample through the engine's `Engine` client (one event loop per calling thread)."""
+    return asyncio.run(_complete(engine, ids, adapter, sampling))
 
 
-def greedy(url: str, ids: list[int], adapter: str | None) -> list[int]:
-    return tokens(generate(url, ids, adapter, {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}))
+def greedy(engine: EngineSettings, ids: list[int], adapter: str | None) -> list[int]:
+    return generate(engine, ids, adapter, Sampling(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)).token_ids
 
 
-def at_once(url: str, batch: list[tuple[int, str | None]], prompts: list[list[int]]) -> list[list[int]]:
+def at_once(engine: EngineSettings, batch: list[tuple[int, str | None]], prompts: list[list[int]]) -> list[list[int]]:
     with ThreadPoolExecutor(len(batch)) as pool:
-        return list(pool.map(lambda r: greedy(url, prompts[r[0]], r[1]), batch))
+        return list(pool.map(lambda r: greedy(engine, prompts[r[0]], r[1]), batch))
 
 
 def start(settings: InferenceSettings, log: Path) -> subprocess.Popen[bytes]:
-    argv = sglang_argv(settings)
-    print("sglang:", " ".join(argv), flush=True)
-    proc = subprocess.Popen(argv, env=sglang_env(settings), stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    own = own_engine(settings)
+    assert own is not None, settings.engine.kind
+    print(f"{settings.engine.kind}:", " ".join(own.argv), flush=True)
+    proc = subprocess.Popen(own.argv, env=own.env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     deadline = time.time() + 900
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"SGLang exited with {proc.returncode}; see {log}")
+            raise SystemExit(f"{settings.engine.kind} exited with {proc.returncode}; see {log}")
         try:
             if httpx.get(f"{settings.engine.url}/health", timeout=5).status_code == 200:
                 return proc
@@ -79,12 +82,12 @@ def start(settings: InferenceSettings, log: Path) -> subprocess.Popen[bytes]:
             pass
         time.sleep(2)
     proc.kill()
-    raise SystemExit("SGLang did not answer /health in 900 s")
+    raise SystemExit(f"{settings.engine.kind} did not answer /health in 900 s")
 
 
-def mixed_batches(url: str, prompts: list[list[int]]) -> dict[str, Any]:
+def mixed_batches(engine: EngineSettings, prompts: list[list[int]]) -> dict[str, Any]:
     everyone: list[str | None] = [None, *ADAPTERS]
-    solo = {(p, a): greedy(url, prompts[p], a) for p in range(len(prompts)) for a in everyone}
+    solo = {(p, a): greedy(engine, prompts[p], a) for p in range(len(prompts)) for a in everyone}
     distinct = len({tuple(solo[0, a]) for a in everyone})
     batches: dict[str, list[tuple[int, str | None]]] = {
         "prompts x {base, A, B, C, D}, 32 requests": [(i % len(prompts), everyone[i % 5]) for i in range(32)],
@@ -96,7 +99,7 @@ def mixed_batches(url: str, prompts: list[list[int]]) -> dict[str, Any]:
     rows = []
     for name, batch in batches.items():
         for attempt in (1, 2):
-            got = at_once(url, batch, prompts)
+            got = at_once(engine, batch, prompts)
             right = [ids == solo[r] for r, ids in zip(batch, got, strict=True)]
             wrong_by = sorted({str(r[1] or "base") for r, ok in zip(batch, right, strict=True) if not ok})
             first_bad: list[int | None] = [next((k for k, (x, y) in enumerate(zip(ids, solo[r], strict=False)) if x != y), None)
@@ -112,14 +115,14 @@ SETTINGS = [(None, 1.0, 1.0)] + [("A", t, p) for t in (0.3, 0.7, 1.0) for p in (
 """(adapter, temperature, top_p): the base model at T = 1 calibrates the numerical noise."""
 
 
-def sample_logprobs(url: str, prompts: list[list[int]]) -> list[dict[str, Any]]:
+def sample_logprobs(engine: EngineSettings, prompts: list[list[int]]) -> list[dict[str, Any]]:
     out = []
     for adapter, temperature, top_p in SETTINGS:
         for ids in prompts:
-            params = {"max_new_tokens": NEW_TOKENS, "temperature": temperature, "top_p": top_p, "ignore_eos": True}
-            lps = generate(url, ids, adapter, params)["meta_info"]["output_token_logprobs"]
+            got = generate(engine, ids, adapter, Sampling(max_tokens=NEW_TOKENS, temperature=temperature, top_p=top_p,
+                                                          ignore_eos=True))
             out.append({"adapter": adapter, "temperature": temperature, "top_p": top_p, "prompt_ids": ids,
-                        "completion_ids": [int(t[1]) for t in lps], "rollout_logprobs": [float(t[0]) for t in lps]})
+                        "completion_ids": got.token_ids, "rollout_logprobs": got.logprobs})
     return out
 
 
@@ -152,23 +155,31 @@ def agreement(model: Path, adapter_dir: Path, samples: list[dict[str, Any]], wor
 
 
 def serve_and_check(model: Path, adapters: dict[str, Path], prompts: list[list[int]], *, backend: str | None,
-                    sglang_python: str, port: int, out: Path) -> dict[str, Any]:
-    """One SGLang server as tandem launches it (`backend` None: the shipped `engine.lora_backend`):
+                    sglang_python: str = "python3", port: int, out: Path, engine_kind: str = "sglang",
+                    vllm_python: str = "python3") -> dict[str, Any]:
+    """One engine server as tandem launches it (SGLang: `backend` None is the shipped `engine.lora_backend`):
     the mixed batches against solo outputs, and samples of adapter A for the agreement check."""
-    engine = EngineSettings(kind="sglang", model=str(model), url=f"http://127.0.0.1:{port}", sglang_python=sglang_python,
-                            max_lora_rank=16, extra_args=SGLANG_FLAGS, mem_fraction_static=0.5)
+    engine = EngineSettings(kind=engine_kind, model=str(model), url=f"http://127.0.0.1:{port}",  # type: ignore[arg-type]
+                            sglang_python=sglang_python, vllm_python=vllm_python, max_lora_rank=16,
+                            extra_args=SGLANG_FLAGS if engine_kind == "sglang" else [], mem_fraction_static=0.5)
     if backend is not None:
         engine = engine.model_copy(update={"lora_backend": backend})
     settings = InferenceSettings(engine=engine, gpus={"mode": "split", "inference": [0], "trainer": [1]})
-    proc = start(settings, out / f"sglang-{engine.lora_backend}.log")
+    name = engine.lora_backend if engine_kind == "sglang" else engine_kind
+    proc = start(settings, out / f"{engine_kind}-{name}.log")
     try:
-        for name, path in adapters.items():
-            httpx.post(f"{engine.url}/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
-                       timeout=120).raise_for_status()
-        print(f"== {engine.lora_backend}: mixed batches", flush=True)
-        res: dict[str, Any] = {"argv": sglang_argv(settings), "mixed": mixed_batches(engine.url, prompts)}
-        print(f"== {engine.lora_backend}: sampling for agreement", flush=True)
-        res["samples"] = sample_logprobs(engine.url, prompts)
+        async def load() -> None:
+            async with httpx.AsyncClient() as http:
+                client = connect(engine, http)
+                for adapter, path in adapters.items():
+                    await client.load_adapter(adapter, str(path))
+
+        asyncio.run(load())
+        print(f"== {name}: mixed batches", flush=True)
+        own = own_engine(settings)
+        res: dict[str, Any] = {"argv": own.argv if own else [], "mixed": mixed_batches(engine, prompts)}
+        print(f"== {name}: sampling for agreement", flush=True)
+        res["samples"] = sample_logprobs(engine, prompts)
     finally:
         proc.terminate()
         proc.wait(timeout=120)
@@ -176,10 +187,11 @@ def serve_and_check(model: Path, adapters: dict[str, Path], prompts: list[list[i
 
 
 def report(results: dict[str, Any]) -> str:
-    lines = [f"# SGLang mixed-adapter batches and logprob agreement ({results['shape']}, "
+    lines = [f"# {results.get('engine', 'sglang')}: mixed-adapter batches and logprob agreement ({results['shape']}, "
              f"initializer_range {results['initializer_range']}, adapter B std {results['adapter_scale']})", ""]
     for backend, res in results["backends"].items():
-        lines += [f"## --lora-backend {backend}", "", f"distinct solo outputs of one prompt over base and A-D: "
+        title = f"--lora-backend {backend}" if results.get("engine", "sglang") == "sglang" else backend
+        lines += [f"## {title}", "", f"distinct solo outputs of one prompt over base and A-D: "
                   f"{res['mixed']['distinct_solo_outputs']} of 5", "",
                   "| batch | run | exact / requests | wrong from the first decode step | wrong adapters | first wrong step |",
                   "|---|---|---|---|---|---|"]
@@ -200,9 +212,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--work", default="/tmp/gpu-mixed", help="model and adapters (large)")
+    p.add_argument("--engine", choices=["sglang", "vllm"], default="sglang")
     p.add_argument("--sglang-python", default="python3")
+    p.add_argument("--vllm-python", default="python3")
     p.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
-    p.add_argument("--lora-backends", default="csgmv,triton")
+    p.add_argument("--lora-backends", default="csgmv,triton", help="SGLang's LoRA backends, one server each")
     p.add_argument("--port", type=int, default=30123)
     p.add_argument("--initializer-range", type=float, default=0.02,
                    help="the random model's weight scale (a real model's is about 0.02; larger ones make bf16 chaotic)")
@@ -223,10 +237,12 @@ def main() -> int:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(8, 24))] for _ in range(4)]
     results: dict[str, Any] = {"shape": args.shape, "initializer_range": args.initializer_range,
-                               "adapter_scale": scale, "backends": {}}
-    for backend in args.lora_backends.split(","):
-        results["backends"][backend] = serve_and_check(model, adapters, prompts, backend=backend,
-                                                       sglang_python=args.sglang_python, port=args.port, out=out)
+                               "adapter_scale": scale, "engine": args.engine, "backends": {}}
+    backends: list[str | None] = list(args.lora_backends.split(",")) if args.engine == "sglang" else [None]
+    for backend in backends:
+        results["backends"][backend or args.engine] = serve_and_check(
+            model, adapters, prompts, backend=backend, sglang_python=args.sglang_python, port=args.port, out=out,
+            engine_kind=args.engine, vllm_python=args.vllm_python)
         (out / "results.json").write_text(json.dumps(results, indent=1))
     for backend, res in results["backends"].items():
         print(f"== {backend}: trainer recompute", flush=True)

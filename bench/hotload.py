@@ -84,11 +84,12 @@ def main() -> int:
     p_run.add_argument("--quick", action="store_true")
     p_run.add_argument("--out", default=None, help="default: bench/results/hotload-<timestamp>")
     p_run.add_argument("--model", default=None, help="default: the tiny model (built if needed)")
-    p_run.add_argument("--engine", choices=["transformers", "sglang"], default="transformers")
+    p_run.add_argument("--engine", choices=["transformers", "sglang", "vllm"], default="transformers")
     p_run.add_argument("--store", default=None, help="adapter store root (default: random adapters)")
     p_run.add_argument("--run-name", default="bench")
     p_run.add_argument("--tandem-python", default=sys.executable)
     p_run.add_argument("--sglang-python", default="python3")
+    p_run.add_argument("--vllm-python", default="python3")
     p_run.add_argument("--trainer-python", default=None, help="interpreter with torch + peft for the merge")
     p_run.add_argument("--engine-env", default="{}", help="JSON object of extra engine environment variables")
     p_merge = sub.add_parser("merge", help="(internal) merge an adapter into a base model and save it")
@@ -116,7 +117,8 @@ def main() -> int:
         model = str(build_tiny_model(Path(".tandem/models/tiny")).resolve())
     ctx = SimpleNamespace(
         out=out, quick=args.quick, model=model, engine=args.engine, tandem_python=args.tandem_python,
-        sglang_python=args.sglang_python, trainer_python=args.trainer_python, engine_env=json.loads(args.engine_env),
+        sglang_python=args.sglang_python, vllm_python=args.vllm_python, trainer_python=args.trainer_python,
+        engine_env=json.loads(args.engine_env),
         store_root=Path(args.store or out / "no-store"), run_name=args.run_name,
         progress=lambda msg: print(f"  {msg}", flush=True),
     )

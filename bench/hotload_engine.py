@@ -35,6 +35,7 @@ class Engine:
         from tandem_inference.engines import connect
         from tandem_inference.engines.launcher import Launcher
         from tandem_inference.engines.sglang_launcher import sglang_argv, sglang_env
+        from tandem_inference.engines.vllm_launcher import vllm_argv, vllm_env
 
         ctx, http, max_rank = self.ctx, self.http, self.max_rank
         self.port = port
@@ -52,6 +53,7 @@ class Engine:
             "TANDEM_ENGINE__HOST": "127.0.0.1",
             "TANDEM_ENGINE__PORT": str(port),
             "TANDEM_ENGINE__SGLANG_PYTHON": ctx.sglang_python,
+            "TANDEM_ENGINE__VLLM_PYTHON": ctx.vllm_python,
             # the engine loads only from its roots: the store's versions or the random adapters in
             # `out`, and the merged checkpoints in `out`
             "TANDEM_ENGINE__ADAPTER_ROOTS": json.dumps([str(Path(ctx.store_root).resolve()), str(Path(ctx.out).resolve())]),
@@ -68,6 +70,8 @@ class Engine:
                 settings = InferenceSettings(_env_file=None)  # type: ignore[call-arg]
         if ctx.engine == "sglang":
             argv, env = sglang_argv(settings), sglang_env(settings, base=env)
+        elif ctx.engine == "vllm":
+            argv, env = vllm_argv(settings), vllm_env(settings, base=env)
         else:
             argv = [ctx.tandem_python, "-m", "tandem_inference.engines.transformers"]
         self.log_path = Path(ctx.out) / "hotload-engine.log"

@@ -57,8 +57,8 @@ def report(ctx: Any, rows: list[dict[str, Any]], out: Path) -> dict[str, Any]:
         "errors": errors,
     }
     note = ""
-    if ctx.engine != "sglang":
-        note = "the goal is stated for SGLang on a GPU; this run used the transformers engine"
+    if ctx.engine == "transformers":
+        note = "the goal is stated for a GPU engine (SGLang, vLLM); this run used the transformers engine"
     if ratio["restart"] is None:
         note = "; ".join(filter(None, [note, "not measured: " + ("; ".join(errors) or "no restart or hot-load")]))
     goals = [{"name": GOAL_NAME, "value": None if ratio["restart"] is None else round(ratio["restart"], 1),

@@ -1,7 +1,7 @@
 """`make bench`: what tandem exists for, measured side by side with the alternatives in one run.
 
 Starts the stack (CPU profile by default: tiny model, transformers engine, peft trainer; or
-SGLang + Unsloth on GPUs with --engine sglang), runs the scenarios in order, and writes
+SGLang or vLLM + Unsloth on GPUs with --engine sglang or --engine vllm), runs the scenarios in order, and writes
 bench/results/<timestamp>/ with results.json, report.md and the PNG plots:
 
     1 sync          policy-sync latency per stage, against the floor (write + read + copy)
@@ -20,6 +20,8 @@ bench/results/<timestamp>/ with results.json, report.md and the PNG plots:
     python bench/suite.py --only sync,hotload
     python bench/suite.py --engine sglang --shape 0.5b --sglang-python /opt/sglang/bin/python \\
         --trainer-python /opt/trainer/bin/python          # GPUs, split mode (GPU 0 and 1)
+    python bench/suite.py --engine vllm --shape 0.5b --vllm-python /opt/vllm/bin/python \
+        --trainer-python /opt/trainer/bin/python          # the same loop with vLLM (make bench ENGINE=vllm)
 
 Every goal of the suite is checked and the report says which were met and which were missed;
 the exit status is non-zero only when a scenario failed to run.
@@ -57,9 +59,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--state", default=None, help="the stack's state: adapters, Redis, logs (default: OUT/stack)")
     p.add_argument("--model", default=None, help="a local model dir (default: build the tiny model / --shape)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    p.add_argument("--engine", choices=["transformers", "sglang"], default="transformers")
-    p.add_argument("--mode", choices=["split", "shared"], default="split", help="GPU mode with --engine sglang")
+    p.add_argument("--engine", choices=["transformers", "sglang", "vllm"], default="transformers")
+    p.add_argument("--mode", choices=["split", "shared"], default="split", help="GPU mode with a GPU engine")
     p.add_argument("--sglang-python", default="python3")
+    p.add_argument("--vllm-python", default="python3")
     p.add_argument("--trainer-python", default=sys.executable)
     p.add_argument("--tandem-python", default=sys.executable)
     p.add_argument("--inference-gpus", default="[0]")
@@ -87,9 +90,11 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
     env = {
         "TANDEM_GPUS__MODE": args.mode, "TANDEM_GPUS__INFERENCE": args.inference_gpus,
         "TANDEM_GPUS__TRAINER": args.trainer_gpus if args.mode == "split" else "[7]",
-        "TANDEM_ENGINE__KIND": "sglang", "TANDEM_ENGINE__SGLANG_PYTHON": args.sglang_python,
+        "TANDEM_ENGINE__KIND": args.engine, "TANDEM_ENGINE__SGLANG_PYTHON": args.sglang_python,
+        "TANDEM_ENGINE__VLLM_PYTHON": args.vllm_python,
         "TANDEM_ENGINE__MAX_LORA_RANK": "16", "TANDEM_ENGINE__CUDA_GRAPH_MAX_BS": str(args.cuda_graph_max_bs),
-        "TANDEM_ENGINE__EXTRA_ARGS": json.dumps(SGLANG_FLAGS),
+        # SGLang's kernels as the GPU runs measured them; vLLM runs with tandem's flags alone
+        "TANDEM_ENGINE__EXTRA_ARGS": json.dumps(SGLANG_FLAGS if args.engine == "sglang" else []),
         "TANDEM_ENGINE__MEM_FRACTION_STATIC": str(args.mem_fraction if args.mode == "split" else 0.6),
         "TANDEM_BACKEND__KIND": "auto", "TANDEM_LOG_LEVEL": "INFO", "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": "16",
         "TANDEM_GATEWAY__MAX_IN_FLIGHT_TOKENS": "524288",  # as compose.yaml: a GPU takes far more than a CPU
@@ -146,22 +151,27 @@ def main() -> int:
         print(f"model: {args.shape} at {model_dir} ...", flush=True)
         model = str(build_tiny_model(model_dir, **SHAPES[args.shape]).resolve())
     env = engine_env(args)
-    device = "cuda" if args.engine == "sglang" else "cpu"
+    gpu = args.engine != "transformers"
+    device = "cuda" if gpu else "cpu"
     state = Path(args.state).resolve() if args.state else out / "stack"
     config = StackConfig(state_dir=state, model=model, gateway_port=0, extra_env=env,
-                         ready_timeout_s=1200 if args.engine == "sglang" else 180,
+                         ready_timeout_s=1200 if gpu else 180,
                          cpu_threads=1 if args.engine == "transformers" else None)
     ctx = Ctx(out=out, quick=args.quick, model=model, engine=args.engine, tandem_python=args.tandem_python,
-              sglang_python=args.sglang_python, trainer_python=args.trainer_python, engine_env=env, store_root=state / "adapters",
+              sglang_python=args.sglang_python, vllm_python=args.vllm_python, trainer_python=args.trainer_python,
+              engine_env=env, store_root=state / "adapters",
               run_name="bench", device=device, served_model="base", shape=args.shape,
               lr=5e-3 if args.shape == "tiny" else 2e-3)
     meta = {
         "timestamp": stamp, "quick": args.quick, "engine": args.engine, "shape": args.shape, "model": model,
-        "mode": args.mode if args.engine == "sglang" else "cpu", "machine": machine(), "packages": package_versions(),
+        "mode": args.mode if gpu else "cpu", "machine": machine(), "packages": package_versions(),
         "settings": env,
     }
     if args.engine == "sglang":
         meta["sglang_env"] = python_versions(args.sglang_python, ["sglang", "torch", "transformers"])
+    if args.engine == "vllm":
+        meta["vllm_env"] = python_versions(args.vllm_python, ["vllm", "torch", "transformers"])
+    if gpu:
         meta["trainer_env"] = python_versions(args.trainer_python, ["unsloth", "torch", "transformers", "peft"])
     results: dict[str, Any] = {}
 

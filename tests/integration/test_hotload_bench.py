@@ -26,7 +26,7 @@ def test_quick_run_measures_all_three_and_the_merge_changes_the_served_weights(
     messages: list[str] = []
     ctx = SimpleNamespace(
         out=tmp_path / "out", quick=True, model=str(tiny_model), engine="transformers",
-        tandem_python=sys.executable, sglang_python="python3", engine_env={"TANDEM_LOG_LEVEL": "INFO"},
+        tandem_python=sys.executable, sglang_python="python3", vllm_python="python3", engine_env={"TANDEM_LOG_LEVEL": "INFO"},
         store_root=store.root, run_name=RUN, progress=messages.append,
     )
     result = bench_module("hotload").run(ctx)
@@ -62,6 +62,7 @@ def test_quick_run_measures_all_three_and_the_merge_changes_the_served_weights(
 def test_without_published_versions_random_adapters_are_made(tiny_model: Path, tmp_path: Path) -> None:
     messages: list[str] = []
     ctx = SimpleNamespace(out=tmp_path, model=str(tiny_model), tandem_python=sys.executable, sglang_python="python3",
+                          vllm_python="python3",
                           store_root=tmp_path / "empty-store", run_name=RUN, progress=messages.append)
     made = bench_module("hotload_adapters").adapters(ctx, 5)
 

@@ -12,13 +12,15 @@ import tandem_inference
 from tandem_inference.engines.base import Engine
 from tandem_inference.engines.sglang import SGLangEngine
 from tandem_inference.engines.transformers.client import TransformersEngine
+from tandem_inference.engines.vllm import VLLMEngine
 
 PACKAGE = Path(tandem_inference.__file__).parent
-#: Names that exist only in an engine's HTTP API (SGLang's, which the transformers engine serves too).
+#: Names that exist only in an engine's HTTP API (SGLang's, which the transformers engine serves too, and vLLM's).
 WIRE_NAMES = re.compile(
     r"meta_info|output_token_logprobs|output_top_logprobs|output_ids|sampling_params|lora_path|lora_name"
     r"|logprob_start_len|top_logprobs_num|return_logprob|load_lora_adapter|unload_lora_adapter"
     r"|memory_occupation|/server_info|/generate\b|/flush_cache|update_weights_from_disk"
+    r"|return_token_ids|return_tokens_as_token_ids|/wake_up|/reset_prefix_cache|/collective_rpc|\"token_id:"
 )
 
 
@@ -37,11 +39,11 @@ def test_gateway_and_controller_import_no_engine_implementation() -> None:
     """They know engines through engines.base (and the factory in main) only."""
     wings = [p for p in outside_engines() if p.relative_to(PACKAGE).parts[0] in ("gateway", "controller")]
     bad = [str(p.relative_to(PACKAGE)) for p in wings
-           if re.search(r"tandem_inference\.engines\.(sglang|transformers|http_errors|launcher)", p.read_text())]
+           if re.search(r"tandem_inference\.engines\.(sglang|vllm|transformers|http_errors|launcher)", p.read_text())]
     assert wings and bad == []
 
 
-@pytest.mark.parametrize("implementation", [SGLangEngine, TransformersEngine])
+@pytest.mark.parametrize("implementation", [SGLangEngine, TransformersEngine, VLLMEngine])
 def test_each_engine_implements_the_protocol_with_its_signatures(implementation: type) -> None:
     members = {name for name, _ in inspect.getmembers(Engine, inspect.isfunction) if not name.startswith("_")}
     assert {"complete", "stream", "load_adapter", "unload_adapter", "loaded_adapters", "health", "info"} <= members

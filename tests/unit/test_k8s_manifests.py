@@ -192,6 +192,32 @@ def test_a_data_parallel_trainer_has_a_rank_per_gpu_it_sees(tmp_path: Path) -> N
     assert not differing
 
 
+def test_the_vllm_overlay_is_the_gpu_one_with_vllms_image_and_kind(tmp_path: Path) -> None:
+    """deploy/k8s/overlays/gpu-vllm (the vllm component over the gpu overlay) validates strictly and
+    differs from the gpu overlay only in the inference image and engine, which are compose's with ENGINE=vllm."""
+    docs = render("gpu-vllm")
+    path = tmp_path / "gpu-vllm.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    checked = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", "--quiet", "-k", KUBERNETES_VERSION, str(path)], capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    gpu = render("gpu")
+    assert [d for d in docs if d["metadata"]["name"] != "inference"] == [d for d in gpu if d["metadata"]["name"] != "inference"]
+    [container] = find(docs, "StatefulSet", "inference")["spec"]["template"]["spec"]["containers"]
+    [sglang] = find(gpu, "StatefulSet", "inference")["spec"]["template"]["spec"]["containers"]
+    compose = compose_file("compose.yaml")["services"]["inference"]
+    assert container["image"] == compose_image_named(compose["image"], "vllm") == "tandem-inference-vllm:dev"
+    env, sglang_env = env_of(container), env_of(sglang)
+    assert env["TANDEM_ENGINE__KIND"] == compose["environment"]["TANDEM_ENGINE__KIND"].replace("${ENGINE:-sglang}", "vllm")
+    assert {k: v for k, v in env.items() if sglang_env.get(k) != v} == {"TANDEM_ENGINE__KIND": "vllm"}
+    assert [e["name"] for e in container["env"]].count("TANDEM_ENGINE__KIND") == 1  # replaced, not added
+    assert env["TANDEM_ENGINE__URL"] == "http://127.0.0.1:30000"  # vLLM's dev routes stay inside the pod
+    assert {k: v for k, v in container.items() if k not in ("image", "env")} == {
+        k: v for k, v in sglang.items() if k not in ("image", "env")}
+    assert (ROOT / compose["build"]["dockerfile"].replace("${ENGINE:+-}", "-").replace("${ENGINE:-}", "vllm")).is_file()
+
+
 def test_images_are_compose_images(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     overlay, docs = rendered
     images = {c["image"] for _, spec in pod_specs(docs) for c in spec["containers"] + spec.get("initContainers", [])}
@@ -204,10 +230,15 @@ def test_images_are_compose_images(rendered: tuple[str, list[dict[str, Any]]]) -
             continue  # compose.yaml takes redis from a registry where one is reachable; the CPU stack builds it
         else:
             compose_image = compose["services"][base_name.removeprefix("tandem-")]["image"]
-        # `${TANDEM_<IMAGE>_IMAGE:-<prefix><name>:<tag>}`: a digest from images.env, else prefix and tag
-        unpinned = re.sub(r"^\$\{TANDEM_[A-Z_]+_IMAGE:-(.*)\}$", r"\1", compose_image)
-        expanded = unpinned.replace("${TANDEM_IMAGE_PREFIX:-}", "").replace("${TANDEM_TAG:-dev}", "dev")
-        assert expanded == image, (overlay, base_name, compose_image)
+        assert compose_image_named(compose_image) == image, (overlay, base_name, compose_image)
+
+
+def compose_image_named(image: str, engine: str = "") -> str:
+    """A compose image with no .env: no digest, no prefix, tag dev, `ENGINE` as given (unset: SGLang's image)."""
+    # `${TANDEM_<IMAGE>_IMAGE:-<prefix><name>:<tag>}`: a digest from images.env, else prefix and tag
+    image = re.sub(r"^\$\{TANDEM_[A-Z_]+_IMAGE:-(.*)\}$", r"\1", image)
+    image = image.replace("${TANDEM_IMAGE_PREFIX:-}", "").replace("${TANDEM_TAG:-dev}", "dev")
+    return image.replace("${ENGINE:+-}", "-" if engine else "").replace("${ENGINE:-}", engine)
 
 
 def test_environment_agrees_with_compose(rendered: tuple[str, list[dict[str, Any]]]) -> None:
@@ -230,7 +261,7 @@ def test_environment_agrees_with_compose(rendered: tuple[str, list[dict[str, Any
     else:
         assert (inference["TANDEM_GPUS__MODE"], inference["TANDEM_ENGINE__KIND"]) == ("split", "sglang")
         compose = compose_file("compose.yaml")["services"]
-        assert compose["inference"]["environment"]["TANDEM_ENGINE__KIND"] == "sglang"
+        assert compose_default(compose["inference"]["environment"]["TANDEM_ENGINE__KIND"]) == "sglang"
         assert compose["trainer"]["environment"]["TANDEM_WORKER_NAME"] == "trainer"
 
 

@@ -1,6 +1,6 @@
 """The lock files (images/locks/<env>.txt) against what they were compiled from.
 
-The GPU images' environments (sglang, trainer, tandem: Python 3.12) and the development / CPU one
+The GPU images' environments (sglang, vllm, trainer, tandem: Python 3.12) and the development / CPU one
 (dev: .venv and CI; cpu-inference, cpu-trainer and rq-dashboard, the CPU images' subsets of it,
 compiled with dev.txt as constraints: Python 3.11).
 
@@ -134,7 +134,7 @@ ENVS = sorted(p.stem for p in LOCKS.glob("*.in"))
 
 
 def test_there_is_a_lock_per_environment() -> None:
-    assert ENVS == sorted(["sglang", "tandem", "trainer", *DEV_ENVS])
+    assert ENVS == sorted(["sglang", "tandem", "trainer", "vllm", *DEV_ENVS])
     assert all((LOCKS / f"{env}.txt").is_file() for env in ENVS)
 
 
@@ -174,6 +174,9 @@ def test_lock_matches_its_inputs(env: str) -> None:
 
 def test_the_locks_pin_the_engines_they_are_for() -> None:
     assert read_lock(LOCKS / "sglang.txt")["sglang"][0] == Version("0.5.12")
+    vllm = read_lock(LOCKS / "vllm.txt")
+    assert vllm["vllm"][0] == Version("0.33.0") and vllm["torch"][0] == Version("2.14.0")
+    assert "sglang" not in vllm and "vllm" not in read_lock(LOCKS / "sglang.txt"), "each engine in its own environment"
     trainer = read_lock(LOCKS / "trainer.txt")
     assert trainer["unsloth"][0] == Version("2026.10.9")
     assert "torch" not in read_lock(LOCKS / "tandem.txt"), "tandem's light environment never holds torch"

@@ -8,7 +8,7 @@ to /opt/locks/<env>.txt) into /opt/<env> (the CPU images' cpu-inference and cpu-
 
 For every lock it compares the distributions installed in that environment with the pins
 (missing, another version, installed but not locked), imports what the environment is for
-with the environment's own interpreter (sglang; torch, peft, transformers; tandem's services),
+with the environment's own interpreter (sglang or vllm; torch, peft, transformers; tandem's services),
 then says whether it runs as root (the images do not) and what the image's healthcheck runs
 (TANDEM_HEALTHCHECK, which the Dockerfile's HEALTHCHECK executes). Exit status 0 when every
 check passed, else 1. The images run it at the end of their build, so an image whose
@@ -31,8 +31,10 @@ from pathlib import Path
 # needs a GPU to import.
 IMPORTS: dict[str, tuple[str, ...]] = {
     "sglang": ("sglang", "torch", "transformers"),
+    "vllm": ("vllm", "torch", "transformers"),
     "trainer": ("torch", "peft", "transformers", "tandem_trainer.main"),
-    "tandem": ("tandem_inference.main", "tandem_inference.engines.sglang_launcher"),
+    "tandem": ("tandem_inference.main", "tandem_inference.engines.sglang_launcher",
+               "tandem_inference.engines.vllm_launcher"),
     "cpu-inference": ("torch", "transformers", "tandem_inference.main", "tandem_inference.engines.transformers.server"),
     "cpu-trainer": ("torch", "peft", "transformers", "tandem_trainer.main", "tandem_trainer.tiny_model"),
 }

@@ -85,19 +85,24 @@ class StoreSettings(BaseModel):
     """Directory that holds every adapter version; shared by trainer (rw) and inference (ro)."""
 
 
+#: The LoRA ranks vLLM can be started with (its `--max-lora-rank` choices, 0.33).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 class EngineSettings(BaseModel):
-    """The inference engine (SGLang, or the transformers engine on CPU)."""
+    """The inference engine (SGLang or vLLM on GPUs, or the transformers engine on CPU)."""
 
     model_config = ConfigDict(use_attribute_docstrings=True)
 
-    kind: Literal["transformers", "sglang"] = "transformers"
-    """Which engine serves rollouts."""
+    kind: Literal["transformers", "sglang", "vllm"] = "transformers"
+    """Which engine serves rollouts: `sglang` or `vllm` (each in its own image, started and supervised
+    by the inference service), or `transformers` (tandem's own, for the CPU stack)."""
     url: str = "http://127.0.0.1:30000"
     """Base URL of the engine's HTTP API (private: never publish it)."""
     launch: bool = False
     """With kind=transformers: the inference service starts the engine as its own supervised child,
-    listening on host:port (one engine per replica), instead of reaching one at `url`. SGLang is always
-    started by the service."""
+    listening on host:port (one engine per replica), instead of reaching one at `url`. SGLang and vLLM
+    are always started by the service."""
     model: str = ".tandem/models/tiny"
     """Base model: a local path or a hub id."""
     served_model_name: str = "base"
@@ -109,12 +114,16 @@ class EngineSettings(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of the transformers engine."""
     max_lora_rank: int = Field(64, ge=1, le=1024)
-    """Largest LoRA rank the engine accepts; larger adapters are rejected."""
+    """Largest LoRA rank the engine accepts; larger adapters are rejected. vLLM takes only 1, 8, 16,
+    32, 64, 128, 256, 320 or 512."""
     max_loaded_adapters: int = Field(8, ge=1, le=256)
-    """How many adapters the engine holds at once."""
+    """How many adapters the engine holds at once (vLLM: `--max-cpu-loras`)."""
     admin_api_key: Secret = None
     """Key that guards load/unload and memory routes of the engine. Unset: the transformers engine
-    answers those routes on loopback only. Every stack sets one (`tandem up` generates it)."""
+    answers those routes on loopback only. Every stack sets one (`tandem up` generates it). vLLM
+    has no admin key of its own: there it is vLLM's API key (`VLLM_API_KEY`), which guards its
+    `/v1` routes, generation included; its sleep and RPC routes stay unguarded, so vLLM listens on
+    loopback only."""
     load_timeout_s: float = Field(60.0, gt=0, le=3600)
     """Timeout of one adapter load, in seconds."""
     unload_timeout_s: float = Field(30.0, gt=0, le=3600)
@@ -125,29 +134,33 @@ class EngineSettings(BaseModel):
     """Largest `max_tokens` a request may ask for."""
     sglang_python: str = "python3"
     """Interpreter of SGLang's own environment (SGLang and tandem never share one)."""
+    vllm_python: str = "python3"
+    """Interpreter of vLLM's own environment (vLLM, SGLang and tandem never share one)."""
     lora_target_modules: tuple[str, ...] = DEFAULT_TARGETS
     """Modules SGLang prepares LoRA buffers for; adapters may target a subset."""
     max_loras_per_batch: int = Field(8, ge=1, le=256)
-    """Adapters SGLang mixes in one batch (the base model takes a slot)."""
+    """Adapters SGLang mixes in one batch (the base model takes a slot); vLLM's `--max-loras`."""
     tp_size: int = Field(1, ge=1, le=64)
-    """Tensor-parallel size of SGLang."""
+    """Tensor-parallel size of SGLang (or vLLM)."""
     mem_fraction_static: float | None = Field(None, gt=0, lt=1)
-    """Share of GPU memory SGLang reserves for weights and KV cache; unset = SGLang's default."""
+    """Share of GPU memory SGLang reserves for weights and KV cache (vLLM: `--gpu-memory-utilization`);
+    unset = the engine's default."""
     cuda_graph_max_bs: int | None = Field(None, ge=1)
-    """Largest batch size SGLang captures CUDA graphs for; small values shorten boot."""
+    """Largest batch size SGLang captures CUDA graphs for (vLLM: `--max-cudagraph-capture-size`);
+    small values shorten boot."""
     disable_cuda_graph: bool = False
-    """Skip CUDA-graph capture (faster boot, slower decode)."""
+    """Skip CUDA-graph capture (faster boot, slower decode; vLLM: `--enforce-eager`)."""
     lora_backend: Literal["triton", "csgmv"] = "triton"
     """SGLang's LoRA kernels (`--lora-backend`). NOTE: 0.5.12's default, csgmv, decodes wrong tokens
     for every adapter but one in a mixed batch under CUDA graphs (its kernel grid is sized at graph
     capture, sglang#28371, fixed in later releases); triton decodes each request of a mixed batch
     as it decodes alone (docs/benchmarks.md, "Mixed-adapter batches")."""
     extra_args: list[str] = Field(default_factory=list)
-    """More `sglang.launch_server` flags, passed as they are."""
+    """More flags of the engine's command line (`sglang.launch_server`, `vllm serve`), passed as they are."""
     boot_timeout_s: float = Field(900.0, gt=0)
-    """How long the launcher waits for SGLang to become healthy, in seconds."""
+    """How long the launcher waits for the engine (SGLang, vLLM) to become healthy, in seconds."""
     max_restarts: int = Field(5, ge=0)
-    """Restarts of a crashed SGLang within `restart_window_s` before the launcher gives up."""
+    """Restarts of a crashed engine within `restart_window_s` before the launcher gives up."""
     restart_window_s: float = Field(600.0, gt=0)
     """Window over which restarts are counted, in seconds."""
     adapter_roots: list[Path] | None = None
@@ -165,6 +178,15 @@ class EngineSettings(BaseModel):
             raise ValueError(
                 f"engine.served_model_name {self.served_model_name!r} contains ':'; "
                 "SGLang splits OpenAI model names at ':'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_rank(self) -> EngineSettings:
+        if self.kind == "vllm" and self.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(
+                f"engine.max_lora_rank={self.max_lora_rank} with engine.kind=vllm: vLLM's --max-lora-rank takes "
+                f"only {', '.join(map(str, VLLM_LORA_RANKS))}; pick the smallest of them at or above your adapters' rank"
             )
         return self
 
@@ -248,7 +270,7 @@ class GatewaySettings(BaseModel):
     fan_out_n: bool | None = None
     """Send a request's `n` samples as n engine calls instead of one call with `sampling_params.n`.
     Unset: n calls on SGLang, whose unload can deadlock after n>1 sampling (sglang#36894, open in
-    0.5.12), one call on the transformers engine."""
+    0.5.12), one call on vLLM and the transformers engine."""
     episode_ttl_s: float = Field(3600.0, gt=0, le=7 * 24 * 3600)
     """How long the gateway keeps a multi-turn episode after its last turn, in seconds; a later
     continuation is refused with 404 and the agent starts a new episode."""
@@ -498,7 +520,8 @@ class InferenceSettings(_ServiceSettings):
 
     @model_validator(mode="after")
     def _fan_out(self) -> InferenceSettings:
-        """Unset `gateway.fan_out_n`: fan out on SGLang (sglang#36894), one call elsewhere."""
+        """Unset `gateway.fan_out_n`: fan out on SGLang (sglang#36894), one call elsewhere (vLLM
+        samples n in one request and its unload never waits on them)."""
         if self.gateway.fan_out_n is None:
             self.gateway = self.gateway.model_copy(update={"fan_out_n": self.engine.kind == "sglang"})
         return self

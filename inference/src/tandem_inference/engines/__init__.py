@@ -6,6 +6,9 @@
     sglang.py           SGLang's HTTP API behind `Engine`
     sglang_outputs.py   SGLang's generation replies (whole or streamed) as `Generated`
     sglang_launcher.py  SGLang's command line and environment
+    vllm.py             vLLM's HTTP API behind `Engine`
+    vllm_outputs.py     vLLM's completion replies (whole or streamed) as `Generated`
+    vllm_launcher.py    vLLM's command line and environment
     launcher.py         a replica's own engine as a supervised child process
     transformers/       tandem's transformers engine: its server, and `client.py` behind `Engine`
 
@@ -33,6 +36,10 @@ def connect(settings: EngineSettings, http: httpx.AsyncClient, *, admin_http: ht
         from tandem_inference.engines.sglang import SGLangEngine
 
         return SGLangEngine.from_settings(http, settings, admin_http=admin_http)
+    if settings.kind == "vllm":
+        from tandem_inference.engines.vllm import VLLMEngine
+
+        return VLLMEngine.from_settings(http, settings, admin_http=admin_http)
     from tandem_inference.engines.transformers.client import TransformersEngine
 
     return TransformersEngine.from_settings(http, settings, admin_http=admin_http)
@@ -51,12 +58,16 @@ class OwnEngine:
 def own_engine(settings: InferenceSettings) -> OwnEngine | None:
     """This replica's own engine; None when the engine runs elsewhere.
 
-    SGLang is always the replica's own; the transformers engine only with `engine.launch`.
+    SGLang and vLLM are always the replica's own; the transformers engine only with `engine.launch`.
     """
     if settings.engine.kind == "sglang":
         from tandem_inference.engines.sglang_launcher import sglang_argv, sglang_env
 
         return OwnEngine(sglang_argv(settings), sglang_env(settings), log_name="sglang")
+    if settings.engine.kind == "vllm":
+        from tandem_inference.engines.vllm_launcher import vllm_argv, vllm_env
+
+        return OwnEngine(vllm_argv(settings), vllm_env(settings), log_name="vllm")
     if settings.engine.launch:
         return OwnEngine([sys.executable, "-m", "tandem_inference.engines.transformers"], dict(os.environ), None)
     return None

@@ -1,6 +1,7 @@
 """Where the engine's failures enter tandem: error bodies and httpx errors become tandem errors.
 
-Engines answer errors in several shapes (SGLang alone has three); `engine_message` finds the
+Engines answer errors in several shapes (SGLang alone has three, vLLM OpenAI's nested one and a
+flat `{"error": "..."}`); `engine_message` finds the
 engine's own words in any of them. `refusal` turns an error status into the engine client's
 branch of the error tree, `unreachable` an httpx error; both name the URL (and the adapter),
 so a log line says which engine and which call failed.
@@ -25,6 +26,8 @@ from tandem_inference.errors import (
 MESSAGE_CHARS = 500
 #: How SGLang (and the transformers engine, in its words) refuses a generation naming an adapter it does not hold.
 NOT_LOADED = "never been loaded"
+#: How vLLM refuses it (404, "The model `<name>` does not exist. Valid aliases: ...", 0.33).
+NO_SUCH_MODEL = "does not exist"
 
 
 def engine_message(resp: httpx.Response) -> str:
@@ -32,7 +35,8 @@ def engine_message(resp: httpx.Response) -> str:
 
     SGLang answers `{"error": {"message": ...}}` on /generate, `{"success": false,
     "error_message": ...}` on adapter routes and a flat `{"object": "error", "message": ...}`
-    on OpenAI routes; FastAPI answers `{"detail": ...}`.
+    on OpenAI routes; vLLM `{"error": {"message", "type", "param", "code"}}`, and
+    `{"error": "..."}` on its pause and auth refusals; FastAPI answers `{"detail": ...}`.
     """
     try:
         body = resp.json()
@@ -70,7 +74,7 @@ def refusal(
             f"engine at {url} refused to load adapter {adapter!r} ({status}): {message}",
             adapter=adapter, status_code=status, engine_message=message,
         )
-    if kind is CallKind.GENERATE and NOT_LOADED in message:
+    if kind is CallKind.GENERATE and (NOT_LOADED in message or (status == 404 and adapter and NO_SUCH_MODEL in message)):
         return AdapterMissing(f"engine at {url} does not hold the adapter the generation named ({status}): {message}",
                               status_code=status, engine_message=message)
     what = kind.value

@@ -1,7 +1,8 @@
 """Starts a replica's own engine as a child process and keeps it running.
 
-The engine runs from its own command line and environment (SGLang's in an environment of its
-own: its pins conflict with tandem's; engines/sglang_launcher.py builds them). The launcher
+The engine runs from its own command line and environment (SGLang's and vLLM's each in an
+environment of its own: their pins conflict with tandem's and each other's;
+engines/sglang_launcher.py and vllm_launcher.py build them). The launcher
 starts it, waits until it is healthy, and supervises it: when
 the process dies (or the controller asks, e.g. after an unload that hung), it starts it
 again and calls `on_restart`, so the controller reloads the versions that were serving.
@@ -59,9 +60,13 @@ def guarded(argv: list[str]) -> list[str]:
     return [sys.executable, "-c", _GUARD, str(os.getpid()), *argv]
 
 
+#: Flags whose value is a key (SGLang's admin key; an API key passed in `engine.extra_args`).
+_SECRET_FLAGS = frozenset({"--admin-api-key", "--api-key"})
+
+
 def _shown(argv: list[str]) -> list[str]:
-    """The command line with the admin key replaced by '***', for logs and the pid file."""
-    return [a if prev != "--admin-api-key" else "***" for prev, a in zip(["", *argv], argv, strict=False)]
+    """The command line with keys replaced by '***', for logs and the pid file."""
+    return [a if prev not in _SECRET_FLAGS else "***" for prev, a in zip(["", *argv], argv, strict=False)]
 
 
 def _start_time(pid: int) -> int | None:
@@ -138,7 +143,7 @@ class Launcher:
             raise EngineBootError(
                 f"cannot start the engine ({exc}); check that {self.log_path or 'the log directory'} and "
                 f"{self.pid_path or 'the pid file'} can be written and that {self.argv[0]!r} "
-                "(engine.sglang_python) exists"
+                "(engine.sglang_python or engine.vllm_python) exists"
             ) from exc
         await self.wait_healthy(self.settings.engine.boot_timeout_s)
         self.boot_s = time.monotonic() - t0

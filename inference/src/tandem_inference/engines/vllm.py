@@ -1,0 +1,352 @@
+"""vLLM behind the `Engine` protocol: its HTTP API, its field names and its error shapes.
+
+vLLM (0.33) runs in an environment of its own and meets tandem only over HTTP
+(docs/architecture.md, "Engines"):
+
+- generation: `POST /v1/completions` with the prompt as token ids, `return_token_ids` and
+  `return_tokens_as_token_ids` (ids in, ids and logprobs out), `n` samples in one call,
+  streamed as SSE with a per-choice `index` (vllm_outputs.py folds the replies). An adapter is
+  picked by `model: <adapter name>`, the base model by the served model name;
+- adapters: `POST /v1/load_lora_adapter {lora_name, lora_path}` and `/v1/unload_lora_adapter
+  {lora_name}` (with VLLM_ALLOW_RUNTIME_LORA_UPDATING), listed by `GET /v1/models` (cards with a
+  `parent` are adapters, `root` their path; the base card's `max_model_len` is the context length);
+- with VLLM_SERVER_DEV_MODE: `/sleep`, `/wake_up`, `/pause`, `/release_kv_cache_memory` (lending
+  GPU memory), `/reset_prefix_cache`, `/collective_rpc` (full-weight reloads), `/update_weight_version`;
+- `GET /health`.
+
+vLLM's unload only forgets the name: requests already running on the adapter finish on it (the
+worker keeps its weights in its LRU cache), so unloading never waits. tandem never loads two
+versions under one name (a same-name reload reuses stale prefix-cache blocks, vllm#42125).
+
+vLLM has one key, its API key, which guards `/v1` (generation included), not the dev routes:
+this client sends `engine.admin_api_key` on every call, and the launcher keeps vLLM on loopback.
+Timeouts, retries and error translation are those of every HTTP engine (calls.py, http_errors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+
+from tandem.settings import EngineSettings
+from tandem_inference.engines.base import EngineInfo, Generated, Sampling
+from tandem_inference.engines.calls import (
+    CONNECT_TIMEOUT_S,
+    INFO_TIMEOUT_S,
+    MAX_ATTEMPTS,
+    CallKind,
+    retry_pause_s,
+    should_retry,
+)
+from tandem_inference.engines.http_errors import engine_message, message_of, refusal, unreachable
+from tandem_inference.engines.vllm_outputs import cached_tokens, choice_output
+from tandem_inference.errors import EngineResponseError, EngineUnreachable
+
+log = logging.getLogger(__name__)
+
+#: What vLLM's sleep and wake routes name memory by (0.33: the executor's allocation tags).
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+class VLLMEngine:
+    """Async client of one vLLM server; one per process.
+
+    `http` carries generation; `admin_http` (default: `http`) carries every other call, so that
+    loads, unloads and health checks never wait for a connection behind rollouts. The caller
+    owns both clients and closes them.
+    """
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        url: str,
+        *,
+        served_model_name: str = "base",
+        max_lora_rank: int | None = None,
+        admin_http: httpx.AsyncClient | None = None,
+        api_key: str | None = None,
+        load_timeout_s: float = 60.0,
+        unload_timeout_s: float = 30.0,
+        generate_timeout_s: float = 300.0,
+        info_timeout_s: float = INFO_TIMEOUT_S,
+        weights_timeout_s: float = 600.0,
+        max_attempts: int = MAX_ATTEMPTS,
+    ) -> None:
+        self.http = http
+        self.admin_http = admin_http if admin_http is not None else http
+        self.url = url.rstrip("/")
+        self.served_model_name = served_model_name
+        self.max_lora_rank = max_lora_rank
+        """The rank vLLM was started with (`--max-lora-rank`); vLLM does not report it."""
+        self._key = api_key
+        self.timeouts_s = {
+            CallKind.GENERATE: generate_timeout_s,
+            CallKind.LOAD: load_timeout_s,
+            CallKind.UNLOAD: unload_timeout_s,
+            CallKind.INFO: info_timeout_s,
+            CallKind.FLUSH: info_timeout_s,
+            # Copying the weights to the CPU and back takes about as long as a load.
+            CallKind.MEMORY: load_timeout_s,
+            CallKind.WEIGHTS: weights_timeout_s,
+        }
+        self.max_attempts = max_attempts
+
+    @classmethod
+    def from_settings(
+        cls, http: httpx.AsyncClient, settings: EngineSettings, *, admin_http: httpx.AsyncClient | None = None,
+    ) -> VLLMEngine:
+        key = settings.admin_api_key.get_secret_value() if settings.admin_api_key else None
+        return cls(
+            http, settings.url, served_model_name=settings.served_model_name, max_lora_rank=settings.max_lora_rank,
+            admin_http=admin_http, api_key=key, load_timeout_s=settings.load_timeout_s,
+            unload_timeout_s=settings.unload_timeout_s, generate_timeout_s=settings.generate_timeout_s,
+        )
+
+    # generation -------------------------------------------------------------
+    async def complete(
+        self, prompt_ids: Sequence[int], sampling: Sampling, *, n: int = 1, adapter: str | None = None,
+        logprobs: bool = True,
+    ) -> list[Generated]:
+        """`n` samples of one prompt in one /v1/completions call, in sample order."""
+        body = self._completion_body(prompt_ids, sampling, n, adapter, logprobs)
+        out = await self._call(CallKind.GENERATE, "POST", "/v1/completions", body=body, adapter=adapter)
+        choices = out.get("choices") if isinstance(out, dict) else None
+        if not isinstance(choices, list) or len(choices) != n or not all(isinstance(c, dict) for c in choices):
+            got = len(choices) if isinstance(choices, list) else "no"
+            raise EngineResponseError(
+                f"engine at {self.url}/v1/completions answered {got} choices for n={n}, expected one per sample",
+                status_code=200)
+        url = f"{self.url}/v1/completions"
+        outs = sorted((choice_output(c, top_k=sampling.top_logprobs, url=url) for c in choices),
+                      key=lambda g: g.index)
+        if [g.index for g in outs] != list(range(n)):
+            raise EngineResponseError(
+                f"engine at {url} answered choices {[g.index for g in outs]} for n={n}", status_code=200)
+        cached = cached_tokens(out.get("usage"))
+        for g in outs:
+            g.cached_tokens = cached
+        return outs
+
+    async def stream(
+        self, prompt_ids: Sequence[int], sampling: Sampling, *, n: int = 1, adapter: str | None = None,
+        logprobs: bool = True,
+    ) -> AsyncGenerator[Generated, None]:
+        """Increments of a streamed /v1/completions until `data: [DONE]`; n > 1 interleaves by `index`.
+
+        Closing the iterator closes the engine call, which aborts the request in vLLM. Only
+        opening the stream is retried; an error event inside the stream raises
+        EngineResponseError with the engine's message.
+        """
+        body = self._completion_body(prompt_ids, sampling, n, adapter, logprobs)
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        url = f"{self.url}/v1/completions"
+        attempt = 0
+        while True:
+            attempt += 1
+            started = False
+            try:
+                async with self.http.stream(
+                    "POST", url, json=body, headers=self._headers(), timeout=self._timeout(CallKind.GENERATE),
+                ) as resp:
+                    if resp.status_code >= 400:
+                        await resp.aread()
+                        raise refusal(CallKind.GENERATE, url, resp.status_code, engine_message(resp), adapter)
+                    async for chunk in self._sse(url, resp):
+                        started = True
+                        for choice in chunk.get("choices") or []:
+                            new = choice_output(choice, top_k=sampling.top_logprobs, url=url)
+                            if not 0 <= new.index < n:
+                                raise EngineResponseError(
+                                    f"engine at {url} streamed a chunk of sample {new.index}, expected 0..{n - 1}",
+                                    status_code=200)
+                            yield new
+                        cached = cached_tokens(chunk.get("usage"))
+                        if cached is not None:  # the last chunk: usage only
+                            yield Generated(index=0, cached_tokens=cached)
+                    return
+            except httpx.HTTPError as exc:
+                retry = should_retry(CallKind.GENERATE, exc, attempt, max_attempts=self.max_attempts)
+                if retry and not started:
+                    await asyncio.sleep(retry_pause_s(attempt))
+                    continue
+                raise unreachable(CallKind.GENERATE, url, exc, self.timeouts_s[CallKind.GENERATE]) from exc
+
+    async def _sse(self, url: str, resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                return
+            try:
+                chunk = json.loads(payload)
+            except ValueError as exc:
+                raise EngineResponseError(f"engine at {url} streamed a line that is not JSON: {payload[:200]!r}",
+                                          status_code=resp.status_code) from exc
+            if not isinstance(chunk, dict):
+                raise EngineResponseError(f"engine at {url} streamed {payload[:200]!r}, expected an object",
+                                          status_code=resp.status_code)
+            if "error" in chunk:
+                message = message_of(chunk) or payload[:200]
+                raise EngineResponseError(f"engine at {url} failed mid-stream: {message}",
+                                          status_code=resp.status_code, engine_message=message)
+            yield chunk
+
+    def _completion_body(
+        self, prompt_ids: Sequence[int], sampling: Sampling, n: int, adapter: str | None, logprobs: bool,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": adapter if adapter is not None else self.served_model_name,
+            "prompt": list(prompt_ids),
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "n": n,
+            "return_token_ids": True,
+        }
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
+        if sampling.ignore_eos:
+            body["ignore_eos"] = True
+        if logprobs:
+            # `logprobs: k` lists the sampled token and the k best; ids instead of texts tell them apart.
+            body["logprobs"] = sampling.top_logprobs
+            body["return_tokens_as_token_ids"] = True
+        return body
+
+    # adapters ---------------------------------------------------------------
+    async def load_adapter(self, name: str, path: str) -> float:
+        """Load the adapter directory `path` under the new name `name`; returns the load time in ms."""
+        t0 = time.perf_counter()
+        await self._call(CallKind.LOAD, "POST", "/v1/load_lora_adapter",
+                         body={"lora_name": name, "lora_path": path}, adapter=name)
+        return (time.perf_counter() - t0) * 1000.0
+
+    async def unload_adapter(self, name: str) -> None:
+        """Forget `name`; requests already running on it finish on it (vLLM keeps their weights)."""
+        await self._call(CallKind.UNLOAD, "POST", "/v1/unload_lora_adapter", body={"lora_name": name}, adapter=name)
+
+    async def loaded_adapters(self) -> dict[str, str]:
+        """Adapters vLLM holds now, name -> path: the /v1/models cards that have a `parent`."""
+        return {str(c["id"]): str(c.get("root") or "") for c in await self._cards() if c.get("parent")}
+
+    # server -----------------------------------------------------------------
+    async def health(self) -> bool:
+        """True when vLLM answers /health with 200; never raises for a down engine."""
+        try:
+            await self._call(CallKind.INFO, "GET", "/health", max_attempts=1)
+        except (EngineUnreachable, EngineResponseError):
+            return False
+        return True
+
+    async def info(self) -> EngineInfo:
+        """The context length (the base card's `max_model_len`) and the rank vLLM was started with."""
+        base = [c for c in await self._cards() if not c.get("parent")]
+        length = base[0].get("max_model_len") if base else None
+        return EngineInfo(context_length=length if type(length) is int and length > 0 else None,
+                          max_lora_rank=self.max_lora_rank)
+
+    async def flush_cache(self) -> None:
+        """Empty the prefix cache (`success: false` while blocks are in use raises EngineResponseError)."""
+        await self._call(CallKind.FLUSH, "POST", "/reset_prefix_cache")
+
+    async def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Free GPU memory for a trainer on the same GPU (no request may be running).
+
+        With the weights (or `tags` None): sleep level 1, the weights copied to the CPU and the
+        KV cache dropped. The KV cache alone: pause the scheduler, then drop the KV cache; the
+        weights stay. vLLM needs `--enable-sleep-mode` (the launcher sets it in shared mode).
+        """
+        if tags is None or "weights" in tags:
+            await self._call(CallKind.MEMORY, "POST", "/sleep?level=1&mode=wait")
+            return
+        if "kv_cache" in tags:
+            await self._call(CallKind.MEMORY, "POST", "/pause?mode=wait")
+            await self._call(CallKind.MEMORY, "POST", "/release_kv_cache_memory")
+
+    async def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Take back what `release_memory(tags)` freed; vLLM schedules again once all of it is back."""
+        if tags is None or "weights" in tags:
+            path = "/wake_up"
+        elif "kv_cache" in tags:
+            path = "/wake_up?tags=kv_cache"
+        else:
+            return
+        out = await self._call(CallKind.MEMORY, "POST", path)
+        if isinstance(out, dict) and out.get("status") not in (None, "awake"):
+            raise EngineResponseError(
+                f"engine at {self.url}{path} left part of its memory asleep ({out}); wake it with "
+                f"POST {self.url}/wake_up", status_code=200, engine_message=str(out))
+
+    async def update_weights(
+        self, model_path: str, *, abort_all_requests: bool = False, version: str | None = None,
+    ) -> str:
+        """Reload the base weights from the checkpoint at `model_path` in place (vLLM's
+        `reload_weights` through /collective_rpc), between a pause and a resume.
+
+        The pause waits for running requests (or aborts them with `abort_all_requests`) and empties
+        the prefix cache; the resume runs even when the reload fails. A refusal raises
+        EngineResponseError with vLLM's message; vLLM's worker reports a failed reload as an
+        error, so the old weights may be partly overwritten then: restart the engine.
+        """
+        mode = "abort" if abort_all_requests else "wait"
+        await self._call(CallKind.WEIGHTS, "POST", f"/pause?mode={mode}")
+        try:
+            await self._call(CallKind.WEIGHTS, "POST", "/collective_rpc",
+                             body={"method": "reload_weights", "kwargs": {"weights_path": model_path}})
+            if version is not None:
+                await self._call(CallKind.WEIGHTS, "POST", "/update_weight_version", body={"new_version": version})
+        finally:
+            await self._call(CallKind.WEIGHTS, "POST", "/resume")
+        return f"weights reloaded from {model_path}"
+
+    # plumbing ---------------------------------------------------------------
+    async def _cards(self) -> list[dict[str, Any]]:
+        out = await self._call(CallKind.INFO, "GET", "/v1/models")
+        cards = out.get("data") if isinstance(out, dict) else None
+        return [c for c in cards if isinstance(c, dict) and "id" in c] if isinstance(cards, list) else []
+
+    def _timeout(self, kind: CallKind) -> httpx.Timeout:
+        total = self.timeouts_s[kind]
+        return httpx.Timeout(total, connect=min(total, CONNECT_TIMEOUT_S))
+
+    def _headers(self) -> dict[str, str]:
+        # vLLM's API key guards every /v1 route, generation included (its middleware, 0.33).
+        return {"Authorization": f"Bearer {self._key}"} if self._key else {}
+
+    async def _call(
+        self, kind: CallKind, method: str, path: str, *, body: Any = None,
+        adapter: str | None = None, max_attempts: int | None = None,
+    ) -> Any:
+        url = f"{self.url}{path}"
+        attempts = max_attempts or self.max_attempts
+        http = self.http if kind is CallKind.GENERATE else self.admin_http
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                resp = await http.request(method, url, json=body, headers=self._headers(), timeout=self._timeout(kind))
+            except httpx.HTTPError as exc:
+                if should_retry(kind, exc, attempt, max_attempts=attempts):
+                    log.info("engine call %s failed (%s); retrying (attempt %d of %d)", url, exc, attempt + 1, attempts)
+                    await asyncio.sleep(retry_pause_s(attempt))
+                    continue
+                raise unreachable(kind, url, exc, self.timeouts_s[kind], adapter=adapter) from exc
+            if resp.status_code >= 400:
+                raise refusal(kind, url, resp.status_code, engine_message(resp), adapter)
+            if not resp.content:
+                return None
+            try:
+                out = resp.json()
+            except ValueError:
+                return resp.text  # the adapter routes answer plain text ("Success: ...")
+            if isinstance(out, dict) and out.get("success") is False:
+                raise refusal(kind, url, resp.status_code, message_of(out) or "success: false", adapter)
+            return out

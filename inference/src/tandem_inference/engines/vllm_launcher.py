@@ -1,0 +1,97 @@
+"""The command line and environment that start vLLM for a replica (run by engines/launcher.py).
+
+Flags and variables as vLLM 0.33.0 reads them (vllm/engine/arg_utils.py, vllm/envs.py):
+
+- `--logprobs-mode processed_logprobs`: tandem's convention (tandem.logprobs) is the
+  temperature-scaled distribution; vLLM's default, `raw_logprobs`, is the model's before
+  temperature. NOTE: vLLM's processed logprobs are taken after top-k/top-p too, so with
+  `top_p < 1` a token's logprob is under the renormalised nucleus: higher than tandem's by the
+  log of the nucleus' mass (0 for top_p 1, tandem's default). The mode also turns FlashInfer's
+  sampling kernels off (vLLM samples in PyTorch then).
+- `--generation-config vllm`: the model's generation_config.json (Qwen's sets top_k 20 and a
+  repetition penalty of 1.05) would otherwise fill every sampling field a request leaves out,
+  and the logprobs would no longer be the model's.
+- runtime LoRA: `--enable-lora`, `--max-loras` (adapters in one batch), `--max-cpu-loras` (held),
+  `--max-lora-rank` and VLLM_ALLOW_RUNTIME_LORA_UPDATING; one API server (`--api-server-count
+  1`: a load reaches only the server process that answered it).
+- VLLM_SERVER_DEV_MODE=1 for the sleep, pause, prefix-cache and RPC routes; in shared mode
+  `--enable-sleep-mode` (weights copied to the CPU and back, vLLM's counterpart of SGLang's
+  memory saver).
+- the key: vLLM's only key, VLLM_API_KEY (never on the command line, which `ps` shows), is
+  `engine.admin_api_key`; it guards `/v1` (generation, adapters), not the dev routes, so vLLM
+  must listen on loopback: a non-loopback `engine.url` is refused.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from urllib.parse import urlparse
+
+from tandem.errors import ConfigError
+from tandem.settings import InferenceSettings
+
+#: What vLLM's logprobs are: tandem's convention, the temperature-scaled distribution.
+LOGPROBS_MODE = "processed_logprobs"
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def vllm_argv(settings: InferenceSettings) -> list[str]:
+    """The `vllm serve` command line for these settings."""
+    eng = settings.engine
+    url = urlparse(eng.url)
+    host = url.hostname or "127.0.0.1"
+    if not _loopback(host):
+        raise ConfigError(
+            f"engine.url {eng.url!r} makes vLLM listen on {host}: vLLM's sleep, pause and RPC routes have no "
+            "key, so tandem runs it on loopback only; set TANDEM_ENGINE__URL to http://127.0.0.1:<port>"
+        )
+    argv = [
+        eng.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", eng.model,
+        "--served-model-name", eng.served_model_name,
+        "--host", host,
+        "--port", str(url.port or 30000),
+        "--api-server-count", "1",
+        "--generation-config", "vllm",
+        "--logprobs-mode", LOGPROBS_MODE,
+        "--enable-prompt-tokens-details",
+        "--enable-lora",
+        "--max-lora-rank", str(eng.max_lora_rank),
+        "--max-loras", str(eng.max_loras_per_batch),
+        "--max-cpu-loras", str(max(eng.max_loaded_adapters, eng.max_loras_per_batch)),
+        "--tensor-parallel-size", str(eng.tp_size),
+    ]
+    if eng.mem_fraction_static is not None:
+        argv += ["--gpu-memory-utilization", str(eng.mem_fraction_static)]
+    if settings.gpus.mode == "shared":
+        argv.append("--enable-sleep-mode")
+    if eng.disable_cuda_graph:
+        argv.append("--enforce-eager")
+    elif eng.cuda_graph_max_bs is not None:
+        argv += ["--max-cudagraph-capture-size", str(eng.cuda_graph_max_bs)]
+    return argv + list(eng.extra_args)
+
+
+def vllm_env(settings: InferenceSettings, base: dict[str, str] | None = None) -> dict[str, str]:
+    """vLLM's environment: this one's, plus the variables that switch on what tandem uses."""
+    env = dict(os.environ if base is None else base)
+    if settings.gpus.mode != "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in settings.gpus.inference)
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    # vLLM reports usage to its maintainers unless told not to; tandem's engines stay private.
+    env["VLLM_NO_USAGE_STATS"] = "1"
+    env["VLLM_DO_NOT_TRACK"] = "1"
+    if settings.engine.admin_api_key is not None:
+        env["VLLM_API_KEY"] = settings.engine.admin_api_key.get_secret_value()
+    else:
+        env.pop("VLLM_API_KEY", None)
+    return env
