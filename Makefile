@@ -56,7 +56,7 @@ UP_FLAGS ?=
 # PROFILES=metrics (or "metrics monitoring"): `make up` also builds and starts the services of these
 # compose profiles (metrics: Prometheus on 127.0.0.1:$$PROMETHEUS_PORT; monitoring: rq-dashboard).
 PROFILES ?=
-PROFILE_FLAGS = $(foreach p,$(PROFILES),--profile $(p))
+PROFILE_FLAGS = $(foreach p,$(PROFILES), --profile $(p))
 BENCH_ARGS ?=
 
 .PHONY: help install demo dev test test-unit test-integration test-latest test-clients bench bench-quick lint clean images up down logs ps e2e locks compose-v2 publish tools
@@ -161,7 +161,7 @@ LABEL_ARGS = $(foreach a,VERSION=$(IMAGE_VERSION) REVISION=$(IMAGE_REVISION) CRE
 # The base image (debootstrap: Debian for cpu, Ubuntu 24.04 for gpu), then the stack's images.
 define BUILD_IMAGES
 $(if $(filter cpu,$(STACK)),images/build-base.sh,SUITE=noble images/build-base.sh tandem-base:noble)
-$(DC) $(PROFILE_FLAGS) build $(LABEL_ARGS)
+$(DC)$(PROFILE_FLAGS) build $(LABEL_ARGS)
 endef
 # The images `make images` builds for each stack, the ones `make publish` pushes.
 STACK_IMAGES_cpu := tandem-redis tandem-inference-cpu tandem-trainer-cpu
@@ -183,7 +183,7 @@ endef
 up: compose-v2 .env ## start the stack (GPU_MODE split/shared/cpu from nvidia-smi unless given); gateway on 127.0.0.1:8000 (CLIENT=1: + Redis on loopback; IMAGES_ENV=images.env: those digests; PROFILES=metrics: + Prometheus)
 	@echo "make up: GPU_MODE=$(GPU_MODE) ($(GPU_MODE_WHY))$(if $(filter gpu,$(STACK)),; inference on GPU $(INFERENCE_GPU) and trainer on GPU $(TRAINER_GPU))$(if $(IMAGES_ENV),; images by digest from $(IMAGES_ENV))"
 	$(if $(IMAGES_ENV),$(DIGEST_IMAGES),$(if $(PUBLISHED),$(DC) pull inference trainer,$(BUILD_IMAGES)))
-	$(DC) $(PROFILE_FLAGS) up -d $(if $(IMAGES_ENV),--no-build --pull never) $(UP_FLAGS)
+	$(DC)$(PROFILE_FLAGS) up -d $(if $(IMAGES_ENV),--no-build --pull never) $(UP_FLAGS)
 
 # The release tools (cyclonedx-py, for the images' SBOMs), hash-checked from images/locks/tools.txt.
 TOOLS_VENV ?= .venv-tools

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from tandem_inference.controller_metrics import ControllerMetrics
-from tandem_inference.engine.metrics import EngineMetrics
+from tandem_inference.controller.metrics import ControllerMetrics
+from tandem_inference.engines.transformers.metrics import EngineMetrics
 from tandem_inference.gateway.metrics import GatewayMetrics
 from tandem_trainer.metrics import TrainerMetrics
 

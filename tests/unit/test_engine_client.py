@@ -65,7 +65,7 @@ async def test_complete_sends_the_native_request_and_returns_the_sample() -> Non
         )
         return httpx.Response(200, json=generate_reply([7, 8]))
 
-    client = make_client(handler, admin_api_key="secret")
+    client = make_client(handler, api_key="secret")
     (out,) = await client.complete([1, 2, 3], TWO, adapter="digits-v3")
     assert (out.token_ids, out.logprobs, out.text, out.finish_reason) == ([7, 8], [-0.5, -0.5], "hi", "length")
     assert seen == [
@@ -140,7 +140,7 @@ async def test_load_returns_ms_and_sends_name_path_and_admin_key() -> None:
             200, json={"success": True, "error_message": None, "loaded_adapters": {"digits-v1": "/a"}}
         )
 
-    ms = await make_client(handler, admin_api_key="secret").load_adapter("digits-v1", "/a")
+    ms = await make_client(handler, api_key="secret").load_adapter("digits-v1", "/a")
     assert ms >= 0.0
     assert json.loads(seen[0].content) == {"lora_name": "digits-v1", "lora_path": "/a"}
     assert seen[0].headers["authorization"] == "Bearer secret"
@@ -272,7 +272,7 @@ async def test_admin_routes_send_the_key_and_memory_body() -> None:
         seen.append((request.url.path, request.headers.get("authorization"), request.content))
         return httpx.Response(200, json={"success": True})
 
-    client = make_client(handler, admin_api_key="k")
+    client = make_client(handler, api_key="k")
     await client.flush_cache()
     await client.release_memory()
     await client.resume_memory(["weights"])
@@ -296,7 +296,7 @@ async def test_update_weights_sends_sglang_body_key_and_timeout_and_raises_on_re
         return httpx.Response(200, json={"success": True, "message": "Succeeded to update model weights.",
                                           "num_paused_requests": 0})
 
-    client = make_client(handler, admin_api_key="k", weights_timeout_s=123)
+    client = make_client(handler, api_key="k", weights_timeout_s=123)
     assert await client.update_weights("/merged", version="v7") == "Succeeded to update model weights."
     assert seen[0] == ("Bearer k", {"model_path": "/merged", "abort_all_requests": False, "weight_version": "v7"}, 123)
     with pytest.raises(EngineResponseError, match="hidden_size=32") as info:

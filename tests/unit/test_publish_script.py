@@ -52,9 +52,11 @@ def test_every_published_image_has_the_variable_its_compose_file_reads() -> None
     assert stack_images == {"tandem-redis", "tandem-inference-cpu", "tandem-trainer-cpu", "tandem-inference", "tandem-trainer"}
     for image in stack_images | {"tandem-router", "tandem-rq-dashboard"}:
         var = image.upper().replace("-", "_") + "_IMAGE"
-        uses = [ref for ref in refs if f"}}{image}:" in ref]
+        # the inference image is named by ENGINE too (unset: SGLang's; vllm: tandem-inference-vllm)
+        engine = "${ENGINE:+-}${ENGINE:-}" if image == "tandem-inference" else ""
+        uses = [ref for ref in refs if f"}}{image}{engine}:" in ref]
         assert uses, image
-        assert all(ref == f"${{{var}:-${{TANDEM_IMAGE_PREFIX:-}}{image}:${{TANDEM_TAG:-dev}}}}" for ref in uses), (image, uses)
+        assert all(ref == f"${{{var}:-${{TANDEM_IMAGE_PREFIX:-}}{image}{engine}:${{TANDEM_TAG:-dev}}}}" for ref in uses), (image, uses)
 
 
 @pytest.mark.parametrize("line", ["tandem-redis=ghcr.io/acme/tandem-redis:main",         # a tag, not a digest

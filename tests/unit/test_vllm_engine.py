@@ -21,6 +21,7 @@ import pytest
 
 from tandem.settings import EngineSettings
 from tandem_inference.engines.base import Sampling
+from tandem_inference.engines.calls import CallKind
 from tandem_inference.engines.vllm import VLLMEngine
 from tandem_inference.errors import (
     AdapterLoadRefused,
@@ -427,4 +428,4 @@ def test_from_settings_takes_the_key_rank_and_served_name() -> None:
     eng = VLLMEngine.from_settings(http, settings)
     run(http.aclose())
     assert (eng.url, eng.served_model_name, eng.max_lora_rank, eng.timeouts_s["load"]) == (URL, "qwen", 32, 7)
-    assert eng._headers() == {"Authorization": "Bearer k"}
+    assert eng._headers(CallKind.GENERATE) == eng._headers(CallKind.LOAD) == {"Authorization": "Bearer k"}

@@ -6,94 +6,29 @@ only over SGLang's HTTP API (docs/architecture.md, "Engines"): native `/generate
 `/update_weights_from_disk` and the memory release/resume routes. Replies become `Generated`
 (sglang_outputs.py).
 
-Generation and the rest travel in separate connection pools: rollouts may fill theirs, while
-loads, unloads and health checks (the controller's, /ready's) go through their own and never
-queue behind them. Timeouts and retries are decided per call kind (calls.py); httpx errors and
-error bodies of the engine become tandem errors naming the URL or the adapter (http_errors.py),
-so nothing of httpx leaves this client.
+The two connection pools, timeouts and retries per call kind and the translation of errors are
+every HTTP engine's (http.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-import httpx
-
-from tandem.settings import EngineSettings
 from tandem_inference.engines.base import EngineInfo, Generated, Sampling
-from tandem_inference.engines.calls import (
-    CONNECT_TIMEOUT_S,
-    INFO_TIMEOUT_S,
-    MAX_ATTEMPTS,
-    CallKind,
-    retry_pause_s,
-    should_retry,
-)
-from tandem_inference.engines.http_errors import engine_message, message_of, refusal, unreachable
+from tandem_inference.engines.calls import CallKind
+from tandem_inference.engines.http import HttpEngine
 from tandem_inference.engines.sglang_outputs import SampleFold, whole
-from tandem_inference.errors import EngineResponseError, EngineUnreachable
-
-log = logging.getLogger(__name__)
+from tandem_inference.errors import EngineResponseError
 
 
-class SGLangEngine:
+class SGLangEngine(HttpEngine):
     """Async client of one SGLang server (or of an engine that serves the same routes); one per process.
 
-    `http` carries generation; `admin_http` (default: `http`) carries every other call, so
-    that loads, unloads and health checks never wait for a connection behind rollouts. The
-    caller owns both clients and closes them.
+    `api_key` is SGLang's `--admin-api-key`: it guards load/unload, flush, memory and /server_info
+    (ADMIN_OPTIONAL), not generation, which `--api-key` would guard and tandem leaves unset.
     """
-
-    def __init__(
-        self,
-        http: httpx.AsyncClient,
-        url: str,
-        *,
-        admin_http: httpx.AsyncClient | None = None,
-        admin_api_key: str | None = None,
-        load_timeout_s: float = 60.0,
-        unload_timeout_s: float = 30.0,
-        generate_timeout_s: float = 300.0,
-        info_timeout_s: float = INFO_TIMEOUT_S,
-        weights_timeout_s: float = 600.0,
-        max_attempts: int = MAX_ATTEMPTS,
-    ) -> None:
-        self.http = http
-        self.admin_http = admin_http if admin_http is not None else http
-        self.url = url.rstrip("/")
-        self._admin_key = admin_api_key
-        self.timeouts_s = {
-            CallKind.GENERATE: generate_timeout_s,
-            CallKind.LOAD: load_timeout_s,
-            CallKind.UNLOAD: unload_timeout_s,
-            CallKind.INFO: info_timeout_s,
-            CallKind.FLUSH: info_timeout_s,
-            # Moving weights out of and back into GPU memory takes about as long as a load.
-            CallKind.MEMORY: load_timeout_s,
-            # A full checkpoint is read from disk and copied into the model: minutes for large ones.
-            CallKind.WEIGHTS: weights_timeout_s,
-        }
-        self.max_attempts = max_attempts
-
-    @classmethod
-    def from_settings(
-        cls, http: httpx.AsyncClient, settings: EngineSettings, *, admin_http: httpx.AsyncClient | None = None,
-    ) -> SGLangEngine:
-        key = settings.admin_api_key.get_secret_value() if settings.admin_api_key else None
-        return cls(
-            http,
-            settings.url,
-            admin_http=admin_http,
-            admin_api_key=key,
-            load_timeout_s=settings.load_timeout_s,
-            unload_timeout_s=settings.unload_timeout_s,
-            generate_timeout_s=settings.generate_timeout_s,
-        )
 
     # generation -------------------------------------------------------------
     async def complete(
@@ -129,53 +64,13 @@ class SGLangEngine:
         body = self._generate_body(prompt_ids, sampling, n, adapter, logprobs)
         body["stream"] = True
         folds = [SampleFold(i, sampling.stop) for i in range(n)]
-        url = f"{self.url}/generate"
-        attempt = 0
-        while True:
-            attempt += 1
-            started = False
-            try:
-                async with self.http.stream(
-                    "POST", url, json=body, headers=self._headers(CallKind.GENERATE),
-                    timeout=self._timeout(CallKind.GENERATE),
-                ) as resp:
-                    if resp.status_code >= 400:
-                        await resp.aread()
-                        self._raise_for_status(CallKind.GENERATE, url, resp, adapter=adapter)
-                    async for chunk in self._sse(url, resp):
-                        started = True
-                        i = chunk.get("index", 0) if n > 1 else 0
-                        if not isinstance(i, int) or not 0 <= i < n:
-                            raise EngineResponseError(
-                                f"engine at {url} streamed a chunk of sample {i!r}, expected 0..{n - 1}",
-                                status_code=200)
-                        yield folds[i].add(chunk)
-                    return
-            except httpx.HTTPError as exc:
-                retry = should_retry(CallKind.GENERATE, exc, attempt, max_attempts=self.max_attempts)
-                if retry and not started:
-                    await asyncio.sleep(retry_pause_s(attempt))
-                    continue
-                raise unreachable(CallKind.GENERATE, url, exc, self.timeouts_s[CallKind.GENERATE]) from exc
-
-    async def _sse(self, url: str, resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                return
-            try:
-                chunk = json.loads(payload)
-            except ValueError as exc:
+        async for chunk in self._events("/generate", body, adapter=adapter):
+            i = chunk.get("index", 0) if n > 1 else 0
+            if not isinstance(i, int) or not 0 <= i < n:
                 raise EngineResponseError(
-                    f"engine at {url} streamed a line that is not JSON: {payload[:200]!r}",
-                    status_code=resp.status_code,
-                ) from exc
-            if isinstance(chunk, dict) and "error" in chunk:
-                raise EngineResponseError(f"engine at {url} failed mid-stream: {message_of(chunk)}",
-                                          status_code=resp.status_code, engine_message=message_of(chunk))
-            yield chunk
+                    f"engine at {self.url}/generate streamed a chunk of sample {i!r}, expected 0..{n - 1}",
+                    status_code=200)
+            yield folds[i].add(chunk)
 
     @staticmethod
     def _generate_body(
@@ -237,14 +132,6 @@ class SGLangEngine:
         return str(out.get("message") or "") if isinstance(out, dict) else ""
 
     # server -----------------------------------------------------------------
-    async def health(self) -> bool:
-        """True when the engine answers /health with 200; never raises for a down engine."""
-        try:
-            await self._call(CallKind.INFO, "GET", "/health", max_attempts=1)
-        except (EngineUnreachable, EngineResponseError):
-            return False
-        return True
-
     async def info(self) -> EngineInfo:
         """The context length and highest LoRA rank from /server_info."""
         out = await self._call(CallKind.INFO, "GET", "/server_info")
@@ -261,56 +148,6 @@ class SGLangEngine:
 
     async def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         await self._call(CallKind.MEMORY, "POST", "/resume_memory_occupation", body=_tags(tags))
-
-    # plumbing ---------------------------------------------------------------
-    def _timeout(self, kind: CallKind) -> httpx.Timeout:
-        total = self.timeouts_s[kind]
-        return httpx.Timeout(total, connect=min(total, CONNECT_TIMEOUT_S))
-
-    def _headers(self, kind: CallKind) -> dict[str, str]:
-        # NOTE: SGLang's --admin-api-key guards load/unload, flush, memory and /server_info
-        # (ADMIN_OPTIONAL); generation routes are guarded by --api-key, which tandem leaves unset.
-        if self._admin_key and kind is not CallKind.GENERATE:
-            return {"Authorization": f"Bearer {self._admin_key}"}
-        return {}
-
-    async def _call(
-        self, kind: CallKind, method: str, path: str, *, body: Any = None,
-        adapter: str | None = None, max_attempts: int | None = None,
-    ) -> Any:
-        url = f"{self.url}{path}"
-        attempts = max_attempts or self.max_attempts
-        attempt = 0
-        while True:
-            attempt += 1
-            http = self.http if kind is CallKind.GENERATE else self.admin_http
-            try:
-                resp = await http.request(
-                    method, url, json=body, headers=self._headers(kind), timeout=self._timeout(kind)
-                )
-            except httpx.HTTPError as exc:
-                if should_retry(kind, exc, attempt, max_attempts=attempts):
-                    log.info("engine call %s failed (%s); retrying (attempt %d of %d)",
-                             url, exc, attempt + 1, attempts)
-                    await asyncio.sleep(retry_pause_s(attempt))
-                    continue
-                raise unreachable(kind, url, exc, self.timeouts_s[kind], adapter=adapter) from exc
-            self._raise_for_status(kind, url, resp, adapter=adapter)
-            if not resp.content:
-                return None
-            try:
-                out = resp.json()
-            except ValueError:
-                return resp.text
-            if isinstance(out, dict) and out.get("success") is False:
-                raise refusal(kind, url, resp.status_code, message_of(out) or "success: false", adapter)
-            return out
-
-    def _raise_for_status(
-        self, kind: CallKind, url: str, resp: httpx.Response, *, adapter: str | None
-    ) -> None:
-        if resp.status_code >= 400:
-            raise refusal(kind, url, resp.status_code, engine_message(resp), adapter)
 
 
 def _positive(value: Any) -> int | None:

@@ -20,95 +20,48 @@ versions under one name (a same-name reload reuses stale prefix-cache blocks, vl
 
 vLLM has one key, its API key, which guards `/v1` (generation included), not the dev routes:
 this client sends `engine.admin_api_key` on every call, and the launcher keeps vLLM on loopback.
-Timeouts, retries and error translation are those of every HTTP engine (calls.py, http_errors.py).
+Connection pools, timeouts, retries and error translation are every HTTP engine's (http.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any, ClassVar
 
 import httpx
 
 from tandem.settings import EngineSettings
 from tandem_inference.engines.base import EngineInfo, Generated, Sampling
-from tandem_inference.engines.calls import (
-    CONNECT_TIMEOUT_S,
-    INFO_TIMEOUT_S,
-    MAX_ATTEMPTS,
-    CallKind,
-    retry_pause_s,
-    should_retry,
-)
-from tandem_inference.engines.http_errors import engine_message, message_of, refusal, unreachable
+from tandem_inference.engines.calls import CallKind
+from tandem_inference.engines.http import HttpEngine
 from tandem_inference.engines.vllm_outputs import cached_tokens, choice_output
-from tandem_inference.errors import EngineResponseError, EngineUnreachable
-
-log = logging.getLogger(__name__)
+from tandem_inference.errors import EngineResponseError
 
 #: What vLLM's sleep and wake routes name memory by (0.33: the executor's allocation tags).
 MEMORY_TAGS = ("weights", "kv_cache")
 
 
-class VLLMEngine:
+class VLLMEngine(HttpEngine):
     """Async client of one vLLM server; one per process.
 
-    `http` carries generation; `admin_http` (default: `http`) carries every other call, so that
-    loads, unloads and health checks never wait for a connection behind rollouts. The caller
-    owns both clients and closes them.
+    `api_key` is vLLM's one key (`VLLM_API_KEY`): its middleware guards every /v1 route,
+    generation included (0.33), so it rides on every call.
     """
 
-    def __init__(
-        self,
-        http: httpx.AsyncClient,
-        url: str,
-        *,
-        served_model_name: str = "base",
-        max_lora_rank: int | None = None,
-        admin_http: httpx.AsyncClient | None = None,
-        api_key: str | None = None,
-        load_timeout_s: float = 60.0,
-        unload_timeout_s: float = 30.0,
-        generate_timeout_s: float = 300.0,
-        info_timeout_s: float = INFO_TIMEOUT_S,
-        weights_timeout_s: float = 600.0,
-        max_attempts: int = MAX_ATTEMPTS,
-    ) -> None:
-        self.http = http
-        self.admin_http = admin_http if admin_http is not None else http
-        self.url = url.rstrip("/")
+    KEY_ON_GENERATION: ClassVar[bool] = True
+
+    def __init__(self, http: httpx.AsyncClient, url: str, *, served_model_name: str = "base",
+                 max_lora_rank: int | None = None, **calls: Any) -> None:
+        super().__init__(http, url, **calls)
         self.served_model_name = served_model_name
         self.max_lora_rank = max_lora_rank
         """The rank vLLM was started with (`--max-lora-rank`); vLLM does not report it."""
-        self._key = api_key
-        self.timeouts_s = {
-            CallKind.GENERATE: generate_timeout_s,
-            CallKind.LOAD: load_timeout_s,
-            CallKind.UNLOAD: unload_timeout_s,
-            CallKind.INFO: info_timeout_s,
-            CallKind.FLUSH: info_timeout_s,
-            # Copying the weights to the CPU and back takes about as long as a load.
-            CallKind.MEMORY: load_timeout_s,
-            CallKind.WEIGHTS: weights_timeout_s,
-        }
-        self.max_attempts = max_attempts
 
-    @classmethod
-    def from_settings(
-        cls, http: httpx.AsyncClient, settings: EngineSettings, *, admin_http: httpx.AsyncClient | None = None,
-    ) -> VLLMEngine:
-        key = settings.admin_api_key.get_secret_value() if settings.admin_api_key else None
-        return cls(
-            http, settings.url, served_model_name=settings.served_model_name, max_lora_rank=settings.max_lora_rank,
-            admin_http=admin_http, api_key=key, load_timeout_s=settings.load_timeout_s,
-            unload_timeout_s=settings.unload_timeout_s, generate_timeout_s=settings.generate_timeout_s,
-        )
+    @staticmethod
+    def options(settings: EngineSettings) -> dict[str, Any]:
+        return {"served_model_name": settings.served_model_name, "max_lora_rank": settings.max_lora_rank}
 
-    # generation -------------------------------------------------------------
     async def complete(
         self, prompt_ids: Sequence[int], sampling: Sampling, *, n: int = 1, adapter: str | None = None,
         logprobs: bool = True,
@@ -147,57 +100,16 @@ class VLLMEngine:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
         url = f"{self.url}/v1/completions"
-        attempt = 0
-        while True:
-            attempt += 1
-            started = False
-            try:
-                async with self.http.stream(
-                    "POST", url, json=body, headers=self._headers(), timeout=self._timeout(CallKind.GENERATE),
-                ) as resp:
-                    if resp.status_code >= 400:
-                        await resp.aread()
-                        raise refusal(CallKind.GENERATE, url, resp.status_code, engine_message(resp), adapter)
-                    async for chunk in self._sse(url, resp):
-                        started = True
-                        for choice in chunk.get("choices") or []:
-                            new = choice_output(choice, top_k=sampling.top_logprobs, url=url)
-                            if not 0 <= new.index < n:
-                                raise EngineResponseError(
-                                    f"engine at {url} streamed a chunk of sample {new.index}, expected 0..{n - 1}",
-                                    status_code=200)
-                            yield new
-                        cached = cached_tokens(chunk.get("usage"))
-                        if cached is not None:  # the last chunk: usage only
-                            yield Generated(index=0, cached_tokens=cached)
-                    return
-            except httpx.HTTPError as exc:
-                retry = should_retry(CallKind.GENERATE, exc, attempt, max_attempts=self.max_attempts)
-                if retry and not started:
-                    await asyncio.sleep(retry_pause_s(attempt))
-                    continue
-                raise unreachable(CallKind.GENERATE, url, exc, self.timeouts_s[CallKind.GENERATE]) from exc
-
-    async def _sse(self, url: str, resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                return
-            try:
-                chunk = json.loads(payload)
-            except ValueError as exc:
-                raise EngineResponseError(f"engine at {url} streamed a line that is not JSON: {payload[:200]!r}",
-                                          status_code=resp.status_code) from exc
-            if not isinstance(chunk, dict):
-                raise EngineResponseError(f"engine at {url} streamed {payload[:200]!r}, expected an object",
-                                          status_code=resp.status_code)
-            if "error" in chunk:
-                message = message_of(chunk) or payload[:200]
-                raise EngineResponseError(f"engine at {url} failed mid-stream: {message}",
-                                          status_code=resp.status_code, engine_message=message)
-            yield chunk
+        async for chunk in self._events("/v1/completions", body, adapter=adapter):
+            for choice in chunk.get("choices") or []:
+                new = choice_output(choice, top_k=sampling.top_logprobs, url=url)
+                if not 0 <= new.index < n:
+                    raise EngineResponseError(
+                        f"engine at {url} streamed a chunk of sample {new.index}, expected 0..{n - 1}", status_code=200)
+                yield new
+            cached = cached_tokens(chunk.get("usage"))
+            if cached is not None:  # the last chunk: usage only
+                yield Generated(index=0, cached_tokens=cached)
 
     def _completion_body(
         self, prompt_ids: Sequence[int], sampling: Sampling, n: int, adapter: str | None, logprobs: bool,
@@ -238,14 +150,6 @@ class VLLMEngine:
         return {str(c["id"]): str(c.get("root") or "") for c in await self._cards() if c.get("parent")}
 
     # server -----------------------------------------------------------------
-    async def health(self) -> bool:
-        """True when vLLM answers /health with 200; never raises for a down engine."""
-        try:
-            await self._call(CallKind.INFO, "GET", "/health", max_attempts=1)
-        except (EngineUnreachable, EngineResponseError):
-            return False
-        return True
-
     async def info(self) -> EngineInfo:
         """The context length (the base card's `max_model_len`) and the rank vLLM was started with."""
         base = [c for c in await self._cards() if not c.get("parent")]
@@ -312,41 +216,3 @@ class VLLMEngine:
         out = await self._call(CallKind.INFO, "GET", "/v1/models")
         cards = out.get("data") if isinstance(out, dict) else None
         return [c for c in cards if isinstance(c, dict) and "id" in c] if isinstance(cards, list) else []
-
-    def _timeout(self, kind: CallKind) -> httpx.Timeout:
-        total = self.timeouts_s[kind]
-        return httpx.Timeout(total, connect=min(total, CONNECT_TIMEOUT_S))
-
-    def _headers(self) -> dict[str, str]:
-        # vLLM's API key guards every /v1 route, generation included (its middleware, 0.33).
-        return {"Authorization": f"Bearer {self._key}"} if self._key else {}
-
-    async def _call(
-        self, kind: CallKind, method: str, path: str, *, body: Any = None,
-        adapter: str | None = None, max_attempts: int | None = None,
-    ) -> Any:
-        url = f"{self.url}{path}"
-        attempts = max_attempts or self.max_attempts
-        http = self.http if kind is CallKind.GENERATE else self.admin_http
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                resp = await http.request(method, url, json=body, headers=self._headers(), timeout=self._timeout(kind))
-            except httpx.HTTPError as exc:
-                if should_retry(kind, exc, attempt, max_attempts=attempts):
-                    log.info("engine call %s failed (%s); retrying (attempt %d of %d)", url, exc, attempt + 1, attempts)
-                    await asyncio.sleep(retry_pause_s(attempt))
-                    continue
-                raise unreachable(kind, url, exc, self.timeouts_s[kind], adapter=adapter) from exc
-            if resp.status_code >= 400:
-                raise refusal(kind, url, resp.status_code, engine_message(resp), adapter)
-            if not resp.content:
-                return None
-            try:
-                out = resp.json()
-            except ValueError:
-                return resp.text  # the adapter routes answer plain text ("Success: ...")
-            if isinstance(out, dict) and out.get("success") is False:
-                raise refusal(kind, url, resp.status_code, message_of(out) or "success: false", adapter)
-            return out
