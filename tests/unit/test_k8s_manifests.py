@@ -530,3 +530,45 @@ def test_a_trainer_of_several_nodes_is_a_stateful_set_that_meets_at_its_headless
         d for d in gpu if (d["kind"], d["metadata"]["name"]) != ("Deployment", "trainer")]
     for check in (test_nothing_runs_as_root, test_no_secret_is_inline, test_every_container_requests_and_limits_memory):
         check(("gpu", docs))
+
+
+# the Prometheus Operator component ----------------------------------------------------------------
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_the_monitoring_component_scrapes_real_ports_with_the_stacks_alerts(overlay: str, tmp_path: Path) -> None:
+    """Its PodMonitors select pods that exist and name ports those pods have, the NetworkPolicy lets the
+    scrapes in, and its PrometheusRule is images/prometheus/alerts.yml (the operator's custom resources
+    have no schema here: the rest is validated strictly)."""
+    scratch = tmp_path / "with-monitoring"
+    scratch.mkdir()
+    k8s = ROOT / "deploy" / "k8s"
+    (scratch / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(k8s / "overlays" / overlay, scratch)],
+        "components": [os.path.relpath(k8s / "components" / "monitoring", scratch)],
+    }))
+    out = subprocess.run([tool("kubectl"), "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(scratch)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    custom = [d for d in docs if d["apiVersion"].startswith("monitoring.coreos.com/")]
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(yaml.safe_dump_all([d for d in docs if d not in custom]))
+    checked = subprocess.run([tool("kubernetes-validate"), "--strict", "--quiet", "-k", KUBERNETES_VERSION, str(plain)],
+                             capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+    monitors = [d for d in custom if d["kind"] == "PodMonitor"]
+    assert {m["spec"]["podMetricsEndpoints"][0]["relabelings"][0]["replacement"] for m in monitors} == {"gateway", "trainer"}
+    policy = find(docs, "NetworkPolicy", "metrics-from-monitoring")
+    allowed = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    for monitor in monitors:
+        wanted = monitor["spec"]["selector"]["matchLabels"]
+        pods = [spec for d in docs if d["kind"] in WORKLOADS
+                for spec in [d["spec"]["template"]] if wanted.items() <= spec["metadata"]["labels"].items()]
+        assert pods, f"{monitor['metadata']['name']} selects no pod"
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            ports = {p["name"]: p["containerPort"] for pod in pods for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+            assert endpoint["port"] in ports, (monitor["metadata"]["name"], endpoint["port"], ports)
+            assert ports[endpoint["port"]] in allowed
+    [rule] = [d for d in custom if d["kind"] == "PrometheusRule"]
+    assert rule["spec"] == yaml.safe_load((ROOT / "images" / "prometheus" / "alerts.yml").read_text())
