@@ -91,6 +91,8 @@ demo: install ## the CPU loop end to end: tiny model, whole stack, toy task, rew
 	@$(if $(filter-out mlflow wandb,$(TRACKER)),echo "make demo: TRACKER=$(TRACKER) is not a tracker; give TRACKER=mlflow or TRACKER=wandb" >&2; exit 2)
 	@mkdir -p .tandem
 	HF_HUB_OFFLINE=1 $(TRACKER_ENV) $(PY) examples/digits.py --steps $(STEPS)
+	@$(if $(filter mlflow,$(TRACKER)),echo "curves: MLflow in .tandem/mlflow.db; see them with $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/.tandem/mlflow.db")
+	@$(if $(filter wandb,$(TRACKER)),echo "curves: an offline W&B run under .tandem/wandb/; upload it with wandb sync")
 
 dev: install ## start the stack as local processes (Ctrl-C stops it)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/tandem up
