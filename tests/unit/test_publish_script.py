@@ -56,7 +56,8 @@ def test_every_published_image_has_the_variable_its_compose_file_reads() -> None
         engine = "${ENGINE:+-}${ENGINE:-}" if image == "tandem-inference" else ""
         uses = [ref for ref in refs if f"}}{image}{engine}:" in ref]
         assert uses, image
-        assert all(ref == f"${{{var}:-${{TANDEM_IMAGE_PREFIX:-}}{image}{engine}:${{TANDEM_TAG:-dev}}}}" for ref in uses), (image, uses)
+        expected = f"${{{var}:-${{TANDEM_IMAGE_PREFIX:-}}{image}{engine}:${{TANDEM_TAG:-dev}}}}"
+        assert all(ref == expected for ref in uses), (image, uses)
 
 
 @pytest.mark.parametrize("line", ["tandem-redis=ghcr.io/acme/tandem-redis:main",         # a tag, not a digest
