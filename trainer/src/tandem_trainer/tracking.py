@@ -13,8 +13,9 @@ time, the versions that sampled the rollouts and their staleness.
 for the versions still waiting in the event stream and logs what it finds at their own step.
 
 Each tracker's client library is an optional extra (`tandem-trainer[mlflow]`,
-`tandem-trainer[wandb]`), imported only when chosen. The trainer never fails a job because of
-its tracker (job.py): a step the tracker could not take is logged and counted.
+`tandem-trainer[wandb]`), imported only when chosen (`tandem_trainer.trackers.open_tracker`).
+The trainer never fails a job because of its tracker (job.py): a step the tracker could not
+take is logged and counted.
 """
 
 from __future__ import annotations
@@ -22,15 +23,11 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from tandem.events import EventKind, EventStream
 from tandem.jobs import TrainResult
 from tandem.runs import RunSpec
-from tandem_trainer.errors import TrainerConfigError
-
-if TYPE_CHECKING:
-    from tandem.settings import TrackerSettings
 
 log = logging.getLogger(__name__)
 
@@ -93,25 +90,6 @@ class ServingWatch:
         for version in found:
             del versions[version]
         return found
-
-
-def open_tracker(settings: TrackerSettings) -> Tracker | None:
-    """The tracker `settings.kind` names (None for `none`); a missing client library is a config error."""
-    if settings.kind == "none":
-        return None
-    try:
-        if settings.kind == "mlflow":
-            from tandem_trainer.trackers.mlflow_tracker import MlflowTracker
-
-            return MlflowTracker(settings)
-        from tandem_trainer.trackers.wandb_tracker import WandbTracker
-
-        return WandbTracker(settings)
-    except ImportError as exc:
-        raise TrainerConfigError(
-            f"TANDEM_TRACKER__KIND={settings.kind} but its client library does not import ({exc}); install "
-            f"tandem-trainer[{settings.kind}], or set TANDEM_TRACKER__KIND=none"
-        ) from exc
 
 
 def run_params(spec: RunSpec) -> dict[str, Any]:

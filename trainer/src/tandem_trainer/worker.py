@@ -49,7 +49,7 @@ from tandem_trainer.recovery import (
     owner_alive,
     recover_abandoned,
 )
-from tandem_trainer.tracking import open_tracker
+from tandem_trainer.trackers import open_tracker
 
 log = logging.getLogger(__name__)
 
