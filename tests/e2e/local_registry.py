@@ -10,7 +10,6 @@ can hold a digest against the registry itself rather than against docker's own b
 from __future__ import annotations
 
 import shutil
-import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from helpers.loopback import free_port
-from helpers.waiting import wait_until
+from helpers.loopback import free_port, served_process
 
 BINARY = "docker-registry"
 MANIFEST_TYPES = ("application/vnd.docker.distribution.manifest.v2+json",
@@ -64,22 +62,7 @@ def local_registry(workdir: Path) -> Iterator[LocalRegistry]:
         f"storage:\n  filesystem:\n    rootdirectory: {workdir / 'data'}\n"
         f"http:\n  addr: 127.0.0.1:{port}\n"
     )
-    log = (workdir / "registry.log").open("w")
-    proc = subprocess.Popen([BINARY, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
     registry = LocalRegistry(f"127.0.0.1:{port}")
-    try:
-        def answers() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(f"{BINARY} exited ({proc.returncode}): {(workdir / 'registry.log').read_text()[-2000:]}")
-            return httpx.get(f"{registry.url}/v2/", timeout=2).status_code == 200
-
-        wait_until(answers, 30, f"{BINARY} to answer on {registry.host}", interval_s=0.2, ignoring=(httpx.HTTPError,))
+    with served_process([BINARY, "serve", str(config)], workdir / "registry.log", f"{registry.url}/v2/",
+                        what=BINARY, timeout_s=30):
         yield registry
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        log.close()

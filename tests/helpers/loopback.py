@@ -6,15 +6,18 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+from helpers.waiting import wait_until
 from tandem.dev.stack import free_port
 
-__all__ = ["free_port", "held_stream_proxy", "serve_app"]
+__all__ = ["free_port", "held_stream_proxy", "serve_app", "served_process"]
 
 HOP_BY_HOP = {"connection", "content-length", "keep-alive", "transfer-encoding"}
 
@@ -87,3 +90,31 @@ def held_stream_proxy(target: str) -> Iterator[tuple[str, threading.Event]]:
             yield url, release
         finally:
             release.set()
+
+
+@contextmanager
+def served_process(argv: Sequence[str], log_path: Path, health_url: str, *, what: str, timeout_s: float = 60.0,
+                   cwd: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """A server process (output to `log_path`) once `health_url` answers 200; stopped when the block ends.
+
+    A process that exits before it answers fails the wait at once, with the end of its log.
+    """
+    import httpx
+
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
+        try:
+            def answers() -> bool:
+                if proc.poll() is not None:
+                    raise AssertionError(f"{what} exited ({proc.returncode}): {log_path.read_text()[-4000:]}")
+                return httpx.get(health_url, timeout=2).status_code == 200
+
+            wait_until(answers, timeout_s, f"{what} to answer {health_url}", interval_s=0.2, ignoring=(httpx.HTTPError,))
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)

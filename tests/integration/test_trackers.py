@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,7 @@ import httpx
 import pytest
 import redis
 from helpers.jobs import RUN, make_job, status
-from helpers.loopback import free_port
+from helpers.loopback import free_port, served_process
 from helpers.workers import WorkerProcess, wait_for
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -62,34 +60,12 @@ def mlflow_server(tmp_path: Path) -> Iterator[str]:
     port = free_port()
     home = tmp_path / "mlflow"
     home.mkdir()
-    log = (tmp_path / "mlflow.log").open("wb")
     mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"
-    proc = subprocess.Popen(
-        [mlflow, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}", "--default-artifact-root", str(home / "artifacts")],
-        cwd=home, stdout=log, stderr=subprocess.STDOUT,
-    )
+    argv = [mlflow, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+            "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}", "--default-artifact-root", str(home / "artifacts")]
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"mlflow server did not start:\n{(tmp_path / 'mlflow.log').read_text()[-4000:]}")
-            time.sleep(0.5)
+    with served_process(argv, tmp_path / "mlflow.log", f"{url}/health", what="mlflow server", timeout_s=120, cwd=home):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        log.close()
 
 
 def test_the_run_curves_reach_a_real_mlflow_tracking_server(workers, redis_conn, tiny_model: Path,

@@ -53,6 +53,14 @@ _GUARD = (
 )
 
 
+def engine_env(settings: InferenceSettings, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment every engine starts from: `base` (this process's), on the inference GPUs."""
+    env = dict(os.environ if base is None else base)
+    if settings.gpus.mode != "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in settings.gpus.inference)
+    return env
+
+
 def guarded(argv: list[str]) -> list[str]:
     """`argv` run through the guard, so that the engine dies with the process that starts it."""
     if not sys.platform.startswith("linux"):

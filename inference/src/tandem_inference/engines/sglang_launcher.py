@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from urllib.parse import urlparse
 
 from tandem.settings import InferenceSettings
+from tandem_inference.engines.launcher import engine_env
 
 
 def sglang_argv(settings: InferenceSettings) -> list[str]:
@@ -47,9 +47,7 @@ def sglang_argv(settings: InferenceSettings) -> list[str]:
 
 
 def sglang_env(settings: InferenceSettings, base: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
-    if settings.gpus.mode != "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in settings.gpus.inference)
+    env = engine_env(settings, base)
     # /health as a liveness check: the default one-token generation fails while the scheduler is busy.
     env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
     # tandem's logprob convention (tandem.logprobs): the temperature-scaled distribution, which is

@@ -25,11 +25,11 @@ Flags and variables as vLLM 0.33.0 reads them (vllm/engine/arg_utils.py, vllm/en
 from __future__ import annotations
 
 import ipaddress
-import os
 from urllib.parse import urlparse
 
 from tandem.errors import ConfigError
 from tandem.settings import InferenceSettings
+from tandem_inference.engines.launcher import engine_env
 
 #: What vLLM's logprobs are: tandem's convention, the temperature-scaled distribution.
 LOGPROBS_MODE = "processed_logprobs"
@@ -82,9 +82,7 @@ def vllm_argv(settings: InferenceSettings) -> list[str]:
 
 def vllm_env(settings: InferenceSettings, base: dict[str, str] | None = None) -> dict[str, str]:
     """vLLM's environment: this one's, plus the variables that switch on what tandem uses."""
-    env = dict(os.environ if base is None else base)
-    if settings.gpus.mode != "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in settings.gpus.inference)
+    env = engine_env(settings, base)
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env["VLLM_SERVER_DEV_MODE"] = "1"
     # vLLM reports usage to its maintainers unless told not to; tandem's engines stay private.
