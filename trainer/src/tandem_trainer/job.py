@@ -147,8 +147,6 @@ class Trainer:
                 finally:
                     lock.release()
         except Exception as exc:
-            self.metrics.in_progress.set(0)
-            self.metrics.job_seconds.observe(time.perf_counter() - started)
             if not isinstance(exc, JobRejected):
                 self._invalidate()  # partial gradients or a half-done step: reload next time
             failure = self._translate(exc)
@@ -165,8 +163,9 @@ class Trainer:
             if failure is exc:
                 raise
             raise failure from exc
-        self.metrics.in_progress.set(0)
-        self.metrics.job_seconds.observe(time.perf_counter() - started)
+        finally:
+            self.metrics.in_progress.set(0)
+            self.metrics.job_seconds.observe(time.perf_counter() - started)
         log.info(
             "train.end run=%s job_id=%s version=%d parent=%d reused=%s duration_s=%.3f loss=%.5f "
             "reward_mean=%.4f",
