@@ -37,7 +37,12 @@ for env in $envs; do
 done
 src="$repo/shared/src:$repo/trainer/src:$repo/inference/src"
 write() {  # name, PYTHONPATH
-  printf '#!/bin/sh\nexport PYTHONPATH=%s\nexport HF_HUB_OFFLINE=1\nexport TOKENIZERS_PARALLELISM=false\nexec python3 "$@"\n' "$2" >"$1"
+  # A folder on PYTHONPATH is no site directory: its .pth files (nvidia-cutlass-dsl puts `cutlass`
+  # on sys.path by one) would not run. A sitecustomize beside it makes each staged folder one.
+  site="/tmp/site-$(basename "$1")"
+  mkdir -p "$site"
+  printf 'import site\nfor d in "%s".split(":"):\n    if d.startswith("/tmp/lk-"):\n        site.addsitedir(d)\n' "$2" >"$site/sitecustomize.py"
+  printf '#!/bin/sh\nexport PYTHONPATH=%s:%s\nexport HF_HUB_OFFLINE=1\nexport TOKENIZERS_PARALLELISM=false\nexec python3 "$@"\n' "$site" "$2" >"$1"
   chmod +x "$1"
 }
 has() { case " $envs " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }

@@ -1,49 +1,97 @@
 #!/usr/bin/env bash
 # On an offline GPU host, after the staged wheels of the lock files were copied over (see
-# bench/lock_parity.py and bench/gpu_env.sh): the environments of images/locks/, then the GPU
-# check and the suite's sync and swaps scenarios on them, one GPU, shared mode, 0.5B shape.
-# Everything the report needs goes to $OUT (a few small files):
-#   inventory.json.gz  the machine's packages with the sha256 of every file (for the parity table)
-#   env.log            the installation and what each environment imports
-#   gpu_check.json/.md bench/gpu_check.py --mode shared --shape 0.5b --steps $STEPS
-#   suite.json/.md     bench/suite.py --only sync,swaps --mode shared --shape 0.5b
-#   runs.log           the last lines of both runs' output
-#   bash bench/gpu_proof.sh          # from the repo root; STEPS (default 30)
-# PART=check runs the installation and gpu_check only, PART=suite only the suite (on the
-# environments an earlier PART=check installed on the same host): one call each stays within a
-# host's time limit per command.
+# bench/lock_parity.py and bench/gpu_env.sh): the environments of images/locks/, then the proof
+# that the GPU stack on them is right and as fast as before. One part per call (a host's time
+# limit per command), each leaving its files in $OUT/<part>.tgz (a host returns few files):
+#   PART=env      inventory.json.gz (the machine's packages, every file hashed: the parity table),
+#                 env.log (installation, what each environment imports), the random 0.5B model,
+#                 and SGLang's answers to every call tandem's client makes (sglang_recorded.json)
+#   PART=correct  mixed-adapter batches against solo outputs and rollout/trainer logprob agreement
+#                 for each LoRA backend (bench/gpu_mixed.py: mixed/), then tandem's own client on the
+#                 same engine (bench/gpu_seam.py: seam/), on GPU 0; with two GPUs gpu_check runs on
+#                 GPU 1 meanwhile, in shared mode (CHECK=0 leaves it out)
+#   PART=check    bench/gpu_check.py --steps $STEPS (gpu_check.json/.md)
+#   PART=suite    bench/suite.py --only sync,swaps (suite.json/.md and the plots)
+# MODE=split (default with two GPUs: SGLang on GPU 0, the trainer on GPU 1) or shared (one GPU).
+#   PART=env bash bench/gpu_proof.sh          # from the repo root; STEPS (default 30)
 set -uo pipefail
-out=${OUT:?set OUT}
+: "${OUT:?set OUT}"
 steps=${STEPS:-30}
-part=${PART:-all}
+part=${PART:?PART=env, correct, check or suite}
+gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+mode=${MODE:-$([ "$gpus" -ge 2 ] && echo split || echo shared)}
 export PYTHONUNBUFFERED=1
-if [ "$part" != suite ]; then
-python3 bench/lock_parity.py inventory --out "$out/inventory.json.gz"
-bash bench/gpu_env.sh >"$out/env.log" 2>&1 || { tail -30 "$out/env.log"; exit 1; }
-cat "$out/env.log"
-fi
-nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
 model=/tmp/gc/model-0.5b
-common=(--tandem-python /tmp/tdpython --sglang-python /tmp/sgpython --trainer-python /tmp/trpython
-        --inference-gpus '[0]' --trainer-gpus '[0]' --mem-fraction 0.6)
-if [ "$part" != suite ]; then
-# The random 0.5B-shaped model, built by the trainer's environment (the image's torch).
-/tmp/trpython -c 'import sys; sys.path.insert(0, "bench"); from benchlib import SHAPES; from tandem_trainer.tiny_model import build_tiny_model; build_tiny_model(sys.argv[1], **SHAPES["0.5b"])' "$model"
-t0=$SECONDS
-/tmp/tdpython bench/gpu_check.py --mode shared --shape 0.5b --steps "$steps" "${common[@]}" \
-  --out /tmp/gc/shared-0.5b >/tmp/gpu_check.log 2>&1
-echo "gpu_check: exit $? after $((SECONDS - t0)) s" | tee -a /tmp/runs.log
-tail -40 /tmp/gpu_check.log >>/tmp/runs.log
-cp /tmp/gc/shared-0.5b/results.json "$out/gpu_check.json" 2>/dev/null
-cp /tmp/gc/shared-0.5b/report.md "$out/gpu_check.md" 2>/dev/null
-tail -200 /tmp/gc/shared-0.5b/*.log >"$out/gpu_check_logs.txt" 2>/dev/null
-fi
-[ "$part" = check ] && { cp /tmp/runs.log "$out/runs.log"; exit 0; }
-t0=$SECONDS
-/tmp/tdpython bench/suite.py --engine sglang --mode shared --shape 0.5b --only sync,swaps --model "$model" \
-  "${common[@]}" --out /tmp/suite --state /tmp/suite-state >/tmp/suite.log 2>&1
-echo "suite: exit $? after $((SECONDS - t0)) s" | tee -a /tmp/runs.log
-tail -60 /tmp/suite.log >>/tmp/runs.log
-cp /tmp/suite/results.json "$out/suite.json" 2>/dev/null
-cp /tmp/suite/report.md "$out/suite.md" 2>/dev/null
-cp /tmp/runs.log "$out/runs.log"
+nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill 2>/dev/null
+case $mode in
+  split) placement=(--inference-gpus '[0]' --trainer-gpus '[1]' --mem-fraction 0.7) ;;
+  *) placement=(--inference-gpus '[0]' --trainer-gpus '[0]' --mem-fraction 0.6) ;;
+esac
+common=(--tandem-python /tmp/tdpython --sglang-python /tmp/sgpython --trainer-python /tmp/trpython "${placement[@]}")
+second=$([ "$gpus" -ge 2 ] && echo 1 || echo 0)
+out=/tmp/proof-$part
+rm -rf "$out" && mkdir -p "$out"
+trap 'tar czf "$OUT/$part.tgz" -C "$out" . && ls -la "$out"' EXIT
+case $part in
+env)
+  python3 bench/lock_parity.py inventory --out "$out/inventory.json.gz"
+  bash bench/gpu_env.sh >"$out/env.log" 2>&1 || { tail -30 "$out/env.log"; exit 1; }
+  # The host sets PYTHONDONTWRITEBYTECODE: without this every process compiles every module again.
+  (unset PYTHONDONTWRITEBYTECODE; for d in /tmp/lk-*; do python3 -m compileall -q -j 0 "$d" >/dev/null 2>&1; done)
+  tail -8 "$out/env.log"
+  /tmp/trpython -c 'import sys; sys.path.insert(0, "bench"); from benchlib import SHAPES; from tandem_trainer.tiny_model import build_tiny_model; build_tiny_model(sys.argv[1], **SHAPES["0.5b"])' "$model"
+  t0=$SECONDS
+  CUDA_VISIBLE_DEVICES=$second /tmp/tdpython bench/record_sglang.py --sglang-python /tmp/sgpython --out /tmp/rec >/tmp/rec.log 2>&1
+  echo "record_sglang: exit $? after $((SECONDS - t0)) s"; tail -5 /tmp/rec.log
+  cp /tmp/rec/*.json "$out/" 2>/dev/null
+  ;;
+correct)
+  # With two GPUs, gpu_check runs on GPU 1 in shared mode meanwhile (it checks learning, not speed).
+  if [ "$second" = 1 ] && [ "${CHECK:-1}" = 1 ]; then
+    /tmp/tdpython bench/gpu_check.py --mode shared --shape 0.5b --steps "$steps" --tandem-python /tmp/tdpython \
+      --sglang-python /tmp/sgpython --trainer-python /tmp/trpython --inference-gpus '[1]' --trainer-gpus '[1]' \
+      --mem-fraction 0.6 --out /tmp/gc/shared-0.5b >/tmp/gpu_check.log 2>&1 &
+    check=$!
+  fi
+  t0=$SECONDS
+  CUDA_VISIBLE_DEVICES=0 /tmp/trpython bench/gpu_mixed.py --out /tmp/mixed --sglang-python /tmp/sgpython \
+    --lora-backends "${BACKENDS:-csgmv,triton}" >/tmp/mixed.log 2>&1
+  echo "gpu_mixed: exit $? after $((SECONDS - t0)) s"
+  CUDA_VISIBLE_DEVICES=0 /tmp/trpython bench/gpu_seam.py --out /tmp/seam --sglang-python /tmp/sgpython \
+    --shape 0.5b --rounds 4 >/tmp/seam.log 2>&1
+  echo "gpu_seam: exit $? after $((SECONDS - t0)) s"
+  tail -30 /tmp/mixed.log; tail -20 /tmp/seam.log
+  mkdir -p "$out/mixed" "$out/seam"
+  cp /tmp/mixed/*.md /tmp/mixed/*.json "$out/mixed/" 2>/dev/null
+  cp /tmp/seam/*.json /tmp/seam/*.md "$out/seam/" 2>/dev/null
+  tail -c 40000 /tmp/mixed.log >"$out/mixed/run.log"; tail -c 40000 /tmp/seam.log >"$out/seam/run.log"
+  if [ -n "${check:-}" ]; then
+    wait "$check"; echo "gpu_check: exit $? after $((SECONDS - t0)) s"; tail -25 /tmp/gpu_check.log
+    cp /tmp/gc/shared-0.5b/results.json "$out/gpu_check.json" 2>/dev/null
+    cp /tmp/gc/shared-0.5b/report.md "$out/gpu_check.md" 2>/dev/null
+    tail -c 60000 /tmp/gpu_check.log >"$out/gpu_check.log"
+  fi
+  ;;
+check)
+  t0=$SECONDS
+  /tmp/tdpython bench/gpu_check.py --mode "$mode" --shape 0.5b --steps "$steps" "${common[@]}" \
+    --out "/tmp/gc/$mode-0.5b" >/tmp/gpu_check.log 2>&1
+  echo "gpu_check: exit $? after $((SECONDS - t0)) s"
+  tail -40 /tmp/gpu_check.log
+  cp "/tmp/gc/$mode-0.5b/results.json" "$out/gpu_check.json" 2>/dev/null
+  cp "/tmp/gc/$mode-0.5b/report.md" "$out/gpu_check.md" 2>/dev/null
+  tail -c 60000 /tmp/gpu_check.log >"$out/gpu_check.log"
+  ;;
+suite)
+  t0=$SECONDS
+  timeout "${LIMIT:-560}" /tmp/tdpython bench/suite.py --engine sglang --mode "$mode" --shape 0.5b --only "${ONLY:-sync,swaps}" \
+    --model "$model" "${common[@]}" --out /tmp/suite --state /tmp/suite-state >/tmp/suite.log 2>&1
+  echo "suite: exit $? after $((SECONDS - t0)) s"
+  tail -50 /tmp/suite.log
+  cp /tmp/suite/results.json "$out/suite.json" 2>/dev/null
+  cp /tmp/suite/report.md "$out/suite.md" 2>/dev/null
+  cp /tmp/suite/*.png "$out/" 2>/dev/null
+  tail -c 40000 /tmp/suite-state/logs/inference.log >"$out/inference.log" 2>/dev/null
+  ;;
+esac
+exit 0

@@ -67,9 +67,17 @@ def parse() -> argparse.Namespace:
     p.add_argument("--tandem-python", default=sys.executable)
     p.add_argument("--inference-gpus", default="[0]")
     p.add_argument("--trainer-gpus", default="[1]")
-    p.add_argument("--mem-fraction", type=float, default=0.7)
+    p.add_argument("--mem-fraction", type=float, default=None,
+                   help="SGLang's --mem-fraction-static (vLLM's --gpu-memory-utilization); default 0.7 split, 0.6 shared")
     p.add_argument("--cuda-graph-max-bs", type=int, default=8)
     return p.parse_args()
+
+
+def mem_fraction(args: argparse.Namespace) -> float:
+    """The engine's share of its GPU: as asked, else 0.7 alone on a GPU (split) and 0.6 beside the trainer (shared)."""
+    if args.mem_fraction is not None:
+        return float(args.mem_fraction)
+    return 0.7 if args.mode == "split" else 0.6
 
 
 def selected(only: str) -> list[str]:
@@ -95,7 +103,7 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
         "TANDEM_ENGINE__MAX_LORA_RANK": "16", "TANDEM_ENGINE__CUDA_GRAPH_MAX_BS": str(args.cuda_graph_max_bs),
         # SGLang's kernels as the GPU runs measured them; vLLM runs with tandem's flags alone
         "TANDEM_ENGINE__EXTRA_ARGS": json.dumps(SGLANG_FLAGS if args.engine == "sglang" else []),
-        "TANDEM_ENGINE__MEM_FRACTION_STATIC": str(args.mem_fraction if args.mode == "split" else 0.6),
+        "TANDEM_ENGINE__MEM_FRACTION_STATIC": str(mem_fraction(args)),
         "TANDEM_BACKEND__KIND": "auto", "TANDEM_LOG_LEVEL": "INFO", "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": "16",
         "TANDEM_GATEWAY__MAX_IN_FLIGHT_TOKENS": "524288",  # as compose.yaml: a GPU takes far more than a CPU
     }

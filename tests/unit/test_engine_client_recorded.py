@@ -1,8 +1,10 @@
-"""The engine client against what a real SGLang 0.5.12 server answered.
+"""The engine client against what real SGLang servers answered.
 
-tests/fixtures/sglang-0.5.12.json holds exchanges recorded by bench/record_sglang.py on a
+tests/fixtures/sglang-<version>.json holds exchanges recorded by bench/record_sglang.py on a
 GPU; they are replayed here through httpx.MockTransport (the network edge), so the client's
-parsing and error translation are checked against the server's real bodies.
+parsing and error translation are checked against the server's real bodies. The recording of
+the SGLang the image pins (images/locks/sglang.txt) is the reference; the one of 0.5.12 keeps
+the hung unload that release answered with.
 """
 
 from __future__ import annotations
@@ -14,20 +16,30 @@ from typing import Any
 import httpx
 import pytest
 
+from tandem.doctor import read_lock
 from tandem_inference.engines.base import Sampling
 from tandem_inference.engines.sglang import SGLangEngine
-from tandem_inference.errors import AdapterLoadRefused, AdapterMissing, EngineClientError, EngineTimeout
+from tandem_inference.errors import (
+    AdapterLoadRefused,
+    AdapterMissing,
+    EngineClientError,
+    EngineResponseError,
+    EngineTimeout,
+)
 from tandem_inference.gateway.outputs import Output
 
-RECORDED = json.loads((Path(__file__).parents[1] / "fixtures" / "sglang-0.5.12.json").read_text())
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+PINNED = read_lock(Path(__file__).parents[2] / "images" / "locks" / "sglang.txt")["sglang"]
+RECORDED = json.loads((FIXTURES / f"sglang-{PINNED}.json").read_text())
 BY_NAME = {e["name"]: e for e in RECORDED["exchanges"]}
+HUNG = {e["name"]: e for e in json.loads((FIXTURES / "sglang-0.5.12.json").read_text())["exchanges"]}
 URL = "http://sglang:30000"
 SIX = Sampling(max_tokens=6)
 
 
-def replay(name: str) -> httpx.MockTransport:
+def replay(name: str, recording: dict[str, Any] | None = None) -> httpx.MockTransport:
     """A transport that answers every request with the recorded exchange `name`."""
-    ex = BY_NAME[name]
+    ex = (recording or BY_NAME)[name]
 
     def handler(request: httpx.Request) -> httpx.Response:
         assert request.method == ex["method"] and request.url.path == ex["path"]
@@ -41,8 +53,8 @@ def replay(name: str) -> httpx.MockTransport:
     return httpx.MockTransport(handler)
 
 
-async def client_for(name: str, **kw: Any) -> SGLangEngine:
-    return SGLangEngine(httpx.AsyncClient(transport=replay(name)), URL, **kw)
+async def client_for(name: str, recording: dict[str, Any] | None = None, **kw: Any) -> SGLangEngine:
+    return SGLangEngine(httpx.AsyncClient(transport=replay(name, recording)), URL, **kw)
 
 
 async def test_a_load_returns_its_latency() -> None:
@@ -105,10 +117,17 @@ async def test_server_info_tells_the_max_rank_and_health_is_an_empty_200() -> No
     assert await (await client_for("health")).health() is True
 
 
+async def test_an_unload_returns_and_an_unknown_one_is_refused_by_name() -> None:
+    await (await client_for("unload_ok")).unload_adapter("rec-v1")
+    with pytest.raises(EngineResponseError) as info:
+        await (await client_for("unload_unknown")).unload_adapter("never-loaded")
+    assert info.value.status_code == 400 and "never-loaded" in str(info.value)
+
+
 async def test_a_hung_unload_becomes_a_timeout() -> None:
     # NOTE: recorded with SGLang 0.5.12: after failed requests on the adapter, its unload never
     # returned (the use-count leak, #34205); the controller restarts the engine after repeats.
-    client = await client_for("unload_ok", unload_timeout_s=0.5)
+    client = await client_for("unload_ok", HUNG, unload_timeout_s=0.5)
     with pytest.raises(EngineTimeout):
         await client.unload_adapter("rec-v1")
 
@@ -119,5 +138,5 @@ async def test_memory_release_and_resume_answer_empty_200s() -> None:
 
 
 def test_the_recording_is_the_pinned_version() -> None:
-    assert RECORDED["sglang"] == "0.5.12"
+    assert RECORDED["sglang"] == PINNED == "0.5.23"
     assert issubclass(EngineTimeout, EngineClientError)

@@ -36,13 +36,13 @@ def test_shared_mode_enables_the_memory_saver_and_keys_pass_through() -> None:
     assert "--enable-memory-saver" in argv
     assert flag(argv, "--admin-api-key") == "sekret"
     assert flag(argv, "--mem-fraction-static") == "0.5"
-    assert flag(argv, "--cuda-graph-max-bs") == "8"
+    assert flag(argv, "--cuda-graph-max-bs-decode") == "8"
     assert argv[-2:] == ["--x", "1"]
 
 
 def test_disable_cuda_graph_wins_over_max_bs() -> None:
     argv = sglang_argv(settings(disable_cuda_graph=True, cuda_graph_max_bs=8))
-    assert "--disable-cuda-graph" in argv and "--cuda-graph-max-bs" not in argv
+    assert "--disable-cuda-graph" in argv and "--cuda-graph-max-bs-decode" not in argv
 
 
 def test_engine_sees_only_its_gpus() -> None:

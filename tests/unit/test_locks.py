@@ -173,7 +173,7 @@ def test_lock_matches_its_inputs(env: str) -> None:
 
 
 def test_the_locks_pin_the_engines_they_are_for() -> None:
-    assert read_lock(LOCKS / "sglang.txt")["sglang"][0] == Version("0.5.12")
+    assert read_lock(LOCKS / "sglang.txt")["sglang"][0] == Version("0.5.23")
     vllm = read_lock(LOCKS / "vllm.txt")
     assert vllm["vllm"][0] == Version("0.33.0") and vllm["torch"][0] == Version("2.14.0")
     assert "sglang" not in vllm and "vllm" not in read_lock(LOCKS / "sglang.txt"), "each engine in its own environment"
@@ -208,11 +208,11 @@ def test_an_extra_and_an_engine_pin_are_checked_too(tmp_path: Path) -> None:
     pyproject = root / "trainer" / "pyproject.toml"
     pyproject.write_text(pyproject.read_text().replace('"unsloth>=2026.10.9"', '"unsloth>=2027.1"'))
     engine_in = root / "images" / "locks" / "sglang.in"
-    engine_in.write_text(engine_in.read_text().replace("sglang==0.5.12", "sglang==0.5.23"))
+    engine_in.write_text(engine_in.read_text().replace("sglang==0.5.23", "sglang==0.5.24"))
     assert drift("trainer", root) == [
         "trainer/pyproject.toml [unsloth] asks for unsloth>=2027.1, but trainer.txt pins unsloth==2026.10.9: run `make locks`"]
     assert drift("sglang", root) == [
-        "images/locks/sglang.in asks for sglang==0.5.23, but sglang.txt pins sglang==0.5.12: run `make locks`"]
+        "images/locks/sglang.in asks for sglang==0.5.24, but sglang.txt pins sglang==0.5.23: run `make locks`"]
 
 
 def test_a_pin_without_a_hash_or_an_override_ignored_is_drift(tmp_path: Path) -> None:

@@ -267,10 +267,11 @@ class GatewaySettings(BaseModel):
     allow_unauthenticated: bool = False
     """Serve without `api_key` on an address beyond loopback. Off: the inference service refuses to
     start that way."""
-    fan_out_n: bool | None = None
+    fan_out_n: bool = False
     """Send a request's `n` samples as n engine calls instead of one call with `sampling_params.n`.
-    Unset: n calls on SGLang, whose unload can deadlock after n>1 sampling (sglang#36894, open in
-    0.5.12), one call on vLLM and the transformers engine."""
+    Off: one call on every engine. SGLang 0.5.12's unload deadlocked after one-call n>1 sampling
+    (sglang#36894); the pinned 0.5.23 unloads at once after it (docs/benchmarks.md, "SGLang 0.5.23").
+    On is the way back for an engine that still deadlocks."""
     episode_ttl_s: float = Field(3600.0, gt=0, le=7 * 24 * 3600)
     """How long the gateway keeps a multi-turn episode after its last turn, in seconds; a later
     continuation is refused with 404 and the agent starts a new episode."""
@@ -516,14 +517,6 @@ class InferenceSettings(_ServiceSettings):
         if self.replica.url is None:
             self.replica = self.replica.model_copy(
                 update={"url": f"http://{socket.gethostname()}:{self.gateway.port}"})
-        return self
-
-    @model_validator(mode="after")
-    def _fan_out(self) -> InferenceSettings:
-        """Unset `gateway.fan_out_n`: fan out on SGLang (sglang#36894), one call elsewhere (vLLM
-        samples n in one request and its unload never waits on them)."""
-        if self.gateway.fan_out_n is None:
-            self.gateway = self.gateway.model_copy(update={"fan_out_n": self.engine.kind == "sglang"})
         return self
 
     @model_validator(mode="after")

@@ -42,7 +42,7 @@ def sglang_argv(settings: InferenceSettings) -> list[str]:
     if eng.disable_cuda_graph:
         argv.append("--disable-cuda-graph")
     elif eng.cuda_graph_max_bs is not None:
-        argv += ["--cuda-graph-max-bs", str(eng.cuda_graph_max_bs)]
+        argv += ["--cuda-graph-max-bs-decode", str(eng.cuda_graph_max_bs)]
     return argv + list(eng.extra_args)
 
 

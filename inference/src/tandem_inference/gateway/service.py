@@ -199,7 +199,7 @@ class Gateway:
         request.state.tandem_model = route.run or self.table.base_model
         headers = {"x-tandem-run": route.run or "", "x-tandem-version": str(route.version),
                    "x-tandem-replica": self.settings.replica.id}
-        fan_out = bool(self.settings.gateway.fan_out_n)  # unset only before InferenceSettings resolves it
+        fan_out = self.settings.gateway.fan_out_n
         tools = body.tool_names() if isinstance(body, ChatRequest) and body.template_tools() else []
         if body.stream:
             return await stream_reply(self.engine, gen, self.format, fan_out=fan_out, headers=headers,
