@@ -104,9 +104,12 @@ def mixed_batches(engine: EngineSettings, prompts: list[list[int]]) -> dict[str,
             wrong_by = sorted({str(r[1] or "base") for r, ok in zip(batch, right, strict=True) if not ok})
             first_bad: list[int | None] = [next((k for k, (x, y) in enumerate(zip(ids, solo[r], strict=False)) if x != y), None)
                          for r, ids, ok in zip(batch, got, right, strict=True) if not ok]
+            wrong = [r for r, ok in zip(batch, right, strict=True) if not ok]
+            departed = [[p, a or "base", k] for (p, a), k in zip(wrong, first_bad, strict=True)]
             rows.append({"batch": name, "attempt": attempt, "exact": sum(right), "requests": len(batch),
                          "wrong_from_first_decode_step": sum(1 for k in first_bad if k is not None and k <= 1),
-                         "wrong_adapters": wrong_by, "first_wrong_step": first_bad[:8]})
+                         "wrong_adapters": wrong_by, "first_wrong_step": first_bad[:8],
+                         "departed": departed})  # [prompt, adapter, first step apart] of each wrong request
             print(f"  {name} #{attempt}: {sum(right)}/{len(batch)} exact; wrong: {wrong_by}", flush=True)
     return {"distinct_solo_outputs": distinct, "rows": rows}
 
