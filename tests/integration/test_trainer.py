@@ -138,6 +138,19 @@ def test_an_adapter_that_cannot_be_written_is_a_checkpoint_error(trainer: Traine
         backend.save_state(gone, trainer_state={})
 
 
+def test_the_staged_adapter_is_peft_state_dict_step_after_step(trainer: Trainer, backend: PeftBackend,
+                                                                 run: RunSpec) -> None:
+    from peft.utils import get_peft_model_state_dict
+
+    for step in (1, 2):  # the file keys are found once per activation, the values read each time
+        trainer.train(make_job(f"job-{step}", step=step, version=step - 1))
+        staged = backend.stage_adapter().tensors
+        reference = get_peft_model_state_dict(backend._require_model())
+        assert staged.keys() == reference.keys()
+        for key, tensor in reference.items():
+            assert torch.equal(staged[key], tensor.to(staged[key].dtype)), key
+
+
 def test_published_adapter_loads_in_plain_peft(trainer: Trainer, run: RunSpec, store: AdapterStore) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
