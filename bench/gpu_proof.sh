@@ -12,12 +12,13 @@
 #                 GPU 1 meanwhile, in shared mode (CHECK=0 leaves it out)
 #   PART=check    bench/gpu_check.py --steps $STEPS (gpu_check.json/.md)
 #   PART=suite    bench/suite.py --only sync,swaps (suite.json/.md and the plots)
+#   PART=first    bench/gpu_first_forward.py --profile: the first response after a load, taken apart
 # MODE=split (default with two GPUs: SGLang on GPU 0, the trainer on GPU 1) or shared (one GPU).
 #   PART=env bash bench/gpu_proof.sh          # from the repo root; STEPS (default 30)
 set -uo pipefail
 : "${OUT:?set OUT}"
 steps=${STEPS:-30}
-part=${PART:?PART=env, correct, check or suite}
+part=${PART:?PART=env, correct, check, suite or first}
 gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 mode=${MODE:-$([ "$gpus" -ge 2 ] && echo split || echo shared)}
 export PYTHONUNBUFFERED=1
@@ -92,6 +93,14 @@ suite)
   cp /tmp/suite/report.md "$out/suite.md" 2>/dev/null
   cp /tmp/suite/*.png "$out/" 2>/dev/null
   tail -c 40000 /tmp/suite-state/logs/inference.log >"$out/inference.log" 2>/dev/null
+  ;;
+first)
+  t0=$SECONDS
+  CUDA_VISIBLE_DEVICES=0 /tmp/tdpython bench/gpu_first_forward.py --out /tmp/first --sglang-python /tmp/sgpython \
+    --shape "${SHAPE:-0.5b}" --profile >/tmp/first.log 2>&1
+  echo "gpu_first_forward: exit $? after $((SECONDS - t0)) s"
+  tail -40 /tmp/first.log
+  cp /tmp/first/results.json /tmp/first/report.md "$out/" 2>/dev/null
   ;;
 esac
 exit 0
