@@ -97,8 +97,9 @@ def summarize(traces: list[Path], top: int = 15) -> dict[str, Any]:
             if ev.get("ph") != "X" or "dur" not in ev:
                 continue
             cat = str(ev.get("cat", ""))
-            (gpu if cat in ("kernel", "gpu_memcpy", "gpu_memset") else cpu if cat == "cpu_op" else Counter())[
-                str(ev.get("name", ""))[:120]] += float(ev["dur"])
+            bucket = gpu if cat in ("kernel", "gpu_memcpy", "gpu_memset") else cpu if cat == "cpu_op" else None
+            if bucket is not None:
+                bucket[str(ev.get("name", ""))[:120]] += float(ev["dur"])
     return {"gpu_us": gpu.most_common(top), "cpu_op_us": cpu.most_common(top),
             "gpu_total_us": sum(gpu.values()), "cpu_op_total_us": sum(cpu.values())}
 
