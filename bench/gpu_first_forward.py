@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import gzip
 import json
-import os
 import statistics
 import time
 from collections import Counter
@@ -34,12 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import SGLANG_FLAGS, SHAPES
+import one_engine
+from benchlib import SHAPES
 
-from tandem.settings import EngineSettings, InferenceSettings
-from tandem_inference.engines import connect, own_engine
 from tandem_inference.engines.base import Engine, Sampling
-from tandem_inference.engines.launcher import Launcher
 
 VARIANTS = {"plain": [], "overlap": ["--enable-lora-overlap-loading"]}
 ONE = Sampling(max_tokens=1)
@@ -104,21 +101,6 @@ def summarize(traces: list[Path], top: int = 15) -> dict[str, Any]:
             "gpu_total_us": sum(gpu.values()), "cpu_op_total_us": sum(cpu.values())}
 
 
-def engine_settings(args: argparse.Namespace, model: Path, work: Path, extra: list[str]) -> InferenceSettings:
-    if args.engine == "sglang":
-        eng = EngineSettings(kind="sglang", model=str(model), url=f"http://127.0.0.1:{args.port}",
-                             sglang_python=args.sglang_python, max_lora_rank=16, extra_args=SGLANG_FLAGS + extra,
-                             mem_fraction_static=0.5)
-        return InferenceSettings(engine=eng, gpus={"mode": "split", "inference": [0], "trainer": [1]})
-    # the CPU dry run: the transformers engine reads its settings from the environment
-    os.environ.update({"TANDEM_ENGINE__MODEL": str(model), "TANDEM_ENGINE__PORT": str(args.port),
-                       "TANDEM_ENGINE__DEVICE": "cpu", "TANDEM_ENGINE__MAX_LORA_RANK": "16",
-                       "TANDEM_ENGINE__ADAPTER_ROOTS": json.dumps([str(work)])})
-    eng = EngineSettings(kind="transformers", launch=True, model=str(model), device="cpu",
-                         url=f"http://127.0.0.1:{args.port}", max_lora_rank=16)
-    return InferenceSettings(engine=eng, gpus={"mode": "cpu"})
-
-
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from tandem_trainer.tiny_model import build_random_adapter, build_tiny_model
 
@@ -128,24 +110,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"shape": args.shape, "engine": args.engine, "variants": {}}
     variants = args.variants.split(",") if args.engine == "sglang" else ["plain"]
     for variant in variants:
-        settings = engine_settings(args, model, work, VARIANTS[variant])
-        own = own_engine(settings)
-        assert own is not None
-        async with httpx.AsyncClient() as http:
-            launcher = Launcher(settings, http, argv=own.argv, env={**own.env, **os.environ},
-                                log_path=args.out / f"{args.engine}-{variant}.log")
-            boot_s = await launcher.start()
-            try:
-                engine = connect(settings.engine, http)
-                await rounds(engine, adapter, 1, f"{variant}-settle")  # the base model's one-off LoRA wrap
-                rows = await rounds(engine, adapter, args.rounds, variant)
-                res: dict[str, Any] = {"boot_s": boot_s, "rows": rows,
-                                       "p50": {k: statistics.median(r[k] for r in rows) for k in rows[0]}}
-                if args.profile and args.engine == "sglang":
-                    res["profile"] = await profile_first(http, settings.engine.url, engine, adapter,
-                                                         work / f"trace-{variant}")
-            finally:
-                launcher.stop()
+        inference = one_engine.settings(args.engine, model, work, port=args.port, sglang_python=args.sglang_python,
+                                        extra_args=tuple(VARIANTS[variant]))
+        log = args.out / f"{args.engine}-{variant}.log"
+        async with httpx.AsyncClient() as http, one_engine.serving(inference, http, log) as (engine, boot_s, _):
+            await rounds(engine, adapter, 1, f"{variant}-settle")  # the base model's one-off LoRA wrap
+            rows = await rounds(engine, adapter, args.rounds, variant)
+            res: dict[str, Any] = {"boot_s": boot_s, "rows": rows,
+                                   "p50": {k: statistics.median(r[k] for r in rows) for k in rows[0]}}
+            if args.profile and args.engine == "sglang":
+                res["profile"] = await profile_first(http, inference.engine.url, engine, adapter,
+                                                     work / f"trace-{variant}")
         out["variants"][variant] = res
         print(f"{variant}: " + ", ".join(f"{k} {v:.1f}" for k, v in res["p50"].items()), flush=True)
     return out

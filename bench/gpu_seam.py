@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import shutil
 import sys
@@ -30,12 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import SGLANG_FLAGS, SHAPES
+import one_engine
+from benchlib import SHAPES
 
-from tandem.settings import EngineSettings, InferenceSettings
-from tandem_inference.engines import connect, own_engine
 from tandem_inference.engines.base import Engine, Generated, Sampling
-from tandem_inference.engines.launcher import Launcher
 from tandem_inference.errors import EngineTimeout
 from tandem_inference.gateway.outputs import Output
 
@@ -147,41 +144,21 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
                 for i, name in enumerate(ADAPTERS)}
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(8, 24))] for _ in range(4)]
-    if args.engine == "sglang":
-        engine_settings = EngineSettings(kind="sglang", model=str(model), url=f"http://127.0.0.1:{args.port}",
-                                         sglang_python=args.sglang_python, max_lora_rank=16, extra_args=SGLANG_FLAGS,
-                                         mem_fraction_static=0.5, unload_timeout_s=args.unload_timeout_s)
-        gpus: dict[str, Any] = {"mode": "split", "inference": [0], "trainer": [1]}
-    else:  # a dry run of this script on a CPU: the transformers engine reads its settings from the environment
-        os.environ.update({"TANDEM_ENGINE__MODEL": str(model), "TANDEM_ENGINE__PORT": str(args.port),
-                           "TANDEM_ENGINE__DEVICE": "cpu", "TANDEM_ENGINE__MAX_LORA_RANK": "16",
-                           "TANDEM_ENGINE__ADAPTER_ROOTS": json.dumps([str(work)])})
-        engine_settings = EngineSettings(kind="transformers", launch=True, model=str(model), device="cpu",
-                                         url=f"http://127.0.0.1:{args.port}", max_lora_rank=16,
-                                         unload_timeout_s=args.unload_timeout_s)
-        gpus = {"mode": "cpu"}
-    settings = InferenceSettings(engine=engine_settings, gpus=gpus)
-    own = own_engine(settings)
-    assert own is not None
-    async with httpx.AsyncClient() as http:
-        launcher = Launcher(settings, http, argv=own.argv, env={**own.env, **os.environ},
-                            log_path=args.out / f"{args.engine}.log")
-        boot_s = await launcher.start()
-        try:
-            engine = connect(settings.engine, http)
-            for name, path in adapters.items():
-                await engine.load_adapter(name, str(path))
-            result: dict[str, Any] = {"argv": [a for a in own.argv if not a.startswith("/tmp")], "boot_s": boot_s,
-                                      "info": (await engine.info()).__dict__}
-            print("== whole vs streamed", flush=True)
-            result["whole_vs_stream"] = await whole_vs_stream(engine, prompts)
-            print("== mixed batches through the client", flush=True)
-            result["mixed"] = await mixed(engine, prompts)
-            print("== unload after one-call n > 1", flush=True)
-            result["unload_after_n"] = await unload_after_n(engine, adapters, prompts, args.rounds,
-                                                              args.unload_timeout_s, work)
-        finally:
-            launcher.stop()
+    inference = one_engine.settings(args.engine, model, work, port=args.port, sglang_python=args.sglang_python,
+                                    unload_timeout_s=args.unload_timeout_s)
+    async with httpx.AsyncClient() as http, one_engine.serving(inference, http, args.out / f"{args.engine}.log") as (
+            engine, boot_s, argv):
+        for name, path in adapters.items():
+            await engine.load_adapter(name, str(path))
+        result: dict[str, Any] = {"argv": [a for a in argv if not a.startswith("/tmp")], "boot_s": boot_s,
+                                  "info": (await engine.info()).__dict__}
+        print("== whole vs streamed", flush=True)
+        result["whole_vs_stream"] = await whole_vs_stream(engine, prompts)
+        print("== mixed batches through the client", flush=True)
+        result["mixed"] = await mixed(engine, prompts)
+        print("== unload after one-call n > 1", flush=True)
+        result["unload_after_n"] = await unload_after_n(engine, adapters, prompts, args.rounds,
+                                                          args.unload_timeout_s, work)
     return result
 
 
