@@ -145,15 +145,10 @@ def report(res: dict[str, Any]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--engine", choices=["sglang", "transformers"], default="sglang",
-                   help="transformers: a dry run of the script on a CPU")
-    p.add_argument("--sglang-python", default="python3")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
+    one_engine.add_arguments(p, port=30191)
     p.add_argument("--variants", default="plain,overlap", help=f"comma-separated, of {sorted(VARIANTS)}")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--profile", action="store_true", help="SGLang's torch profile of one first request")
-    p.add_argument("--port", type=int, default=30191)
     args = p.parse_args()
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:

@@ -164,12 +164,7 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--engine", choices=["sglang", "transformers"], default="sglang",
-                        help="transformers: a dry run of the script on a CPU")
-    parser.add_argument("--sglang-python", default="python3")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
-    parser.add_argument("--port", type=int, default=30181)
+    one_engine.add_arguments(parser, port=30181)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--unload-timeout-s", type=float, default=30.0)
     args = parser.parse_args()

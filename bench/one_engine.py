@@ -8,6 +8,7 @@ client and boot time, and stops it on the way out.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from collections.abc import AsyncIterator
@@ -16,12 +17,22 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import SGLANG_FLAGS
+from benchlib import SGLANG_FLAGS, SHAPES
 
 from tandem.settings import EngineSettings, InferenceSettings
 from tandem_inference.engines import connect, own_engine
 from tandem_inference.engines.base import Engine
 from tandem_inference.engines.launcher import Launcher
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, port: int) -> None:
+    """The options every such script takes: where results go, which engine, its interpreter, shape and port."""
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--engine", choices=["sglang", "transformers"], default="sglang",
+                        help="transformers: a dry run of the script on a CPU")
+    parser.add_argument("--sglang-python", default="python3")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
+    parser.add_argument("--port", type=int, default=port)
 
 
 def settings(kind: str, model: Path, adapters: Path, *, port: int, sglang_python: str = "python3",
