@@ -61,6 +61,19 @@ def greedy(engine: EngineSettings, ids: list[int], adapter: str | None) -> list[
     return generate(engine, ids, adapter, Sampling(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)).token_ids
 
 
+TIE_NATS = 0.1
+"""Where a solo output's best two tokens lie closer than this, the step is a tie: bfloat16 batching
+may pick either (the engine's logprobs themselves differ from the trainer's by 0.01-0.08 nats)."""
+
+
+def solo(engine: EngineSettings, ids: list[int], adapter: str | None) -> tuple[list[int], list[float | None]]:
+    """The greedy reference alone, with its margin at each step: best logprob minus the runner-up's."""
+    out = generate(engine, ids, adapter,
+                   Sampling(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, top_logprobs=2))
+    margins = [top[0][0] - top[1][0] if top and len(top) > 1 else None for top in out.top_logprobs]
+    return out.token_ids, margins
+
+
 def at_once(engine: EngineSettings, batch: list[tuple[int, str | None]], prompts: list[list[int]]) -> list[list[int]]:
     with ThreadPoolExecutor(len(batch)) as pool:
         return list(pool.map(lambda r: greedy(engine, prompts[r[0]], r[1]), batch))
@@ -87,8 +100,9 @@ def start(settings: InferenceSettings, log: Path) -> subprocess.Popen[bytes]:
 
 def mixed_batches(engine: EngineSettings, prompts: list[list[int]]) -> dict[str, Any]:
     everyone: list[str | None] = [None, *ADAPTERS]
-    solo = {(p, a): greedy(engine, prompts[p], a) for p in range(len(prompts)) for a in everyone}
-    distinct = len({tuple(solo[0, a]) for a in everyone})
+    references = {(p, a): solo(engine, prompts[p], a) for p in range(len(prompts)) for a in everyone}
+    alone = {r: ids for r, (ids, _) in references.items()}
+    distinct = len({tuple(tuple(alone[p, a]) for p in range(len(prompts))) for a in everyone})
     batches: dict[str, list[tuple[int, str | None]]] = {
         "prompts x {base, A, B, C, D}, 32 requests": [(i % len(prompts), everyone[i % 5]) for i in range(32)],
         "32 x A (batching-noise control)": [(i % len(prompts), "A") for i in range(32)],
@@ -100,18 +114,25 @@ def mixed_batches(engine: EngineSettings, prompts: list[list[int]]) -> dict[str,
     for name, batch in batches.items():
         for attempt in (1, 2):
             got = at_once(engine, batch, prompts)
-            right = [ids == solo[r] for r, ids in zip(batch, got, strict=True)]
+            right = [ids == alone[r] for r, ids in zip(batch, got, strict=True)]
             wrong_by = sorted({str(r[1] or "base") for r, ok in zip(batch, right, strict=True) if not ok})
-            first_bad: list[int | None] = [next((k for k, (x, y) in enumerate(zip(ids, solo[r], strict=False)) if x != y), None)
+            first_bad: list[int | None] = [next((k for k, (x, y) in enumerate(zip(ids, alone[r], strict=False)) if x != y), None)
                          for r, ids, ok in zip(batch, got, right, strict=True) if not ok]
             wrong = [r for r, ok in zip(batch, right, strict=True) if not ok]
-            departed = [[p, a or "base", k] for (p, a), k in zip(wrong, first_bad, strict=True)]
+            # [prompt, adapter, first step apart, the solo output's margin there] of each wrong request
+            departed = [[p, a or "base", k, margin_at(references[p, a][1], k)]
+                        for (p, a), k in zip(wrong, first_bad, strict=True)]
             rows.append({"batch": name, "attempt": attempt, "exact": sum(right), "requests": len(batch),
                          "wrong_from_first_decode_step": sum(1 for k in first_bad if k is not None and k <= 1),
-                         "wrong_adapters": wrong_by, "first_wrong_step": first_bad[:8],
-                         "departed": departed})  # [prompt, adapter, first step apart] of each wrong request
+                         "departed_beyond_ties": sum(1 for d in departed if d[3] is None or d[3] > TIE_NATS),
+                         "wrong_adapters": wrong_by, "first_wrong_step": first_bad[:8], "departed": departed})
             print(f"  {name} #{attempt}: {sum(right)}/{len(batch)} exact; wrong: {wrong_by}", flush=True)
     return {"distinct_solo_outputs": distinct, "rows": rows}
+
+
+def margin_at(margins: list[float | None], step: int | None) -> float | None:
+    """The solo output's margin at `step` (None: a length mismatch, or no alternatives listed)."""
+    return margins[step] if step is not None and step < len(margins) else None
 
 
 SETTINGS = [(None, 1.0, 1.0)] + [("A", t, p) for t in (0.3, 0.7, 1.0) for p in (1.0, 0.9)]
@@ -194,13 +215,15 @@ def report(results: dict[str, Any]) -> str:
              f"initializer_range {results['initializer_range']}, adapter B std {results['adapter_scale']})", ""]
     for backend, res in results["backends"].items():
         title = f"--lora-backend {backend}" if results.get("engine", "sglang") == "sglang" else backend
-        lines += [f"## {title}", "", f"distinct solo outputs of one prompt over base and A-D: "
+        lines += [f"## {title}", "", f"distinct solo outputs over base and A-D (all prompts): "
                   f"{res['mixed']['distinct_solo_outputs']} of 5", "",
-                  "| batch | run | exact / requests | wrong from the first decode step | wrong adapters | first wrong step |",
-                  "|---|---|---|---|---|---|"]
+                  "| batch | run | exact / requests | wrong from the first decode step | departed beyond a tie | "
+                  "wrong adapters | first wrong step |",
+                  "|---|---|---|---|---|---|---|"]
         for r in res["mixed"]["rows"]:
             lines.append(f"| {r['batch']} | {r['attempt']} | {r['exact']} / {r['requests']} | "
-                         f"{r['wrong_from_first_decode_step']} | {', '.join(r['wrong_adapters']) or '–'} | "
+                         f"{r['wrong_from_first_decode_step']} | {r.get('departed_beyond_ties', '–')} | "
+                         f"{', '.join(r['wrong_adapters']) or '–'} | "
                          f"{r['first_wrong_step'] or '–'} |")
         lines += ["", "| adapter | T | top_p | trainer convention | tokens | mean abs | max abs | share > 0.1 | ratio mean |",
                   "|---|---|---|---|---|---|---|---|---|"]

@@ -4,9 +4,10 @@ bench/gpu_mixed.py's checks as a test, on the engine started with tandem's own c
 (SGLang: `sglang_argv`, the shipped `engine.lora_backend`, CUDA graphs on; vLLM: `vllm_argv`,
 `--logprobs-mode processed_logprobs`, `--generation-config vllm`, CUDA graphs on) and driven
 through its `Engine` client, as the gateway drives it: no request of a batch that mixes adapters
-(or the base model) departs from its solo output at the first decode step, where a kernel that
-skips some adapters' LoRA work shows (sglang#28371); later departures are bfloat16 batching
-noise, which the single-adapter control shows as well. And the trainer's logprobs of tokens the
+(or the base model) departs from its solo output where that output's best token led the
+runner-up by more than a tie (`gpu_mixed.TIE_NATS`): a kernel that skips some adapters' LoRA work
+(sglang#28371) does that at once; departures at ties are bfloat16 batching noise, which the
+single-adapter control shows as well. And the trainer's logprobs of tokens the
 engine sampled at T 0.7 and 1.0 with top_p 1 (tandem's convention) put no token more than 0.1
 apart. (With top_p 0.9 vLLM's processed logprobs are renormalised over the nucleus,
 engines/vllm_launcher.py: those rows are reported by the bench, not held to the bound here.)
@@ -50,8 +51,8 @@ def test_mixed_batches_and_logprobs_agree_with_solo_and_the_trainer(engine: str,
     if engine == "vllm":
         assert "--logprobs-mode" in result["argv"]
     assert result["mixed"]["distinct_solo_outputs"] == 5, "the adapters must decode apart for the check to mean anything"
-    wrong_at_once = [r for r in result["mixed"]["rows"] if r["wrong_from_first_decode_step"]]
-    assert wrong_at_once == []
+    beyond_ties = [r for r in result["mixed"]["rows"] if r["departed_beyond_ties"]]
+    assert beyond_ties == []
     rows = mixed.agreement(model, adapters["A"], result["samples"], tmp_path / "trainer")
     ours = [r for r in rows if r["trainer_convention"].startswith("scaled") and r["temperature"] >= 0.7
             and (engine == "sglang" or r["top_p"] == 1.0)]
