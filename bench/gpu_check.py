@@ -1,15 +1,19 @@
-"""The GPU check: real SGLang and the real Unsloth trainer, as tandem runs them, on the toy task.
+"""The GPU check: a real GPU engine (SGLang or vLLM) and the real Unsloth trainer, as tandem runs
+them, on the toy task.
 
 Runs on a machine with NVIDIA GPUs. Each side runs in its own Python environment (given as
-an interpreter: a venv's python, or a wrapper that sets PYTHONPATH), exactly as the two
-images do: SGLang under the inference service's launcher, Unsloth in the trainer worker.
-For each step it records rollout time, train time, publish -> serving latency, SGLang's
-adapter load time and the reward; for the run, engine boot time and peak GPU memory of each
-side (and whether it grows). Results go to OUT/results.json and OUT/report.md.
+an interpreter: a venv's python, or a wrapper that sets PYTHONPATH), exactly as the images do:
+the engine under the inference service's launcher, Unsloth in the trainer worker.
+For each step it records rollout time, train time, publish -> serving latency, the engine's
+adapter load time and the reward; for the run, engine boot time, peak GPU memory of each
+side (and whether it grows), the engine's command line and, in shared mode, every hand-over of
+the GPU (SGLang's release/resume, vLLM's sleep/wake-up). Results go to OUT/results.json.
 
     python bench/gpu_check.py --mode split  --shape tiny --out $OUT/split-tiny
     python bench/gpu_check.py --mode shared --shape 0.5b --out $OUT/shared-0.5b \
         --sglang-python /opt/sglang/bin/python --trainer-python /opt/trainer/bin/python
+    python bench/gpu_check.py --engine vllm --mode shared --shape 0.5b --out $OUT/vllm-shared-0.5b \
+        --vllm-python /opt/vllm/bin/python --trainer-python /opt/trainer/bin/python
 
 `--engine transformers --backend peft` runs the same script on a CPU (a dry run of the
 orchestration; the numbers then say nothing about GPUs).
@@ -20,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 import shutil
 import statistics
 import subprocess
@@ -29,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+import engine_log
 from benchlib import SGLANG_FLAGS, SHAPES, BenchStack
 
 from tandem import Client, LoraConfig, OptimizerConfig
@@ -89,10 +93,11 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=None, help="default: 5e-3 tiny, 2e-3 larger")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--engine", choices=["sglang", "transformers"], default="sglang")
+    parser.add_argument("--engine", choices=["sglang", "vllm", "transformers"], default="sglang")
     parser.add_argument("--backend", choices=["unsloth", "peft", "auto"], default="unsloth")
     parser.add_argument("--tandem-python", default=sys.executable)
     parser.add_argument("--sglang-python", default="python3")
+    parser.add_argument("--vllm-python", default="python3")
     parser.add_argument("--trainer-python", default=sys.executable)
     parser.add_argument("--inference-gpus", default="[0]")
     parser.add_argument("--trainer-gpus", default="[1]")
@@ -110,14 +115,16 @@ def main() -> int:
     model = build_tiny_model(out.parent / f"model-{args.shape}", **SHAPES[args.shape])
     print(f"[gpu_check] model {args.shape} at {model} in {time.monotonic() - t0:.1f} s", flush=True)
     env = {
-        "TANDEM_GPUS__MODE": args.mode if args.engine == "sglang" else "cpu",
+        "TANDEM_GPUS__MODE": args.mode if args.engine != "transformers" else "cpu",
         "TANDEM_GPUS__INFERENCE": args.inference_gpus,
         "TANDEM_GPUS__TRAINER": args.trainer_gpus if args.mode == "split" else "[7]",
         "TANDEM_ENGINE__KIND": args.engine,
         "TANDEM_ENGINE__SGLANG_PYTHON": args.sglang_python,
+        "TANDEM_ENGINE__VLLM_PYTHON": args.vllm_python,
         "TANDEM_ENGINE__MAX_LORA_RANK": "16",
         "TANDEM_ENGINE__CUDA_GRAPH_MAX_BS": str(args.cuda_graph_max_bs),
-        "TANDEM_ENGINE__EXTRA_ARGS": json.dumps(SGLANG_FLAGS),
+        # SGLang's kernels as the GPU runs measured them; vLLM runs with tandem's flags alone (as bench/suite.py)
+        "TANDEM_ENGINE__EXTRA_ARGS": json.dumps(SGLANG_FLAGS if args.engine == "sglang" else []),
         "TANDEM_BACKEND__KIND": args.backend,
         "TANDEM_LOG_LEVEL": "INFO",
     }
@@ -163,8 +170,8 @@ def main() -> int:
         loaded = {e.version: e.data for e in client.events.history(run=run.name, count=10_000)
                   if e.kind is EventKind.ADAPTER_LOADED}
         for r in rows:
-            r["sglang_load_ms"] = loaded.get(r["version"], {}).get("load_ms")
-        sglang_log = stack.state / "logs" / "sglang.log"
+            r["engine_load_ms"] = loaded.get(r["version"], {}).get("load_ms")
+        own_log = stack.state / "logs" / f"{args.engine}.log"  # the engine's own output (SGLang's, vLLM's)
         inference_log = (stack.logs / "inference.log").read_text(errors="replace")
         trainer_log = (stack.logs / "trainer.log").read_text(errors="replace")
         client.close()
@@ -173,10 +180,8 @@ def main() -> int:
     memory.stop_flag.set()
     memory.join(5)
 
-    m = re.search(r"engine healthy in ([0-9.]+) s", inference_log)
-    boot["engine_boot_s"] = float(m.group(1)) if m else None
-    handovers = [{k: float(v) for k, v in re.findall(r"(\w+_ms)=([0-9.]+)", line)}
-                 for line in inference_log.splitlines() if "gpu lent" in line or "gpu back" in line]
+    from_log = engine_log.record(inference_log)
+    boot["engine_boot_s"] = from_log["engine_boot_s"]
     side_peak = {"inference": 0.0, "trainer": 0.0}
     for s in memory.samples:
         for pid, mib in s["pid_mib"].items():
@@ -199,13 +204,14 @@ def main() -> int:
         "lr": lr, "reward_first5": first, "reward_last5": last, "reward_rise": last - first,
         "publish_to_serving_ms_p50": p("publish_to_serving_ms", 0.5),
         "publish_to_serving_ms_p95": p("publish_to_serving_ms", 0.95),
-        "sglang_load_ms_p50": p("sglang_load_ms", 0.5), "sglang_load_ms_p95": p("sglang_load_ms", 0.95),
+        "engine_load_ms_p50": p("engine_load_ms", 0.5), "engine_load_ms_p95": p("engine_load_ms", 0.95),
         "rollout_s_p50": p("rollout_s", 0.5), "train_s_p50": p("train_s", 0.5), "sync_s_p50": p("sync_s", 0.5),
         "boot": boot, "peak_gpu_mib_by_side": side_peak, "gpu_mib_growth_step4_to_last": growth,
-        "handovers": handovers[:10], "handover_count": len(handovers),
+        "engine_command": from_log["engine_command"],
+        "handovers": from_log["handovers"][:10], "handover": from_log["handover"],
         "trainer_backend_line": next((ln for ln in trainer_log.splitlines() if "backend" in ln.lower()), None),
         "machine": platform.platform(), "python": platform.python_version(),
-        "sglang_log_tail": sglang_log.read_text(errors="replace").splitlines()[-5:] if sglang_log.exists() else [],
+        "engine_log_tail": own_log.read_text(errors="replace").splitlines()[-5:] if own_log.exists() else [],
     }
     (out / "results.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
     print(json.dumps(summary, indent=1))

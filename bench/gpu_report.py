@@ -10,13 +10,18 @@ import json
 from pathlib import Path
 
 
+def load(summary: dict, q: str) -> float:
+    """The engine's adapter load time (results before vLLM called it `sglang_load_ms`)."""
+    return float(summary.get(f"engine_load_ms_{q}", summary.get(f"sglang_load_ms_{q}")))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+", type=Path)
     parser.add_argument("--png", type=Path, required=True)
     args = parser.parse_args()
     runs = [json.loads(p.read_text()) for p in args.results]
-    print("| run | reward first 5 → last 5 | publish→serving p50 / p95 ms | SGLang load p50 / p95 ms | "
+    print("| run | reward first 5 → last 5 | publish→serving p50 / p95 ms | engine load p50 / p95 ms | "
           "rollout / train / sync p50 s | engine boot s | peak GPU MiB inference / trainer | GPU MiB growth |")
     print("|---|---|---|---|---|---|---|---|")
     for r in runs:
@@ -24,7 +29,7 @@ def main() -> None:
         growth = s["gpu_mib_growth_step4_to_last"] or {}
         print(f"| {s['mode']}, {s['shape']} | {s['reward_first5']:.2f} → {s['reward_last5']:.2f} | "
               f"{s['publish_to_serving_ms_p50']:.0f} / {s['publish_to_serving_ms_p95']:.0f} | "
-              f"{s['sglang_load_ms_p50']:.1f} / {s['sglang_load_ms_p95']:.1f} | "
+              f"{load(s, 'p50'):.1f} / {load(s, 'p95'):.1f} | "
               f"{s['rollout_s_p50']:.2f} / {s['train_s_p50']:.2f} / {s['sync_s_p50']:.2f} | "
               f"{s['boot']['engine_boot_s']} | {s['peak_gpu_mib_by_side']['inference']:.0f} / "
               f"{s['peak_gpu_mib_by_side']['trainer']:.0f} | "

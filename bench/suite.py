@@ -11,6 +11,8 @@ bench/results/<timestamp>/ with results.json, report.md and the PNG plots:
     5 pipeline      sync vs async RL on the toy task (max_staleness 0, 1, 2)
     7 load          the gateway saturated: a small request's and /ready's latency, the share refused (429)
     9 agreement     rollout vs trainer logprobs of the same tokens at T 0.3/0.7/1.0, top_p 1/0.9
+   10 throughput    rollout throughput at 1/8/64 clients x 1/4/16 resident adapters
+   11 memory        the engine's memory (GPU, RSS) across 100 published versions: flat or leaking
     2 hotload       hot-load vs engine restart vs merged-weights reload (after the stack stops)
     8 replicas      one inference replica against two behind the router: throughput, latency,
                     publish -> served on every replica (stacks of its own, CPU only)
@@ -40,13 +42,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import engine_log
 from benchlib import SGLANG_FLAGS, SHAPES, BenchStack, Ctx, machine, md_table, package_versions, python_versions
 
 from tandem import Client
 from tandem.dev.stack import StackConfig
 
-ON_STACK = ["sync", "swaps", "gateway_overhead", "prefix_cache", "pipeline", "load", "agreement"]
+ON_STACK = ["sync", "swaps", "gateway_overhead", "prefix_cache", "pipeline", "load", "agreement", "throughput",
+            "memory"]
 AFTER_STACK = ["hotload", "replicas"]
+#: Adapters the engine holds: bench's and the pipeline runs' two versions each (8), the throughput
+#: scenario's 16 runs one each, and room for the versions that load before older ones unload.
+MAX_LOADED_ADAPTERS = 32
 ALIASES = {"gateway": "gateway_overhead", "prefix": "prefix_cache", "async": "pipeline"}
 
 
@@ -92,9 +99,8 @@ def selected(only: str) -> list[str]:
 
 def engine_env(args: argparse.Namespace) -> dict[str, str]:
     if args.engine == "transformers":
-        # four runs (bench + the three of the pipeline scenario) keep two versions each
         return {"TANDEM_ENGINE__KIND": "transformers", "TANDEM_GPUS__MODE": "cpu", "TANDEM_LOG_LEVEL": "INFO",
-                "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": "16"}
+                "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": str(MAX_LOADED_ADAPTERS)}
     env = {
         "TANDEM_GPUS__MODE": args.mode, "TANDEM_GPUS__INFERENCE": args.inference_gpus,
         "TANDEM_GPUS__TRAINER": args.trainer_gpus if args.mode == "split" else "[7]",
@@ -104,7 +110,10 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
         # SGLang's kernels as the GPU runs measured them; vLLM runs with tandem's flags alone
         "TANDEM_ENGINE__EXTRA_ARGS": json.dumps(SGLANG_FLAGS if args.engine == "sglang" else []),
         "TANDEM_ENGINE__MEM_FRACTION_STATIC": str(mem_fraction(args)),
-        "TANDEM_BACKEND__KIND": "auto", "TANDEM_LOG_LEVEL": "INFO", "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": "16",
+        "TANDEM_BACKEND__KIND": "auto", "TANDEM_LOG_LEVEL": "INFO",
+        "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": str(MAX_LOADED_ADAPTERS),
+        # the throughput scenario's 16 resident adapters in one batch (SGLang's --max-loras-per-batch, vLLM's --max-loras)
+        "TANDEM_ENGINE__MAX_LORAS_PER_BATCH": "16",
         "TANDEM_GATEWAY__MAX_IN_FLIGHT_TOKENS": "524288",  # as compose.yaml: a GPU takes far more than a CPU
     }
     return env
@@ -208,6 +217,8 @@ def main() -> int:
                 write()
             ctx.client.close()
             ctx.stack, ctx.client = None, None
+            # the engine's command line and boot, and the shared-mode hand-overs, as the inference log has them
+            meta["engine_log"] = engine_log.record((stack.logs / "inference.log").read_text(errors="replace"))
     for name in names:
         if name in AFTER_STACK:
             run_scenario(name, ctx, results)
@@ -238,14 +249,17 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
     lines = [
         f"# tandem benchmark report ({meta['timestamp']})", "",
         f"- **command**: `python bench/suite.py{' --quick' if meta['quick'] else ''}"
-        f"{' --engine sglang --shape ' + meta['shape'] if meta['engine'] == 'sglang' else ''}`",
+        f"{' --engine ' + meta['engine'] + ' --shape ' + meta['shape'] if meta['engine'] != 'transformers' else ''}"
+        f"{' --mode shared' if meta['mode'] == 'shared' else ''}`",
         f"- **engine**: {meta['engine']} ({meta['mode']}); model `{meta['model']}` ({meta['shape']})",
         f"- **hardware**: {hw}",
         f"- **software**: Python {m['python']}, {m['platform']}; {versions}; {m.get('redis_server', '')}",
     ]
-    if meta.get("sglang_env"):
-        lines.append(f"- **SGLang environment**: {meta['sglang_env']}")
-        lines.append(f"- **trainer environment**: {meta['trainer_env']}")
+    for key, name in (("sglang_env", "SGLang"), ("vllm_env", "vLLM"), ("trainer_env", "trainer")):
+        if meta.get(key):
+            lines.append(f"- **{name} environment**: {meta[key]}")
+    if (meta.get("engine_log") or {}).get("engine_command"):
+        lines.append(f"- **engine command**: `{meta['engine_log']['engine_command']}`")
     lines += [f"- **settings**: `{json.dumps(meta['settings'])}`", f"- **wall time**: {meta['elapsed_s']:.0f} s", ""]
     goals = [(r["title"], g) for r in results.values() for g in r.get("goals", [])]
     if goals:
