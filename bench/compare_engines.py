@@ -1,4 +1,4 @@
-"""Two engines side by side: the numbers issue 27 asks for, from two runs of the benchmark suite.
+"""Two engines side by side, from two runs of the benchmark suite: what a user picks an engine by.
 
 Reads two `results.json` files of `bench/suite.py` (one `--engine sglang`, one `--engine vllm`,
 same machine, shape, prompts and trainer) and writes a markdown page: each engine's versions,

@@ -112,8 +112,6 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
         "TANDEM_ENGINE__MEM_FRACTION_STATIC": str(mem_fraction(args)),
         "TANDEM_BACKEND__KIND": "auto", "TANDEM_LOG_LEVEL": "INFO",
         "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": str(MAX_LOADED_ADAPTERS),
-        # the throughput scenario's 16 resident adapters in one batch (SGLang's --max-loras-per-batch, vLLM's --max-loras)
-        "TANDEM_ENGINE__MAX_LORAS_PER_BATCH": "16",
         "TANDEM_GATEWAY__MAX_IN_FLIGHT_TOKENS": "524288",  # as compose.yaml: a GPU takes far more than a CPU
     }
     return env
