@@ -18,7 +18,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from benchlib import Ctx, goal, md_table, new_version, plt
+from benchlib import Ctx, goal, md_table, new_version, plt, save_figure
 
 from tandem.adapters import AdapterStore
 from tandem.logprobs import OUTLIER, Mismatch
@@ -104,9 +104,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
     ax.axhline(OUTLIER, color="gray", linestyle="--", linewidth=1)
     ax.set_ylabel("max |Δ logprob| per token")
     ax.set_title(f"Rollout vs trainer logprobs ({ctx.engine})")
-    fig.tight_layout()
-    fig.savefig(ctx.out / plot_name, dpi=100)
-    pyplot.close(fig)
+    save_figure(fig, ctx.out / plot_name)
     return {"name": "agreement", "title": "9. Rollout/trainer agreement",
             "summary": {"version": version, "worst_share_over_outlier": worst}, "rows": rows,
             "goals": [goal(f"share of tokens with |Δ logprob| > {OUTLIER} (engine vs trainer)", worst, 0.001)],

@@ -100,6 +100,13 @@ class Ctx:
 
 
 # numbers ----------------------------------------------------------------------
+def save_figure(fig: Any, path: Path, *, dpi: int = 100) -> None:
+    """Lay a matplotlib figure out, write it to `path` (PNG) and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt().close(fig)
+
+
 def pct(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0-100), nearest rank; NaN for no values."""
     s = sorted(values)

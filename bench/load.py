@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import Ctx, goal, md_table, plt, summary
+from benchlib import Ctx, goal, md_table, plt, save_figure, summary
 
 from tandem.dev.toy import PROMPTS
 from tandem.settings import GatewaySettings
@@ -201,9 +201,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
     bottom.legend(loc="upper left", fontsize=8)
     for ax in (top, bottom):
         ax.axvspan(s["load_start_s"], s["load_end_s"], color="#999999", alpha=0.12)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    pyplot.close(fig)
+    save_figure(fig, path)
 
 
 def replot(result: dict[str, Any], out: Path) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from benchlib import Ctx, goal, md_table, new_version, plt
+from benchlib import Ctx, goal, md_table, new_version, plt, save_figure
 
 GROWTH_GOAL = 0.05
 
@@ -153,9 +153,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         gpu_ax.legend(loc="lower right", fontsize=8)
     ax.legend(loc="upper left", fontsize=8)
     ax.set_title("Engine memory across versions")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    pyplot.close(fig)
+    save_figure(fig, path)
 
 
 def replot(result: dict[str, Any], out: Path) -> None:

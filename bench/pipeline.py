@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import Ctx, goal, md_table, plt
+from benchlib import Ctx, goal, md_table, plt, save_figure
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
@@ -112,9 +112,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("reward (digit share)")
     ax.set_title("Reward vs wall time: synchronous and pipelined")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    pyplot.close(fig)
+    save_figure(fig, path)
 
 
 def replot(result: dict[str, Any], out: Path) -> None:

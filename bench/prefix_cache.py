@@ -14,7 +14,7 @@ import statistics
 from typing import Any
 
 import httpx
-from benchlib import Ctx, md_table, new_version, plt
+from benchlib import Ctx, md_table, new_version, plt, save_figure
 
 SYSTEM = ("You are a careful assistant for a numbers game. Answer with digits only, keep answers "
           "short, never explain, and when unsure write the numbers one to nine in order. ") * 3
@@ -56,9 +56,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
     ax.set_xlabel("request # on a freshly swapped version")
     ax.set_ylabel("cached share of prompt")
     ax.set_title(f"Prefix cache after a swap ({ctx.engine})")
-    fig.tight_layout()
-    fig.savefig(ctx.out / plot_name, dpi=100)
-    pyplot.close(fig)
+    save_figure(fig, ctx.out / plot_name)
     return {"name": "prefix_cache", "title": "6. Prefix cache across versions",
             "summary": {"swaps": swaps, "cached_share_by_request": by_request}, "rows": rows, "goals": [],
             "table": table, "plots": [plot_name]}

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import Ctx, goal, md_table, new_version, plt, summary
+from benchlib import Ctx, goal, md_table, new_version, plt, save_figure, summary
 
 from tandem import Client, LoraConfig, OptimizerConfig
 from tandem.dev.stack import Stack, StackConfig, haproxy_binary
@@ -161,6 +161,4 @@ def plot(results: dict[int, dict[str, Any]], path: Path) -> None:
     right.set_ylabel("adapter_ready -> served on every replica (ms)")
     right.set_title("publish -> served")
     right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot.close(fig)
+    save_figure(fig, path, dpi=110)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import Ctx, Sample, closed_loop, goal, md_table, new_version, plt, stream_completion, summary
+from benchlib import Ctx, Sample, closed_loop, goal, md_table, new_version, plt, save_figure, stream_completion, summary
 
 from tandem.dev.toy import PROMPTS
 from tandem.events import EventKind
@@ -127,9 +127,7 @@ def plot(rows: list[dict[str, Any]], swaps: list[float], duration_s: float, path
         ax.plot(errs, [0] * len(errs), "x", color="black", label="failed request")
     ax.legend(loc="upper left", fontsize=8)
     ax.set_title("Throughput while versions are swapped")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    pyplot.close(fig)
+    save_figure(fig, path)
 
 
 def replot(result: dict[str, Any], out: Path) -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import Ctx, goal, new_version, plt, stage_table, summary
+from benchlib import Ctx, goal, new_version, plt, save_figure, stage_table, summary
 
 from tandem import Client, LoraConfig, OptimizerConfig
 from tandem.events import EventKind
@@ -210,9 +210,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     axes[0][0].set_ylabel("versions")
     axes[1][0].set_ylabel("versions")
     fig.suptitle("Policy sync latency per stage")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    pyplot.close(fig)
+    save_figure(fig, path)
 
 
 def replot(result: dict[str, Any], out: Path) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import Ctx, goal, md_table, new_version, plt, summary
+from benchlib import Ctx, goal, md_table, new_version, plt, save_figure, summary
 
 from tandem import LoraConfig, OptimizerConfig
 from tandem.dev.toy import PROMPTS
@@ -155,9 +155,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("generated tokens per second")
     ax.set_title("Rollout throughput through the gateway")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    pyplot.close(fig)
+    save_figure(fig, path)
 
 
 def replot(result: dict[str, Any], out: Path) -> None:
