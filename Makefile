@@ -132,10 +132,10 @@ test-latest: ## the tests on the newest allowed releases, in .venv-latest (what 
 	@grep -iE '^(transformers|peft|tokenizers|torch|rq|redis|fastapi|uvicorn|pydantic|httpx)==' $(LATEST_VENV)/freeze.txt | tr '\n' ' '; echo
 	HF_HUB_OFFLINE=1 $(LATEST_VENV)/bin/python -m pytest tests/unit tests/integration $(PYTEST_ARGS)
 
-bench: install ## the benchmark suite on the local CPU stack (4 min 19 s on 2 cores); report in bench/results/<timestamp>/ (ENGINE=sglang|vllm: on GPUs)
+bench: install ## the benchmark suite on the local CPU stack (7 min on 2 cores); report in bench/results/<timestamp>/ (ENGINE=sglang|vllm: on GPUs)
 	HF_HUB_OFFLINE=1 $(PY) bench/suite.py $(if $(filter command line,$(origin ENGINE)),--engine $(ENGINE)) $(BENCH_ARGS)
 
-bench-quick: install ## every benchmark scenario, small (2 min 18 s on 2 cores; CI keeps the suite working with it)
+bench-quick: install ## every benchmark scenario, small (2 min 51 s on 2 cores; CI keeps the suite working with it)
 	HF_HUB_OFFLINE=1 $(PY) bench/suite.py --quick $(BENCH_ARGS)
 
 .env: | .env.example ## write .env from .env.example with a random REDIS_PASSWORD and ENGINE_ADMIN_KEY (an existing .env is kept)
