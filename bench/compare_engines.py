@@ -118,14 +118,17 @@ def setup(runs: Sequence[dict[str, Any]], labels: Sequence[str]) -> str:
     ])
 
 
-def sync(runs: Sequence[dict[str, Any]], labels: Sequence[str]) -> str:
-    def stage(key: str) -> Callable[[dict[str, Any]], str]:
-        def cell(r: dict[str, Any]) -> str:
-            s = (scenario(r, "sync") or {}).get("summary", {}).get(key)
-            return f"{num(s['p50'])} / {num(s['p95'])}" if s else "–"
-        return cell
+def p50_p95(name: str, key: str) -> Callable[[dict[str, Any]], str]:
+    """A cell of scenario `name`'s summary entry `key`: "p50 / p95", or "–" where the run has none."""
+    def cell(r: dict[str, Any]) -> str:
+        s = (scenario(r, name) or {}).get("summary", {}).get(key)
+        return f"{num(s['p50'])} / {num(s['p95'])}" if s else "–"
+    return cell
 
-    return side_by_side(runs, [f"{x} p50 / p95 ms" for x in labels], "stage", [(t, stage(k)) for k, t in SYNC_STAGES])
+
+def sync(runs: Sequence[dict[str, Any]], labels: Sequence[str]) -> str:
+    return side_by_side(runs, [f"{x} p50 / p95 ms" for x in labels], "stage",
+                        [(t, p50_p95("sync", k)) for k, t in SYNC_STAGES])
 
 
 def summary_rows(name: str, keys: Sequence[tuple[str, str]]) -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
@@ -135,14 +138,9 @@ def summary_rows(name: str, keys: Sequence[tuple[str, str]]) -> list[tuple[str, 
 
 
 def swaps(runs: Sequence[dict[str, Any]], labels: Sequence[str]) -> str:
-    def pair(key: str) -> Callable[[dict[str, Any]], str]:
-        def cell(r: dict[str, Any]) -> str:
-            s = (scenario(r, "swaps") or {}).get("summary", {}).get(key)
-            return f"{num(s['p50'])} / {num(s['p95'])}" if s else "–"
-        return cell
-
-    return side_by_side(runs, labels, "", [*summary_rows("swaps", SWAPS), ("TTFT p50 / p95 ms", pair("ttft_ms")),
-                                           ("latency p50 / p95 ms", pair("latency_ms"))])
+    return side_by_side(runs, labels, "", [*summary_rows("swaps", SWAPS),
+                                           ("TTFT p50 / p95 ms", p50_p95("swaps", "ttft_ms")),
+                                           ("latency p50 / p95 ms", p50_p95("swaps", "latency_ms"))])
 
 
 def throughput(runs: Sequence[dict[str, Any]], labels: Sequence[str]) -> str:
