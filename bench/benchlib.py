@@ -159,6 +159,8 @@ class Sample:
     status: int = 0
     error: str = ""
     tokens: int = 0
+    model: str = ""
+    """The `model` the request named (a run, or a run's version), where the generator spreads them."""
 
 
 def new_version(run: Any) -> int:

@@ -16,14 +16,14 @@ a cell's rates are over its wall time.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import Ctx, goal, md_table, new_version, plt, save_figure, summary
+from benchlib import Ctx, Sample, closed_loop, goal, md_table, new_version, plt, save_figure, summary
 
 from tandem import LoraConfig, OptimizerConfig
 from tandem.dev.toy import PROMPTS
@@ -52,55 +52,51 @@ def publish_adapters(ctx: Ctx, count: int) -> dict[str, int]:
     return versions
 
 
-async def cell(url: str, models: list[str], concurrency: int, duration_s: float, max_tokens: int) -> dict[str, Any]:
+def request(models: list[str], max_tokens: int, turn: Iterator[int]) -> Callable[[httpx.Client, int], Sample]:
+    """A closed-loop client's request: the next of `models` round-robin, one completion, its tokens counted;
+    a refused one (429) waits the Retry-After it was given before the client sends again."""
+    def send(http: httpx.Client, i: int) -> Sample:
+        k = next(turn)
+        model = models[k % len(models)]
+        body = {"model": model, "prompt": PROMPTS[k % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 1.0}
+        t0 = time.time()
+        try:
+            resp = http.post("/v1/completions", json=body, timeout=300)
+            ok = resp.status_code == 200
+            tokens = int(resp.json()["usage"]["completion_tokens"]) if ok else 0
+            sample = Sample(client=i, start=t0, end=time.time(), ttft=None, ok=ok, status=resp.status_code,
+                            error="" if ok else resp.text[:200], tokens=tokens, model=model)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            return Sample(client=i, start=t0, end=time.time(), ttft=None, ok=False,
+                          error=f"{type(exc).__name__}: {exc}"[:200], model=model)
+        if resp.status_code == 429:
+            time.sleep(float(resp.headers.get("retry-after", "1")))
+        return sample
+    return send
+
+
+def cell(url: str, models: list[str], concurrency: int, duration_s: float, max_tokens: int) -> dict[str, Any]:
     """One cell: `concurrency` clients for `duration_s`, requests spread round-robin over `models`."""
-    turn = itertools.count()
-    samples: list[dict[str, Any]] = []
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
-        start = time.perf_counter()
-        deadline = start + duration_s
-
-        async def client(i: int) -> None:
-            while time.perf_counter() < deadline:
-                k = next(turn)
-                body = {"model": models[k % len(models)], "prompt": PROMPTS[k % len(PROMPTS)],
-                        "max_tokens": max_tokens, "temperature": 1.0}
-                t0 = time.perf_counter()
-                row: dict[str, Any] = {"model": body["model"], "start_s": t0 - start}
-                try:
-                    resp = await http.post("/v1/completions", json=body)
-                    row["status"] = resp.status_code
-                    if resp.status_code == 200:
-                        row["tokens"] = int(resp.json()["usage"]["completion_tokens"])
-                    else:
-                        row["error"] = resp.text[:200]
-                except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-                    row.update(status=0, error=f"{type(exc).__name__}: {exc}"[:200])
-                row["latency_s"] = time.perf_counter() - t0
-                samples.append(row)
-                if row["status"] == 429:
-                    await asyncio.sleep(float(resp.headers.get("retry-after", "1")))
-
-        await asyncio.gather(*(client(i) for i in range(concurrency)))
-        wall = time.perf_counter() - start
-    ok = [s for s in samples if s["status"] == 200]
-    refused = sum(s["status"] == 429 for s in samples)
-    lat = summary([s["latency_s"] * 1000 for s in ok])
+    start = time.time()
+    samples = closed_loop(request(models, max_tokens, itertools.count()), clients=concurrency,
+                          duration_s=duration_s, base_url=url)
+    wall = time.time() - start
+    ok = [s for s in samples if s.ok]
+    refused = sum(s.status == 429 for s in samples)
+    lat = summary([(s.end - s.start) * 1000 for s in ok])
     return {"concurrency": concurrency, "adapters": len(models), "wall_s": round(wall, 3), "requests": len(samples),
             "ok": len(ok), "refused": refused, "errors": len(samples) - len(ok) - refused,
-            "requests_per_s": len(ok) / wall, "tokens_per_s": sum(s["tokens"] for s in ok) / wall,
+            "requests_per_s": len(ok) / wall, "tokens_per_s": sum(s.tokens for s in ok) / wall,
             "latency_ms_p50": lat["p50"], "latency_ms_p95": lat["p95"],
-            "per_adapter": {m: sum(s["model"] == m for s in ok) for m in models},
-            "first_errors": sorted({s.get("error", "") for s in samples if s["status"] not in (200, 429)})[:3]}
+            "per_adapter": {m: sum(s.model == m for s in ok) for m in models},
+            "first_errors": sorted({s.error for s in samples if not s.ok and s.status != 429})[:3]}
 
 
-async def warm_up(url: str, models: list[str], max_tokens: int) -> None:
+def warm_up(url: str, models: list[str], max_tokens: int) -> None:
     """One request on each adapter, all at once: first-use costs stay out of the cells."""
-    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
-        replies = await asyncio.gather(*(http.post("/v1/completions", json={
-            "model": m, "prompt": PROMPTS[0], "max_tokens": max_tokens}) for m in models))
-    failed = [f"{m}: {r.status_code} {r.text[:200]}" for m, r in zip(models, replies, strict=True) if r.status_code != 200]
+    samples = closed_loop(request(models, max_tokens, itertools.count()), clients=len(models),
+                          requests_per_client=1, base_url=url)
+    failed = [f"{s.model}: {s.status} {s.error}" for s in samples if not s.ok]
     if failed:
         raise RuntimeError(f"warm-up requests failed: {failed}")
 
@@ -113,11 +109,11 @@ def run(ctx: Ctx) -> dict[str, Any]:
     names = list(versions)
     url = ctx.stack.gateway_url
     ctx.progress(f"warm-up: one request on each of {len(names)} adapters")
-    asyncio.run(warm_up(url, names, max_tokens))
+    warm_up(url, names, max_tokens)
     rows = []
     for adapters in counts:
         for concurrency in concurrencies:
-            row = asyncio.run(cell(url, names[:adapters], concurrency, duration_s, max_tokens))
+            row = cell(url, names[:adapters], concurrency, duration_s, max_tokens)
             rows.append(row)
             ctx.progress(f"{concurrency:>3} clients x {adapters:>2} adapters: {row['requests_per_s']:.1f} req/s, "
                          f"{row['tokens_per_s']:.0f} tokens/s, p50 {row['latency_ms_p50']:.0f} ms, "
