@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -100,6 +101,20 @@ class Ctx:
 
 
 # numbers ----------------------------------------------------------------------
+def gpu_memory() -> dict[str, dict[int, float]] | None:
+    """nvidia-smi's used memory now, MiB: by GPU index (`gpu_mib`) and by process id (`pid_mib`);
+    None where there is no nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+
+    def query(what: str) -> dict[int, float]:
+        text = subprocess.run(["nvidia-smi", f"--query-{what}", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=20).stdout
+        return {int(k): float(v) for k, v in (line.split(",") for line in text.strip().splitlines() if line.strip())}
+
+    return {"gpu_mib": query("gpu=index,memory.used"), "pid_mib": query("compute-apps=pid,used_memory")}
+
+
 def save_figure(fig: Any, path: Path, *, dpi: int = 100) -> None:
     """Lay a matplotlib figure out, write it to `path` (PNG) and free it."""
     fig.tight_layout()

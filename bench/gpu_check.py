@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import engine_log
-from benchlib import SGLANG_FLAGS, SHAPES, BenchStack
+from benchlib import SGLANG_FLAGS, SHAPES, BenchStack, gpu_memory
 
 from tandem import Client, LoraConfig, OptimizerConfig
 from tandem.dev import toy
@@ -54,15 +54,7 @@ class GpuMemory(threading.Thread):
         self.available = shutil.which("nvidia-smi") is not None
 
     def sample(self) -> dict:
-        gpus = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, timeout=10).stdout
-        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, timeout=10).stdout
-        return {
-            "t": time.time(),
-            "gpu_mib": {int(i): float(m) for i, m in (line.split(",") for line in gpus.strip().splitlines())},
-            "pid_mib": {int(p): float(m) for p, m in (line.split(",") for line in apps.strip().splitlines() if line)},
-        }
+        return {"t": time.time(), **(gpu_memory() or {"gpu_mib": {}, "pid_mib": {}})}
 
     def run(self) -> None:
         while self.available and not self.stop_flag.is_set():

@@ -23,13 +23,12 @@ the last at most 5 % (flat, not leaking).
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
+import statistics
 from pathlib import Path
 from typing import Any
 
 import psutil
-from benchlib import Ctx, goal, md_table, new_version, plt, save_figure
+from benchlib import Ctx, goal, gpu_memory, md_table, new_version, plt, save_figure
 
 GROWTH_GOAL = 0.05
 
@@ -63,27 +62,20 @@ def rss_mib(pids: set[int]) -> float:
 
 def gpu_mib(pids: set[int], gpus: list[int]) -> tuple[float, str] | None:
     """(MiB, where from): the engine's processes as nvidia-smi lists them, else its GPUs' used memory."""
-    if shutil.which("nvidia-smi") is None:
+    now = gpu_memory()
+    if now is None:
         return None
-    apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                          capture_output=True, text=True, timeout=20).stdout
-    by_pid = {int(p): float(m) for p, m in (line.split(",") for line in apps.strip().splitlines() if line.strip())}
-    mine = [m for p, m in by_pid.items() if p in pids]
+    mine = [m for p, m in now["pid_mib"].items() if p in pids]
     if mine:
         return sum(mine), "engine processes"
-    used = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
-                          capture_output=True, text=True, timeout=20).stdout
-    per_gpu = {int(i): float(m) for i, m in (line.split(",") for line in used.strip().splitlines() if line.strip())}
-    return sum(per_gpu.get(g, 0.0) for g in gpus), "inference GPUs (nvidia-smi listed none of the engine's pids)"
+    return sum(now["gpu_mib"].get(g, 0.0) for g in gpus), "inference GPUs (nvidia-smi listed none of the engine's pids)"
 
 
 def slope_per_10(xs: list[float], ys: list[float]) -> float:
     """Least-squares slope of ys over xs, times 10 (MiB per 10 versions); 0 with fewer than 2 points."""
-    if len(xs) < 2:
+    if len(set(xs)) < 2:
         return 0.0
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    return 10 * sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    return 10 * statistics.linear_regression(xs, ys).slope
 
 
 def run(ctx: Ctx) -> dict[str, Any]:
