@@ -42,7 +42,11 @@ def test_a_job_taken_by_a_trainer_that_died_before_starting_it_runs_on_the_next(
         workers, redis_conn, registry: Registry) -> None:
     first = workers()
     first.wait_listening()
-    os.kill(first.proc.pid, signal.SIGSTOP)  # blocked in BLMOVE: Redis still hands it the next job
+    # "Listening on" is logged before rq cleans its registries and blocks: stop it only once Redis
+    # shows it blocked in BLMOVE, so that Redis still hands it the next job.
+    wait_for(lambda: any(c["cmd"] == "blmove" for c in redis_conn.client_list()), 30,
+             "the trainer to block on the queue", first)
+    os.kill(first.proc.pid, signal.SIGSTOP)
     job_id = enqueue(redis_conn, make_job("taken-job"))
     wait_for(lambda: redis_conn.lrange(INTERMEDIATE, 0, -1) == [job_id.encode()], 10,
              "the stopped trainer to take the job", first)
