@@ -10,15 +10,22 @@
 #                 for each LoRA backend (bench/gpu_mixed.py: mixed/), then tandem's own client on the
 #                 same engine (bench/gpu_seam.py: seam/), on GPU 0; with two GPUs gpu_check runs on
 #                 GPU 1 meanwhile, in shared mode (CHECK=0 leaves it out)
-#   PART=check    bench/gpu_check.py --steps $STEPS (gpu_check.json/.md)
-#   PART=suite    bench/suite.py --only sync,swaps (suite.json/.md and the plots)
+#   PART=engines  the gpu-marked batch-invariance and agreement test (tests/integration/
+#                 test_engine_batches.py) on GPU 0 for each engine in ENGINES (default "sglang vllm"),
+#                 its output in engines.log; with two GPUs gpu_check --engine $ENGINE --mode shared runs
+#                 on GPU 1 meanwhile, then bench/record_engine.py records that engine's answers
+#   PART=check    bench/gpu_check.py --engine $ENGINE --steps $STEPS (gpu_check.json/.md)
+#   PART=suite    bench/suite.py --engine $ENGINE --only $ONLY (default sync,swaps; suite.json/.md, plots)
 #   PART=first    bench/gpu_first_forward.py --profile: the first response after a load, taken apart
-# MODE=split (default with two GPUs: SGLang on GPU 0, the trainer on GPU 1) or shared (one GPU).
+# MODE=split (default with two GPUs: the engine on GPU 0, the trainer on GPU 1) or shared (one GPU);
+# ENGINE=sglang (default) or vllm; ENVS, as bench/gpu_env.sh reads it, adds vLLM's environment;
+# RECORD (PART=env) names the engines whose answers to record (default sglang; "" for none).
 #   PART=env bash bench/gpu_proof.sh          # from the repo root; STEPS (default 30)
 set -uo pipefail
 : "${OUT:?set OUT}"
 steps=${STEPS:-30}
-part=${PART:?PART=env, correct, check, suite or first}
+part=${PART:?PART=env, correct, engines, check, suite or first}
+engine=${ENGINE:-sglang}
 gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 mode=${MODE:-$([ "$gpus" -ge 2 ] && echo split || echo shared)}
 export PYTHONUNBUFFERED=1
@@ -28,7 +35,9 @@ case $mode in
   split) placement=(--inference-gpus '[0]' --trainer-gpus '[1]' --mem-fraction 0.7) ;;
   *) placement=(--inference-gpus '[0]' --trainer-gpus '[0]' --mem-fraction 0.6) ;;
 esac
-common=(--tandem-python /tmp/tdpython --sglang-python /tmp/sgpython --trainer-python /tmp/trpython "${placement[@]}")
+engines=(--sglang-python /tmp/sgpython --vllm-python /tmp/vlpython)
+pythons=(--tandem-python /tmp/tdpython "${engines[@]}" --trainer-python /tmp/trpython)
+common=(--engine "$engine" "${pythons[@]}" "${placement[@]}")
 second=$([ "$gpus" -ge 2 ] && echo 1 || echo 0)
 out=/tmp/proof-$part
 rm -rf "$out" && mkdir -p "$out"
@@ -41,10 +50,43 @@ env)
   (unset PYTHONDONTWRITEBYTECODE; for d in /tmp/lk-*; do python3 -m compileall -q -j 0 "$d" >/dev/null 2>&1; done)
   tail -8 "$out/env.log"
   /tmp/trpython -c 'import sys; sys.path.insert(0, "bench"); from benchlib import SHAPES; from tandem_trainer.tiny_model import build_tiny_model; build_tiny_model(sys.argv[1], **SHAPES["0.5b"])' "$model"
-  t0=$SECONDS
-  CUDA_VISIBLE_DEVICES=$second /tmp/tdpython bench/record_sglang.py --sglang-python /tmp/sgpython --out /tmp/rec >/tmp/rec.log 2>&1
-  echo "record_sglang: exit $? after $((SECONDS - t0)) s"; tail -5 /tmp/rec.log
+  for e in ${RECORD-sglang}; do
+    t0=$SECONDS
+    CUDA_VISIBLE_DEVICES=$second /tmp/tdpython bench/record_engine.py --engine "$e" "${engines[@]}" --out /tmp/rec \
+      >"/tmp/rec-$e.log" 2>&1
+    echo "record_engine $e: exit $? after $((SECONDS - t0)) s"; tail -5 "/tmp/rec-$e.log"
+  done
   cp /tmp/rec/*.json "$out/" 2>/dev/null
+  ;;
+engines)
+  t0=$SECONDS
+  if [ "$second" = 1 ] && [ "${CHECK:-1}" = 1 ]; then  # CHECK=0 leaves GPU 1's lane out
+    (
+      /tmp/tdpython bench/gpu_check.py --mode shared --shape 0.5b --steps "$steps" --engine "$engine" "${pythons[@]}" \
+        --inference-gpus '[1]' --trainer-gpus '[1]' --mem-fraction 0.6 --out "/tmp/gc/$engine-shared-0.5b" \
+        >/tmp/gpu_check.log 2>&1
+      echo "gpu_check $engine shared: exit $? after $((SECONDS - t0)) s" >>/tmp/gpu_check.log
+      CUDA_VISIBLE_DEVICES=1 /tmp/tdpython bench/record_engine.py --engine "$engine" "${engines[@]}" \
+        --out /tmp/rec >"/tmp/rec-$engine.log" 2>&1
+      echo "record_engine $engine: exit $? after $((SECONDS - t0)) s" >>"/tmp/rec-$engine.log"
+    ) &
+    lane=$!
+  fi
+  for e in ${ENGINES:-sglang vllm}; do
+    var=TANDEM_TEST_${e^^}_PYTHON
+    env "$var=/tmp/${e:0:2}python" CUDA_VISIBLE_DEVICES=0 /tmp/trpython -m pytest -p no:cacheprovider \
+      -W ignore::pytest.PytestConfigWarning -rA -v --basetemp "/tmp/bt-$e" tests/integration/test_engine_batches.py \
+      -k "$e" >>"$out/engines.log" 2>&1
+    echo "test_engine_batches $e: exit $? after $((SECONDS - t0)) s" | tee -a "$out/engines.log"
+  done
+  tail -40 "$out/engines.log"
+  if [ -n "${lane:-}" ]; then
+    wait "$lane"; tail -25 /tmp/gpu_check.log; tail -5 "/tmp/rec-$engine.log"
+    cp "/tmp/gc/$engine-shared-0.5b/results.json" "$out/gpu_check.json" 2>/dev/null
+    cp "/tmp/gc/$engine-shared-0.5b/report.md" "$out/gpu_check.md" 2>/dev/null
+    tail -c 60000 /tmp/gpu_check.log >"$out/gpu_check.log"
+    cp /tmp/rec/*.json "$out/" 2>/dev/null; tail -c 20000 "/tmp/rec-$engine.log" >"$out/record.log"
+  fi
   ;;
 correct)
   # With two GPUs, gpu_check runs on GPU 1 in shared mode meanwhile (it checks learning, not speed).
@@ -76,16 +118,16 @@ correct)
 check)
   t0=$SECONDS
   /tmp/tdpython bench/gpu_check.py --mode "$mode" --shape 0.5b --steps "$steps" "${common[@]}" \
-    --out "/tmp/gc/$mode-0.5b" >/tmp/gpu_check.log 2>&1
-  echo "gpu_check: exit $? after $((SECONDS - t0)) s"
+    --out "/tmp/gc/$engine-$mode-0.5b" >/tmp/gpu_check.log 2>&1
+  echo "gpu_check $engine $mode: exit $? after $((SECONDS - t0)) s"
   tail -40 /tmp/gpu_check.log
-  cp "/tmp/gc/$mode-0.5b/results.json" "$out/gpu_check.json" 2>/dev/null
-  cp "/tmp/gc/$mode-0.5b/report.md" "$out/gpu_check.md" 2>/dev/null
+  cp "/tmp/gc/$engine-$mode-0.5b/results.json" "$out/gpu_check.json" 2>/dev/null
+  cp "/tmp/gc/$engine-$mode-0.5b/report.md" "$out/gpu_check.md" 2>/dev/null
   tail -c 60000 /tmp/gpu_check.log >"$out/gpu_check.log"
   ;;
 suite)
   t0=$SECONDS
-  timeout "${LIMIT:-560}" /tmp/tdpython bench/suite.py --engine sglang --mode "$mode" --shape 0.5b --only "${ONLY:-sync,swaps}" \
+  timeout "${LIMIT:-560}" /tmp/tdpython bench/suite.py --mode "$mode" --shape 0.5b --only "${ONLY:-sync,swaps}" \
     --model "$model" "${common[@]}" --out /tmp/suite --state /tmp/suite-state >/tmp/suite.log 2>&1
   echo "suite: exit $? after $((SECONDS - t0)) s"
   tail -50 /tmp/suite.log

@@ -48,6 +48,9 @@ def test_mixed_batches_and_logprobs_agree_with_solo_and_the_trainer(engine: str,
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(8, 24))] for _ in range(4)]
     result = mixed.serve_and_check(model, adapters, prompts, backend=None, engine_kind=engine,
                                    **{f"{engine}_python": python}, port=PORTS[engine], out=tmp_path)
+    for r in result["mixed"]["rows"]:  # shown by `pytest -rP`: the table of docs/benchmarks.md
+        print(f"{engine} | {r['batch']} | {r['attempt']} | {r['exact']}/{r['requests']} | "
+              f"wrong from step 1: {r['wrong_from_first_decode_step']} | beyond a tie: {r['departed_beyond_ties']}")
     if engine == "vllm":
         assert "--logprobs-mode" in result["argv"]
     assert result["mixed"]["distinct_solo_outputs"] == 5, "the adapters must decode apart for the check to mean anything"
@@ -56,5 +59,8 @@ def test_mixed_batches_and_logprobs_agree_with_solo_and_the_trainer(engine: str,
     rows = mixed.agreement(model, adapters["A"], result["samples"], tmp_path / "trainer")
     ours = [r for r in rows if r["trainer_convention"].startswith("scaled") and r["temperature"] >= 0.7
             and (engine == "sglang" or r["top_p"] == 1.0)]
+    for r in rows:
+        print(f"{engine} | {r['adapter']} T={r['temperature']} top_p={r['top_p']} {r['trainer_convention']}: "
+              f"mean {r['mean_abs']:.2e} max {r['max_abs']:.2e} >0.1 {r['over_outlier']:.4f} ratio {r['ratio_mean']:.4f}")
     assert ours and all(r["over_outlier"] == 0 for r in ours), ours
     assert all(abs(r["ratio_mean"] - 1) < 0.02 for r in ours), ours
