@@ -363,12 +363,40 @@ def test_malformed_completion_bodies_are_422(url: str, client: openai.OpenAI) ->
     ):
         resp = httpx.post(f"{url}/v1/completions", json=body)
         assert resp.status_code == 422, (body, resp.text)
-    resp = httpx.post(
-        f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
-    )
-    assert resp.status_code == 422
     with pytest.raises(openai.UnprocessableEntityError, match="above the limit"):
         client.completions.create(model="base", prompt="x", max_tokens=LIMIT + 1)
+
+
+def test_a_body_that_is_no_json_object_is_refused_saying_what_to_send(url: str) -> None:
+    """Bodies that never reach the schema: each reply says what is wrong and what to send, names no
+    field (OpenAI's `param` null), and the gateway keeps serving."""
+    chat = json.dumps({"model": "base", "messages": CHAT}).encode()
+    cases = [
+        (b"{not json", "application/json", 422, "the body is not valid JSON: Expecting property name"),
+        (chat, "text/plain", 422, "Content-Type: text/plain"),
+        (chat, None, 422, "send one JSON object with Content-Type: application/json"),
+        (b'{"model": "base", "messages": [{"role": "user", "content": "\xff\xfe"}]}', "application/json", 400,
+         "not UTF-8"),
+        (b"[" * 50_000 + b"]" * 50_000, "application/json", 400, "nested too deeply"),
+    ]
+    for content, content_type, status, says in cases:
+        headers = {"content-type": content_type} if content_type else {}
+        resp = httpx.post(f"{url}/v1/chat/completions", content=content, headers=headers)
+        assert resp.status_code == status, (content[:40], resp.text)
+        error = resp.json()["error"]
+        assert says in error["message"] and error["param"] is None, error
+    assert httpx.post(f"{url}/v1/chat/completions", content=chat,
+                      headers={"content-type": "application/json"}).status_code == 200
+
+
+def test_a_refused_value_is_named_as_the_client_sent_it(url: str) -> None:
+    too_many = httpx.post(f"{url}/v1/chat/completions",
+                          json={"model": "base", "messages": CHAT, "max_completion_tokens": LIMIT + 1})
+    assert too_many.status_code == 422
+    assert too_many.json()["error"]["param"] == "max_completion_tokens"
+    assert too_many.json()["error"]["message"].startswith(f"max_completion_tokens {LIMIT + 1} is above the limit")
+    outside = httpx.post(f"{url}/v1/completions", json={"model": "base", "prompt": [1, 10**9], "max_tokens": 2})
+    assert outside.status_code == 422 and outside.json()["error"]["param"] == "prompt"
 
 
 def test_engine_refusals_are_400_and_an_unreachable_engine_503(

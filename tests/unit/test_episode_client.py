@@ -147,7 +147,7 @@ def test_episodes_of_one_start_make_a_group_and_close_deletes_them() -> None:
     assert info.value.status_code == 404
 
 
-@pytest.mark.parametrize("episode_id", ["", "a/b", "x" * 129, "white space"])
+@pytest.mark.parametrize("episode_id", ["", "a/b", "x" * 129, "white space", "ep\n"])
 def test_a_bad_episode_id_is_refused_before_anything_is_sent(episode_id: str) -> None:
     gateway = FakeGateway()
     with pytest.raises(ValidationFailed) as info:

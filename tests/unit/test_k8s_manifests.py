@@ -210,7 +210,11 @@ def test_the_vllm_overlay_is_the_gpu_one_with_vllms_image_and_kind(tmp_path: Pat
     assert container["image"] == compose_image_named(compose["image"], "vllm") == "tandem-inference-vllm:dev"
     env, sglang_env = env_of(container), env_of(sglang)
     assert env["TANDEM_ENGINE__KIND"] == compose["environment"]["TANDEM_ENGINE__KIND"].replace("${ENGINE:-sglang}", "vllm")
-    assert {k: v for k, v in env.items() if sglang_env.get(k) != v} == {"TANDEM_ENGINE__KIND": "vllm"}
+    assert {k: v for k, v in env.items() if sglang_env.get(k) != v} == {
+        "TANDEM_ENGINE__KIND": "vllm", "VLLM_CACHE_ROOT": "/home/tandem/.cache/vllm"}
+    # the root filesystem is read-only: vLLM's kernel cache lies on a writable volume of the pod
+    writable = [m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")]
+    assert any(env["VLLM_CACHE_ROOT"].startswith(path + "/") for path in writable), writable
     assert [e["name"] for e in container["env"]].count("TANDEM_ENGINE__KIND") == 1  # replaced, not added
     assert env["TANDEM_ENGINE__URL"] == "http://127.0.0.1:30000"  # vLLM's dev routes stay inside the pod
     assert {k: v for k, v in container.items() if k not in ("image", "env")} == {

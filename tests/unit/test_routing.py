@@ -24,6 +24,7 @@ def test_parse_model() -> None:
     assert parse_model("digits@v7") == ("digits", 7)
     assert parse_model("digits@7") == ("digits", 7)
     assert parse_model("my-run.v2@v10") == ("my-run.v2", 10)
+    assert parse_model("digits@v7\n") == ("digits@v7\n", None)  # no pin: refused as an unknown model
 
 
 def test_base_model_and_runs_resolve(table: RoutingTable) -> None:
@@ -100,8 +101,9 @@ def test_failed_checkout_counts_nothing(table: RoutingTable) -> None:
 
 
 def test_invalid_run_name_is_refused(table: RoutingTable) -> None:
-    with pytest.raises(ValueError):
-        table.add_run("bad@name")
+    for name in ("bad@name", "bad\n"):
+        with pytest.raises(ValueError):
+            table.add_run(name)
 
 
 def test_each_version_keeps_the_adapter_name_it_was_loaded_under(table: RoutingTable) -> None:

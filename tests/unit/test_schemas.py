@@ -24,7 +24,8 @@ def test_valid_run_names(name: str) -> None:
     assert check_run_name(name) == name
 
 
-@pytest.mark.parametrize("name", ["", "a:b", "a@b", "../x", "-x", "a/b", "x" * 64])
+# "a\n": a trailing newline passes a `$`-anchored `re.match`; it would reach headers and logs
+@pytest.mark.parametrize("name", ["", "a:b", "a@b", "../x", "-x", "a/b", "x" * 64, "a\n", "a\nb"])
 def test_invalid_run_names_are_refused_with_the_name(name: str) -> None:
     with pytest.raises(ValueError, match="run name"):
         check_run_name(name)

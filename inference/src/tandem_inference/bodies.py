@@ -134,14 +134,38 @@ def validation_problems(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def invalid_request(exc: RequestValidationError) -> tuple[str, str | None, list[dict[str, Any]]]:
+def invalid_request(exc: RequestValidationError,
+                    content_type: str | None = None) -> tuple[str, str | None, list[dict[str, Any]]]:
     """A 422's message, the field it names first (OpenAI's `param`) and its problems, safe to send.
 
-    Lists at most MAX_PROBLEMS problems; the message names the first five.
+    Lists at most MAX_PROBLEMS problems; the message names the first five. A body that is no
+    JSON at all (or was not sent as JSON: `content_type`) is said so, with what to send instead.
     """
-    problems = validation_problems(list(exc.errors())[:MAX_PROBLEMS])
+    errors = list(exc.errors())
+    problems = validation_problems(errors[:MAX_PROBLEMS])
+    unread = unreadable_body(errors[0], content_type) if errors else None
+    if unread is not None:
+        return unread, None, problems
     where = "; ".join(f"{location(p)}: {p['msg']}" for p in problems[:5])
     return f"invalid request: {where}", field_of(problems[0]) if problems else None, problems
+
+
+def unreadable_body(first: dict[str, Any], content_type: str | None) -> str | None:
+    """What is wrong with a body that never reached the schema, or None when it did.
+
+    FastAPI reports invalid JSON as a `json_invalid` error at the character it stopped at, and a
+    body not sent as JSON as the raw bytes failing to be an object at `body`.
+    """
+    loc = tuple(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        why = printable(str((first.get("ctx") or {}).get("error") or "not JSON"))
+        at = f" at character {loc[1]}" if len(loc) > 1 and isinstance(loc[1], int) else ""
+        return f"the body is not valid JSON: {why}{at}; send one JSON object"
+    if loc == ("body",) and isinstance(first.get("input"), bytes | str):
+        sent = printable(content_type) if content_type else "none"
+        return (f"the body was not read as JSON (Content-Type: {sent}); send one JSON object with "
+                "Content-Type: application/json")
+    return None
 
 
 def location(problem: dict[str, Any]) -> str:

@@ -26,12 +26,14 @@
         │                              queue (429 with Retry-After); carries the reason
         ├── ClientLeft                 (gateway) the client closed its connection before its response
         │                              started; its engine calls were closed (answered 499)
-        └── EpisodeRefused             (gateway) an episode request that cannot go on; carries the HTTP
-            │                          status (422 for a request episodes do not take) and the field
-            ├── EpisodeNotFound        the episode is unknown or has expired (404)
-            ├── EpisodeConflict        the messages do not continue the episode, or another request
-            │                          advanced it first (409)
-            └── EpisodeTooLong         the turn would pass gateway.episode_max_tokens (400)
+        └── RequestRefused             (gateway) a request refused for a value it asks for (422 unless
+            │                          a subclass says otherwise); carries the field at fault
+            └── EpisodeRefused         an episode request that cannot go on (422 for a request
+                │                      episodes do not take)
+                ├── EpisodeNotFound    the episode is unknown or has expired (404)
+                ├── EpisodeConflict    the messages do not continue the episode, or another request
+                │                      advanced it first (409)
+                └── EpisodeTooLong     the turn would pass gateway.episode_max_tokens (400)
 
 The engine server's branch and the engine client's branch are apart on purpose: the first is
 what the transformers engine answers with (and maps to HTTP statuses), the second what tandem
@@ -158,8 +160,8 @@ class ClientLeft(InferenceError):
     """The client closed its connection before its response started; nobody reads the answer."""
 
 
-class EpisodeRefused(InferenceError):
-    """An episode request the gateway refuses; nothing of the episode changed."""
+class RequestRefused(InferenceError):
+    """A request the gateway refuses for a value it asks for; nothing was generated or changed."""
 
     status_code = 422
 
@@ -167,6 +169,10 @@ class EpisodeRefused(InferenceError):
         super().__init__(message)
         self.param = param
         """The request field at fault (OpenAI's `param`)."""
+
+
+class EpisodeRefused(RequestRefused):
+    """An episode request the gateway refuses; nothing of the episode changed."""
 
 
 class EpisodeNotFound(EpisodeRefused):

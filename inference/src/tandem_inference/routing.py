@@ -75,7 +75,7 @@ class VersionHold:
 
 def parse_model(model: str) -> tuple[str, int | None]:
     """Split `run@v7` / `run@7` into (run, 7) and `run` into (run, None)."""
-    m = _PINNED.match(model)
+    m = _PINNED.fullmatch(model)
     if m:
         return m.group("run"), int(m.group("version"))
     return model, None
@@ -95,7 +95,7 @@ class RoutingTable:
     # what the controller changes -------------------------------------------
     def add_run(self, run: str) -> None:
         """Make a registered run routable (to version 0 until a version loads)."""
-        if not RUN_NAME.match(run):
+        if not RUN_NAME.fullmatch(run):
             raise ValueError(f"run name {run!r} is invalid")
         with self._lock:
             self._runs.add(run)

@@ -120,7 +120,7 @@ class Episode:
         episode_id: str | None = None,
     ) -> None:
         self.id = episode_id if episode_id is not None else uuid.uuid4().hex
-        if not EPISODE_ID.match(self.id):
+        if not EPISODE_ID.fullmatch(self.id):
             raise ValidationFailed(f"episode_id {self.id!r} must be 1-128 letters, digits or '_.:-'",
                                    field="episode_id")
         _check_messages(messages, "messages")

@@ -22,7 +22,7 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 def check_run_name(name: str) -> str:
     """Return `name` if it is a valid run name, else raise ValueError naming it."""
-    if not RUN_NAME.match(name):
+    if not RUN_NAME.fullmatch(name):
         raise ValueError(
             f"run name {name!r} is invalid: use 1-63 letters, digits, '_', '.', '-' "
             "starting with a letter or digit (no ':', '@' or '/')"
@@ -47,7 +47,7 @@ def _forms(model: str) -> set[str]:
 def _copy_of(hub_id: str, path: str) -> bool:
     """True when `path` is a local copy of hub model `hub_id`: a directory `.../org/name`, or a
     snapshot in the Hugging Face cache (`.../models--org--name/snapshots/<rev>`)."""
-    if not HUB_ID.match(hub_id) or not path.startswith(("/", ".", "~")):
+    if not HUB_ID.fullmatch(hub_id) or not path.startswith(("/", ".", "~")):
         return False
     org, name = hub_id.split("/")
     parts = PurePosixPath(os.path.normpath(path)).parts
@@ -85,8 +85,8 @@ def adapter_name(run: str, version: int, attempt: int = 0) -> str:
 
 def parse_adapter_name(name: str) -> tuple[str, int, int] | None:
     """(run, version, attempt) of a name `adapter_name` made; None for any other name."""
-    m = ADAPTER_NAME.match(name)
-    if m is None or not RUN_NAME.match(m.group("run")):
+    m = ADAPTER_NAME.fullmatch(name)
+    if m is None or not RUN_NAME.fullmatch(m.group("run")):
         return None
     return m.group("run"), int(m.group("version")), int(m.group("attempt") or 0)
 

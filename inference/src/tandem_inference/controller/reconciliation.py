@@ -100,7 +100,7 @@ class Reconciler:
         """Runs in the registry; a name that is no valid run name (a foreign write) is skipped."""
         runs = []
         for run in await asyncio.to_thread(self.registry.list_runs):
-            if RUN_NAME.match(run):
+            if RUN_NAME.fullmatch(run):
                 runs.append(run)
             else:
                 log.warning("the registry lists run %s, which is no valid run name; ignoring it", quoted(run))

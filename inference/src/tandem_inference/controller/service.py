@@ -218,7 +218,7 @@ class Controller:
 
     async def _on_ready(self, event: Event) -> None:
         run, version = event.run, event.version
-        if not RUN_NAME.match(run):
+        if not RUN_NAME.fullmatch(run):
             self.metrics.rejections.labels("").inc()
             log.warning("adapter_rejected: event %s names run %s, which is no valid run name; skipping it",
                         event.id, quoted(run))

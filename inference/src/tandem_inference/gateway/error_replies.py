@@ -26,14 +26,16 @@ from tandem_inference.errors import (
     EngineClientError,
     EngineResponseError,
     EngineUnreachable,
-    EpisodeRefused,
     ModelNotFound,
+    RequestRefused,
 )
 
 log = logging.getLogger(__name__)
 
 
 _URL = re.compile(r"https?://[^\s,;)'\"]+")
+#: FastAPI's detail for a body its JSON parser raised on (bad UTF-8, recursion), which names neither.
+UNPARSED = "There was an error parsing the body"
 
 
 def for_clients(exc: Exception) -> str:
@@ -61,8 +63,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _not_found(_: Request, exc: ModelNotFound) -> JSONResponse:
         return error_reply(404, str(exc), "model_not_found", param="model", known=exc.known)
 
-    @app.exception_handler(EpisodeRefused)
-    async def _episode(_: Request, exc: EpisodeRefused) -> JSONResponse:
+    @app.exception_handler(RequestRefused)
+    async def _refused(_: Request, exc: RequestRefused) -> JSONResponse:
         kind = {404: "not_found", 409: "conflict"}.get(exc.status_code, "invalid_request_error")
         return error_reply(exc.status_code, str(exc), kind, param=exc.param)
 
@@ -82,8 +84,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_reply(502, for_clients(exc), "engine_error")
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param, problems = invalid_request(exc)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param, problems = invalid_request(exc, request.headers.get("content-type"))
         return error_reply(422, message, "invalid_request_error", param=param, detail=problems)
 
     @app.exception_handler(StarletteHTTPException)
@@ -91,7 +93,11 @@ def install_error_handlers(app: FastAPI) -> None:
         kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found", 413: "invalid_request_error",
                 422: "invalid_request_error"}.get(
             exc.status_code, "error")
-        resp = error_reply(exc.status_code, str(exc.detail), kind)
+        message = str(exc.detail)
+        if exc.status_code == 400 and message == UNPARSED:  # starlette's words for any body json cannot read
+            message = ("the body could not be read as JSON (not UTF-8, or nested too deeply); send one JSON "
+                       "object, UTF-8, with Content-Type: application/json")
+        resp = error_reply(exc.status_code, message, kind)
         for name, value in (exc.headers or {}).items():
             resp.headers[name] = value
         return resp

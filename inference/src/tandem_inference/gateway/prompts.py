@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import HTTPException
 
+from tandem_inference.errors import RequestRefused
 from tandem_inference.gateway.schemas import ChatMessage, ChatRequest, CompletionRequest
 
 if TYPE_CHECKING:
@@ -180,5 +181,6 @@ def completion_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, body: Co
         return list(tokenizer(body.prompt)["input_ids"])
     bad = [t for t in body.prompt if not 0 <= t < vocab_size]
     if bad:
-        raise HTTPException(422, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        raise RequestRefused(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size}); send ids "
+                             "the model's tokenizer gives, or the prompt as text", param="prompt")
     return list(body.prompt)

@@ -47,7 +47,8 @@ operations = APIRouter()
 
 @generation.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request, gw: GatewayDep) -> Response:
-    sampling = gw.sampling(body, body.max_completion_tokens or body.max_tokens)
+    sampling = gw.sampling(body, body.max_completion_tokens or body.max_tokens,
+                           "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     if body.episode is not None:
         turn = await gw.episode_turn(body, sampling.max_tokens)
         return await gw.serve(request, "chat", body, turn.input_ids, sampling, body.logprobs, episode=turn)

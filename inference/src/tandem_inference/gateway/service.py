@@ -12,7 +12,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from fastapi import HTTPException, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 
@@ -22,7 +22,7 @@ from tandem.runs import RUN_NAME
 from tandem.settings import InferenceSettings
 from tandem_inference.controller.gpu_sharing import Admission
 from tandem_inference.engines.base import Engine, Sampling
-from tandem_inference.errors import ClientLeft, EngineClientError, ModelNotFound, Overloaded
+from tandem_inference.errors import ClientLeft, EngineClientError, ModelNotFound, Overloaded, RequestRefused
 from tandem_inference.gateway import episodes, generation, prompts
 from tandem_inference.gateway.cancellation import unless_client_leaves
 from tandem_inference.gateway.capacity import Capacity
@@ -103,7 +103,7 @@ class Gateway:
     async def registry_runs(self) -> list[str]:
         """Registered runs (valid names only); the table's runs, all registered, while Redis is down."""
         try:
-            return [r for r in await asyncio.to_thread(self.registry.list_runs) if RUN_NAME.match(r)]
+            return [r for r in await asyncio.to_thread(self.registry.list_runs) if RUN_NAME.fullmatch(r)]
         except BackendUnavailable as exc:
             log.warning("registry unreachable (%s); using the runs the routing table knows", exc)
             return self.table.runs()
@@ -135,13 +135,13 @@ class Gateway:
             self._engine_context = context or episodes.DEFAULT_MAX_TOKENS
         return self._engine_context
 
-    def sampling(self, body: SamplingRequest, max_tokens: int | None) -> Sampling:
-        """How `body` asks to sample; a max_tokens above the limit is a 422."""
+    def sampling(self, body: SamplingRequest, max_tokens: int | None, field: str = "max_tokens") -> Sampling:
+        """How `body` asks to sample; a `max_tokens` (sent as `field`) above the limit is a 422."""
         limit = self.settings.engine.max_new_tokens_limit
         max_tokens = max_tokens or min(DEFAULT_MAX_TOKENS, limit)  # a default never exceeds the limit
         if max_tokens > limit:
-            raise HTTPException(422, f"max_tokens {max_tokens} is above the limit {limit} "
-                                     "(settings.engine.max_new_tokens_limit)")
+            raise RequestRefused(f"{field} {max_tokens} is above the limit {limit} "
+                                 f"(settings.engine.max_new_tokens_limit); ask for at most {limit}", param=field)
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
         return Sampling(
             max_tokens=max_tokens,
