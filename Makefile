@@ -30,11 +30,12 @@ INFERENCE_GPU ?= $(or $(call dotenv,INFERENCE_GPU),0)
 TRAINER_GPU ?= $(if $(filter shared,$(GPU_MODE)),$(INFERENCE_GPU),$(or $(call dotenv,TRAINER_GPU),1))
 # CLIENT=1 adds compose.client.yaml: Redis on 127.0.0.1:$$REDIS_PORT for a tandem.Client's train().
 CLIENT ?=
-# REPLICAS=N (N > 1) adds compose.replicas.yaml: N inference replicas behind the router.
+# REPLICAS=N (N > 1) adds compose.replicas.yaml (and compose.replicas-cpu.yaml to the CPU stack): N
+# inference replicas behind the router.
 REPLICAS ?=
 # compose.override.yaml (local, git-ignored) comes last when it exists, as plain `docker compose` reads it.
 COMPOSE_FILES = -f compose.yaml $(if $(filter cpu,$(STACK)),-f compose.cpu.yaml) $(if $(filter 1,$(CLIENT)),-f compose.client.yaml) \
-	$(if $(filter-out 1,$(REPLICAS)),-f compose.replicas.yaml) \
+	$(if $(filter-out 1,$(REPLICAS)),-f compose.replicas.yaml $(if $(filter cpu,$(STACK)),-f compose.replicas-cpu.yaml)) \
 	$(if $(wildcard compose.override.yaml),-f compose.override.yaml)
 # IMAGES_ENV=FILE (an images.env from `make publish` or images.yml): every image it names runs by
 # its digest (TANDEM_<IMAGE>_IMAGE=REF@sha256:..., which the compose files read); `make up` pulls
@@ -132,8 +133,17 @@ test-latest: ## the tests on the newest allowed releases, in .venv-latest (what 
 	@grep -iE '^(transformers|peft|tokenizers|torch|rq|redis|fastapi|uvicorn|pydantic|httpx)==' $(LATEST_VENV)/freeze.txt | tr '\n' ' '; echo
 	HF_HUB_OFFLINE=1 $(LATEST_VENV)/bin/python -m pytest tests/unit tests/integration $(PYTEST_ARGS)
 
-bench: install ## the benchmark suite on the local CPU stack (7 min on 2 cores); report in bench/results/<timestamp>/ (ENGINE=sglang|vllm: on GPUs)
-	HF_HUB_OFFLINE=1 $(PY) bench/suite.py $(if $(filter command line,$(origin ENGINE)),--engine $(ENGINE)) $(BENCH_ARGS)
+# make bench ENGINE=sglang|vllm (given on the command line or in the environment, not only in .env):
+# the suite on GPUs, each side in its own environment (the images' paths by default).
+SGLANG_PYTHON ?= /opt/sglang/bin/python
+VLLM_PYTHON ?= /opt/vllm/bin/python
+TRAINER_PYTHON ?= /opt/trainer/bin/python
+GPU_BENCH = $(and $(filter command line environment,$(origin ENGINE)),$(filter sglang vllm,$(ENGINE)))
+bench: install ## the benchmark suite on the local CPU stack (7 min on 2 cores); report in bench/results/<timestamp>/ (ENGINE=sglang|vllm: on GPUs, SGLANG_PYTHON/VLLM_PYTHON/TRAINER_PYTHON)
+	@case "$(if $(filter command line environment,$(origin ENGINE)),$(ENGINE))" in ""|sglang|vllm) ;; *) echo "make bench: ENGINE=$(ENGINE): pick sglang or vllm (on GPUs), or leave it out (the CPU suite)" >&2; exit 2;; esac
+	@$(if $(GPU_BENCH),nvidia-smi -L >/dev/null 2>&1 || { echo "make bench ENGINE=$(ENGINE): runs on NVIDIA GPUs and nvidia-smi lists none here; plain 'make bench' runs the CPU suite" >&2; exit 2; })
+	@$(if $(GPU_BENCH),for p in $(if $(filter vllm,$(ENGINE)),$(VLLM_PYTHON),$(SGLANG_PYTHON)) $(TRAINER_PYTHON); do test -x "$$p" || { echo "make bench ENGINE=$(ENGINE): no interpreter $$p; give $(if $(filter vllm,$(ENGINE)),VLLM_PYTHON,SGLANG_PYTHON)= and TRAINER_PYTHON= (environments from images/locks/, as /opt/<env>/bin/python in the images)" >&2; exit 2; }; done)
+	HF_HUB_OFFLINE=1 $(PY) bench/suite.py $(if $(GPU_BENCH),--engine $(ENGINE) --sglang-python $(SGLANG_PYTHON) --vllm-python $(VLLM_PYTHON) --trainer-python $(TRAINER_PYTHON)) $(BENCH_ARGS)
 
 bench-quick: install ## every benchmark scenario, small (2 min 51 s on 2 cores; CI keeps the suite working with it)
 	HF_HUB_OFFLINE=1 $(PY) bench/suite.py --quick $(BENCH_ARGS)
@@ -167,7 +177,7 @@ $(DC)$(PROFILE_FLAGS) build $(LABEL_ARGS)
 endef
 # The images `make images` builds for each stack, the ones `make publish` pushes.
 STACK_IMAGES_cpu := tandem-redis tandem-inference-cpu tandem-trainer-cpu
-STACK_IMAGES_gpu := tandem-inference tandem-trainer
+STACK_IMAGES_gpu = tandem-inference$(if $(ENGINE_IMAGE),-$(ENGINE_IMAGE)) tandem-trainer
 # Published GPU images (TANDEM_IMAGE_PREFIX given or in .env) are pulled by `make up`, not built.
 PUBLISHED = $(and $(filter gpu,$(STACK)),$(or $(TANDEM_IMAGE_PREFIX),$(call dotenv,TANDEM_IMAGE_PREFIX)))
 

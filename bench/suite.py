@@ -47,6 +47,7 @@ from benchlib import SGLANG_FLAGS, SHAPES, BenchStack, Ctx, machine, md_table, p
 
 from tandem import Client
 from tandem.dev.stack import StackConfig
+from tandem.errors import StackError
 
 ON_STACK = ["sync", "swaps", "gateway_overhead", "prefix_cache", "pipeline", "load", "agreement", "throughput",
             "memory"]
@@ -202,7 +203,14 @@ def main() -> int:
         print(f"starting the stack ({args.engine}; logs in {state}/logs) ...", flush=True)
         stack = BenchStack(config, engine=args.engine, tandem_python=args.tandem_python,
                            trainer_python=args.trainer_python)
-        with stack:
+        try:
+            stack.start()  # stops what it started when a service fails to
+        except StackError as exc:  # an engine that cannot start: say why, with its log's last lines
+            results["stack"] = {"title": "The stack", "error": str(exc)}
+            write()
+            print(f"\nthe stack did not start: {exc}\n{last_lines(stack.logs, args.engine)}", file=sys.stderr)
+            return 2
+        try:
             print(f"stack ready in {time.time() - t_start:.0f} s", flush=True)
             ctx.stack = stack
             ctx.client = Client(stack.gateway_url, stack.redis_url)
@@ -217,6 +225,8 @@ def main() -> int:
             ctx.stack, ctx.client = None, None
             # the engine's command line and boot, and the shared-mode hand-overs, as the inference log has them
             meta["engine_log"] = engine_log.record((stack.logs / "inference.log").read_text(errors="replace"))
+        finally:
+            stack.stop()
     for name in names:
         if name in AFTER_STACK:
             run_scenario(name, ctx, results)
@@ -231,6 +241,15 @@ def main() -> int:
     if failed:
         print(f"scenarios that failed to run: {failed}")
     return 1 if failed else 0
+
+
+def last_lines(logs: Path, engine: str, count: int = 15) -> str:
+    """The last lines of the engine's own log (what the inference log points at when it fails to boot)."""
+    path = logs / f"{engine}.log"
+    if not path.is_file():
+        return f"(no {path}; the logs are in {logs})"
+    tail = path.read_text(errors="replace").splitlines()[-count:]
+    return f"--- {path} (last {len(tail)} lines) ---\n" + "\n".join(tail)
 
 
 def _jsonable(value: Any) -> Any:

@@ -61,14 +61,21 @@ USER tandem
 WORKDIR /home/tandem
 # The build fails unless both environments are exactly their locks, import, and run unprivileged.
 RUN tandem-doctor
-# Labels last: a new VERSION/REVISION rebuilds no other layer.
+# Labels last (VERSION, REVISION, SOURCE, LICENSES, CREATED: from git, by `make images`): a new
+# revision rebuilds no other layer.
 ARG BASE_IMAGE
 ARG VERSION=dev
 ARG REVISION=unknown
+ARG SOURCE=
+ARG LICENSES=NOASSERTION
+ARG CREATED=
 LABEL org.opencontainers.image.title="tandem-inference-vllm" \
       org.opencontainers.image.description="tandem inference: vLLM engine + controller + OpenAI gateway (CUDA)" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.licenses="${LICENSES}" \
+      org.opencontainers.image.created="${CREATED}" \
       org.opencontainers.image.base.name="${BASE_IMAGE}"
 EXPOSE 8000
 # vLLM loads the model, compiles it and captures CUDA graphs before /ready answers: minutes.

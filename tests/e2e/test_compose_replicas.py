@@ -1,4 +1,4 @@
-"""Two inference replicas behind the router, as containers: compose.replicas.yaml on the CPU stack.
+"""Two inference replicas behind the router, as containers: compose.replicas.yaml (+ -cpu) on the CPU stack.
 
 Each replica is an `inference` container with its own transformers engine; the router (HAProxy)
 takes the published gateway port and finds the replicas through compose's DNS. The loop learns
@@ -34,8 +34,8 @@ STEPS = 24
 
 @pytest.fixture(scope="module")
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeStack]:
-    yield from started_stack(request, tmp_path_factory, files=("compose.replicas.yaml",), env="INFERENCE_REPLICAS=2\n",
-                             services=("redis", "inference", "router", "trainer"))
+    yield from started_stack(request, tmp_path_factory, files=("compose.replicas.yaml", "compose.replicas-cpu.yaml"),
+                             env="INFERENCE_REPLICAS=2\n", services=("redis", "inference", "router", "trainer"))
 
 
 def ready_replicas(client: Client, run: str) -> dict[str, int]:

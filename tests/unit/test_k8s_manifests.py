@@ -272,7 +272,7 @@ def test_environment_agrees_with_compose(rendered: tuple[str, list[dict[str, Any
 #: compose files whose settings each overlay's pods carry (later files override earlier ones)
 COMPOSE_STACKS = {
     "gpu": ("compose.yaml", "compose.replicas.yaml"),
-    "cpu": ("compose.yaml", "compose.cpu.yaml", "compose.replicas.yaml"),
+    "cpu": ("compose.yaml", "compose.cpu.yaml", "compose.replicas.yaml", "compose.replicas-cpu.yaml"),
 }
 #: compose settings set otherwise on Kubernetes, and why
 KUBERNETES_ONLY = {

@@ -7,6 +7,7 @@ real registry is tests/e2e/test_registry_publish.py.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -48,7 +49,8 @@ def test_every_published_image_has_the_variable_its_compose_file_reads() -> None
             for service in yaml.load((ROOT / name).read_text(), Loader=_Loader)["services"].values()
             if "tandem-" in (service or {}).get("image", "")]
     makefile = (ROOT / "Makefile").read_text()
-    stack_images = {i for line in makefile.splitlines() if line.startswith("STACK_IMAGES_") for i in line.split(":=")[1].split()}
+    stack_images = {i for line in makefile.splitlines() if line.startswith("STACK_IMAGES_")
+                    for i in re.findall(r"tandem-[a-z-]*[a-z]", line.split("=", 1)[1])}  # make's $(if ...) left out
     assert stack_images == {"tandem-redis", "tandem-inference-cpu", "tandem-trainer-cpu", "tandem-inference", "tandem-trainer"}
     for image in stack_images | {"tandem-router", "tandem-rq-dashboard"}:
         var = image.upper().replace("-", "_") + "_IMAGE"
