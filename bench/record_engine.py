@@ -103,21 +103,24 @@ async def record(args: argparse.Namespace) -> list[dict]:
     return exchanges
 
 
+async def loads(call: Call, files: dict[str, Path], route: str) -> None:
+    """The adapter listing around loads good and bad (a duplicate name, a rank above the engine's,
+    a module it serves no LoRA on, a path that does not exist), at the engine's load `route`."""
+    await call("models_empty", "GET", "/v1/models")
+    for name, adapter, path in (("load_ok", "rec-v1", files["good"]), ("load_duplicate", "rec-v1", files["good"]),
+                                ("load_rank_too_big", "rec-big", files["big"]), ("load_bad_target", "rec-mlp", files["mlp"]),
+                                ("load_missing_path", "rec-missing", files["missing"])):
+        await call(name, "POST", route, {"lora_name": adapter, "lora_path": str(path)})
+    await call("models_loaded", "GET", "/v1/models")
+
+
 async def sglang_calls(call: Call, files: dict[str, Path]) -> None:
     """SGLang's native API, as SGLangEngine calls it (also what the transformers engine serves)."""
-    good, big, mlp = (str(files[k]) for k in ("good", "big", "mlp"))
     prompt = [1, 18, 19, 20, 21]
     sampling = {"max_new_tokens": 6, "temperature": 1.0}
     await call("health", "GET", "/health")
     await call("server_info", "GET", "/server_info")
-    await call("models_empty", "GET", "/v1/models")
-    await call("load_ok", "POST", "/load_lora_adapter", {"lora_name": "rec-v1", "lora_path": good})
-    await call("load_duplicate", "POST", "/load_lora_adapter", {"lora_name": "rec-v1", "lora_path": good})
-    await call("load_rank_too_big", "POST", "/load_lora_adapter", {"lora_name": "rec-big", "lora_path": big})
-    await call("load_bad_target", "POST", "/load_lora_adapter", {"lora_name": "rec-mlp", "lora_path": mlp})
-    await call("load_missing_path", "POST", "/load_lora_adapter",
-               {"lora_name": "rec-missing", "lora_path": str(files["missing"])})
-    await call("models_loaded", "GET", "/v1/models")
+    await loads(call, files, "/load_lora_adapter")
     await call("generate_lora", "POST", "/generate", {"input_ids": prompt, "sampling_params": sampling,
                "lora_path": "rec-v1", "return_logprob": True, "logprob_start_len": -1})
     await call("generate_base", "POST", "/generate", {"input_ids": prompt, "sampling_params": sampling,
@@ -143,7 +146,6 @@ async def sglang_calls(call: Call, files: dict[str, Path]) -> None:
 
 async def vllm_calls(call: Call, files: dict[str, Path]) -> None:
     """vLLM's OpenAI and dev routes, as VLLMEngine calls them, in the order the controller would."""
-    good, big, mlp = (str(files[k]) for k in ("good", "big", "mlp"))
     prompt = [1, 18, 19, 20, 21]
     client = VLLMEngine(httpx.AsyncClient(), "http://unused", served_model_name="base")
 
@@ -154,14 +156,7 @@ async def vllm_calls(call: Call, files: dict[str, Path]) -> None:
         await call(name, "POST", "/v1/completions", completion("rec-v2"))
 
     await call("health", "GET", "/health")
-    await call("models_empty", "GET", "/v1/models")
-    await call("load_ok", "POST", "/v1/load_lora_adapter", {"lora_name": "rec-v1", "lora_path": good})
-    await call("load_duplicate", "POST", "/v1/load_lora_adapter", {"lora_name": "rec-v1", "lora_path": good})
-    await call("load_rank_too_big", "POST", "/v1/load_lora_adapter", {"lora_name": "rec-big", "lora_path": big})
-    await call("load_bad_target", "POST", "/v1/load_lora_adapter", {"lora_name": "rec-mlp", "lora_path": mlp})
-    await call("load_missing_path", "POST", "/v1/load_lora_adapter",
-               {"lora_name": "rec-missing", "lora_path": str(files["missing"])})
-    await call("models_loaded", "GET", "/v1/models")
+    await loads(call, files, "/v1/load_lora_adapter")
     await call("complete_lora", "POST", "/v1/completions", completion("rec-v1"))
     await call("complete_n3", "POST", "/v1/completions", completion("rec-v1", n=3))
     await call("complete_base", "POST", "/v1/completions", completion(None))
@@ -173,7 +168,7 @@ async def vllm_calls(call: Call, files: dict[str, Path]) -> None:
     await call("complete_prefix_1", "POST", "/v1/completions", completion("rec-v1", prompt_ids=prompt * 40, max_tokens=2))
     await call("complete_prefix_2", "POST", "/v1/completions", completion("rec-v1", prompt_ids=prompt * 40, max_tokens=2))
     await call("flush_cache", "POST", "/reset_prefix_cache")
-    await call("load_v2", "POST", "/v1/load_lora_adapter", {"lora_name": "rec-v2", "lora_path": good})
+    await call("load_v2", "POST", "/v1/load_lora_adapter", {"lora_name": "rec-v2", "lora_path": str(files["good"])})
     await call("unload_ok", "POST", "/v1/unload_lora_adapter", {"lora_name": "rec-v1"})
     await call("unload_unknown", "POST", "/v1/unload_lora_adapter", {"lora_name": "never-loaded"})
     await call("complete_unloaded", "POST", "/v1/completions", completion("rec-v1"))
