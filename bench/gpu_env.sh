@@ -28,15 +28,20 @@ cp .lstage0/envs.txt "$stage/envs.txt"
   done
 )
 envs=${ENVS:-sglang trainer tandem bench}
-for env in $envs; do
-  wheels=$(awk -v e="$env" -v d="$stage" '{ n = split($2, envs, ","); for (i = 1; i <= n; i++) if (envs[i] == e) print d "/" $1 }' "$stage/envs.txt")
-  mkdir -p "/tmp/lk-$env"
+install() {  # env: its staged wheels into /tmp/lk-<env>
+  local wheels
+  wheels=$(awk -v e="$1" -v d="$stage" '{ n = split($2, envs, ","); for (i = 1; i <= n; i++) if (envs[i] == e) print d "/" $1 }' "$stage/envs.txt")
+  mkdir -p "/tmp/lk-$1"
   if [ -n "$wheels" ]; then
     # shellcheck disable=SC2086
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "/tmp/lk-$env" $wheels
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "/tmp/lk-$1" $wheels
   fi
-  echo "gpu_env: $env: $(echo "$wheels" | grep -c . || true) staged wheels in /tmp/lk-$env"
-done
+  echo "gpu_env: $1: $(echo "$wheels" | grep -c . || true) staged wheels in /tmp/lk-$1"
+}
+# the environments install side by side (each into its own folder); any failure fails the whole
+pids=()
+for env in $envs; do install "$env" & pids+=($!); done
+for pid in "${pids[@]}"; do wait "$pid"; done
 src="$repo/shared/src:$repo/trainer/src:$repo/inference/src"
 write() {  # name, PYTHONPATH
   # A folder on PYTHONPATH is no site directory: its .pth files (nvidia-cutlass-dsl puts `cutlass`
