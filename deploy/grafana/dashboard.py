@@ -4,11 +4,14 @@
                                                      # checks that tandem.json is current and that every
                                                      # query names metrics the services export
 
-Four rows: the loop (reward, versions published and served, step → served, staleness),
-serving (requests, latency, 429s, queue), training (step time, loss, KL, entropy, gradient
-norm, tokens/s, jobs, queue) and health (replicas up and in step, the trainer's last step,
-malformed events). Import it in Grafana with a Prometheus data source that scrapes the stack
-(compose's `metrics` profile, or a Prometheus of your own).
+Five rows: the loop (reward, versions published and served, step → served, staleness),
+serving (requests, latency, 429s, queue), the engine (each replica's SGLang, vLLM or
+transformers engine, as its gateway relays it on /metrics/engine: requests running and queued,
+KV-cache usage, tokens/s), training (step time, loss, KL, entropy, gradient norm, tokens/s,
+jobs, queue) and health (replicas up and in step, engines answering, the trainer's last step,
+malformed events). An engine panel queries each engine's names; only the one that runs has
+data. Import it in Grafana with a Prometheus data source that scrapes the stack (compose's
+`metrics` profile, or a Prometheus of your own).
 """
 
 from __future__ import annotations
@@ -47,6 +50,23 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("sum(rate(tandem_adapter_rejections_total[5m]))", "rejections"),
             ("sum(rate(tandem_adapter_load_timeouts_total[5m]))", "timeouts")]),
     ]),
+    ("Engine", [
+        ("Requests running and queued in each engine", "none", [
+            ("sum by (instance) (sglang:num_running_reqs)", "{{instance}} running"),
+            ("sum by (instance) (sglang:num_queue_reqs)", "{{instance}} queued"),
+            ("sum by (instance) (vllm:num_requests_running)", "{{instance}} running"),
+            ("sum by (instance) (vllm:num_requests_waiting)", "{{instance}} queued")]),
+        ("KV-cache usage", "percentunit", [
+            ("max by (instance) (sglang:token_usage)", "{{instance}}"),
+            ("max by (instance) (vllm:kv_cache_usage_perc)", "{{instance}}")]),
+        ("Engine tokens per second, prompt and generated", "none", [
+            ("sum by (instance) (rate(sglang:prompt_tokens_total[1m]))", "{{instance}} prompt"),
+            ("sum by (instance) (rate(sglang:generation_tokens_total[1m]))", "{{instance}} generated"),
+            ("sum by (instance) (rate(vllm:prompt_tokens_total[1m]))", "{{instance}} prompt"),
+            ("sum by (instance) (rate(vllm:generation_tokens_total[1m]))", "{{instance}} generated"),
+            ("sum by (instance) (rate(tandem_engine_prompt_tokens_total[1m]))", "{{instance}} prompt"),
+            ("sum by (instance) (rate(tandem_engine_generated_tokens_total[1m]))", "{{instance}} generated")]),
+    ]),
     ("Training", [
         ("Step time by stage (mean over 5 min)", "s", [
             ("sum by (stage) (rate(tandem_trainer_stage_seconds_sum[5m])) / "
@@ -65,8 +85,9 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
              "rate(tandem_trainer_gpu_lease_wait_seconds_count[5m])", "wait")]),
     ]),
     ("Health", [
-        ("Inference replicas: answering, serving each run", "none", [
-            ('sum(up{job="gateway"})', "answering"), ("count by (run) (tandem_serving_version)", "{{run}}")]),
+        ("Inference replicas: answering, engines answering, serving each run", "none", [
+            ('sum(up{job="gateway"})', "answering"), ('sum(up{job="engine"})', "engines answering"),
+            ("count by (run) (tandem_serving_version)", "{{run}}")]),
         ("Replicas behind the newest serving version", "none", [
             ("max by (run) (tandem_serving_version) - on(run) group_right() tandem_serving_version",
              "{{run}} {{instance}}")]),

@@ -1,5 +1,7 @@
 """The Grafana dashboard (deploy/grafana/tandem.json) and the alert rules (images/prometheus/alerts.yml)
-name only metrics that tandem's services export: the names come from the services' own registries."""
+name only metrics that tandem's services export, and only jobs that Prometheus scrapes: tandem's names
+come from the services' own registries, SGLang's and vLLM's (relayed on /metrics/engine) from their
+bodies in tests/fixtures/engine-metrics/, the jobs from images/prometheus/prometheus.yml."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem_inference.controller.metrics import ControllerMetrics
 from tandem_inference.engines.transformers.metrics import EngineMetrics
@@ -22,7 +25,11 @@ from tandem_trainer.metrics import TrainerMetrics
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "tandem.json"
 ALERTS = ROOT / "images" / "prometheus" / "alerts.yml"
+SCRAPES = ROOT / "images" / "prometheus" / "prometheus.yml"
+ENGINE_BODIES = ROOT / "tests" / "fixtures" / "engine-metrics"
 METRIC = re.compile(r"\b(tandem_[a-z0-9_]+)\b")
+ENGINE_METRIC = re.compile(r"\b((?:sglang|vllm):[a-z0-9_:]+)")
+JOB = re.compile(r'job="([^"]+)"')
 
 
 def exported() -> set[str]:
@@ -46,6 +53,12 @@ def exported() -> set[str]:
     return names
 
 
+def engine_samples() -> set[str]:
+    """Every sample name in SGLang's and vLLM's /metrics bodies."""
+    return {sample.name for body in ENGINE_BODIES.glob("*.txt")
+            for family in text_string_to_metric_families(body.read_text()) for sample in family.samples}
+
+
 def queries() -> list[tuple[str, str]]:
     board = json.loads(DASHBOARD.read_text())
     return [(panel["title"], target["expr"]) for panel in board["panels"] if panel["type"] != "row"
@@ -53,27 +66,31 @@ def queries() -> list[tuple[str, str]]:
 
 
 def test_every_panel_queries_metrics_the_services_export() -> None:
-    names = exported()
+    names, engines = exported(), engine_samples()
     assert "tandem_trainer_loss" in names and "tandem_gateway_requests_total" in names
+    assert "sglang:num_queue_reqs" in engines and "vllm:num_requests_waiting" in engines
     panels = queries()
     assert len(panels) >= 20
     by_panel: dict[str, set[str]] = {}
     for title, expr in panels:
-        by_panel.setdefault(title, set()).update(METRIC.findall(expr))
+        by_panel.setdefault(title, set()).update(METRIC.findall(expr) + ENGINE_METRIC.findall(expr))
     for title, used in by_panel.items():
-        assert used, f"panel {title!r} queries no tandem metric"
-        assert used <= names, f"panel {title!r} names metrics no service exports: {sorted(used - names)}"
+        assert used, f"panel {title!r} queries no metric"
+        unknown = {n for n in used if n not in names and n not in engines}
+        assert not unknown, f"panel {title!r} names metrics no service exports: {sorted(unknown)}"
 
 
 def test_the_dashboard_covers_the_loop_serving_training_and_health() -> None:
     board = json.loads(DASHBOARD.read_text())
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
-    assert rows == ["The loop", "Serving", "Training", "Health"]
+    assert rows == ["The loop", "Serving", "Engine", "Training", "Health"]
     text = " ".join(expr for _, expr in queries())
     for needed in ("tandem_trainer_reward_mean", "tandem_serving_version", "tandem_adapter_ready_to_serving_seconds",
                    "tandem_gateway_requests_total", "tandem_gateway_request_seconds", "tandem_gateway_refused_total",
                    "tandem_gateway_queued_requests", "tandem_trainer_stage_seconds", "tandem_trainer_loss",
-                   "tandem_trainer_kl", "tandem_controller_malformed_events_total", 'up{job="gateway"}'):
+                   "tandem_trainer_kl", "tandem_controller_malformed_events_total", 'up{job="gateway"}',
+                   "sglang:num_queue_reqs", "sglang:token_usage", "vllm:num_requests_waiting",
+                   "vllm:kv_cache_usage_perc", "tandem_engine_generated_tokens_total", 'up{job="engine"}'):
         assert needed in text, needed
 
 
@@ -92,6 +109,14 @@ def test_every_alert_names_metrics_the_services_export() -> None:
     for rule in rules:
         used = set(METRIC.findall(rule["expr"]))
         assert used <= names, f"alert {rule['alert']} names metrics no service exports: {sorted(used - names)}"
+
+
+def test_every_job_named_is_one_prometheus_scrapes() -> None:
+    jobs = {job["job_name"] for job in yaml.safe_load(SCRAPES.read_text())["scrape_configs"]}
+    assert jobs == {"gateway", "engine", "trainer"}
+    rules = [rule["expr"] for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+    named = {job for expr in [*rules, *(e for _, e in queries())] for job in JOB.findall(expr)}
+    assert named and named <= jobs, sorted(named - jobs)
 
 
 def test_promtool_accepts_the_rules_and_the_scrape_configuration() -> None:

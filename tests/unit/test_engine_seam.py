@@ -15,12 +15,14 @@ from tandem_inference.engines.transformers.client import TransformersEngine
 from tandem_inference.engines.vllm import VLLMEngine
 
 PACKAGE = Path(tandem_inference.__file__).parent
-#: Names that exist only in an engine's HTTP API (SGLang's, which the transformers engine serves too, and vLLM's).
+#: Names that exist only in an engine's HTTP API (SGLang's, which the transformers engine serves too, and vLLM's),
+#: its metric names among them: the gateway relays an engine's metrics without reading them.
 WIRE_NAMES = re.compile(
     r"meta_info|output_token_logprobs|output_top_logprobs|output_ids|sampling_params|lora_path|lora_name"
     r"|logprob_start_len|top_logprobs_num|return_logprob|load_lora_adapter|unload_lora_adapter"
     r"|memory_occupation|/server_info|/generate\b|/flush_cache|update_weights_from_disk"
     r"|return_token_ids|return_tokens_as_token_ids|/wake_up|/reset_prefix_cache|/collective_rpc|\"token_id:"
+    r"|\bsglang:|\bvllm:|tandem_engine_"
 )
 
 
@@ -46,7 +48,8 @@ def test_gateway_and_controller_import_no_engine_implementation() -> None:
 @pytest.mark.parametrize("implementation", [SGLangEngine, TransformersEngine, VLLMEngine])
 def test_each_engine_implements_the_protocol_with_its_signatures(implementation: type) -> None:
     members = {name for name, _ in inspect.getmembers(Engine, inspect.isfunction) if not name.startswith("_")}
-    assert {"complete", "stream", "load_adapter", "unload_adapter", "loaded_adapters", "health", "info"} <= members
+    assert {"complete", "stream", "load_adapter", "unload_adapter", "loaded_adapters", "health", "info",
+            "metrics"} <= members
     for name in members:
         ours, theirs = inspect.signature(getattr(Engine, name)), inspect.signature(getattr(implementation, name))
         assert list(ours.parameters) == list(theirs.parameters), name

@@ -539,7 +539,8 @@ def test_a_trainer_of_several_nodes_is_a_stateful_set_that_meets_at_its_headless
 # the Prometheus Operator component ----------------------------------------------------------------
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
 def test_the_monitoring_component_scrapes_real_ports_with_the_stacks_alerts(overlay: str, tmp_path: Path) -> None:
-    """Its PodMonitors select pods that exist and name ports those pods have, the NetworkPolicy lets the
+    """Its PodMonitors select pods that exist and name ports those pods have, scrape the compose
+    Prometheus' jobs on their paths (the engine's relayed by the gateway), the NetworkPolicy lets the
     scrapes in, and its PrometheusRule is images/prometheus/alerts.yml (the operator's custom resources
     have no schema here: the rest is validated strictly)."""
     scratch = tmp_path / "with-monitoring"
@@ -562,7 +563,10 @@ def test_the_monitoring_component_scrapes_real_ports_with_the_stacks_alerts(over
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
     monitors = [d for d in custom if d["kind"] == "PodMonitor"]
-    assert {m["spec"]["podMetricsEndpoints"][0]["relabelings"][0]["replacement"] for m in monitors} == {"gateway", "trainer"}
+    paths = {e["relabelings"][0]["replacement"]: e["path"] for m in monitors for e in m["spec"]["podMetricsEndpoints"]}
+    compose_jobs = yaml.safe_load((ROOT / "images" / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
+    assert paths == {j["job_name"]: j.get("metrics_path", "/metrics") for j in compose_jobs}  # the same jobs and paths
+    assert paths == {"gateway": "/metrics", "engine": "/metrics/engine", "trainer": "/metrics"}
     policy = find(docs, "NetworkPolicy", "metrics-from-monitoring")
     allowed = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
     for monitor in monitors:

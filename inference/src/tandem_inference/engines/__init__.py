@@ -1,7 +1,8 @@
 """The engines wing: every line that knows an engine's wire format.
 
     base.py             the `Engine` protocol; `Sampling`, `Generated`, `EngineInfo` in tandem's words
-    http.py             any HTTP engine's calls: two pools, timeouts, retries, server-sent events
+    http.py             any HTTP engine's calls: two pools, timeouts, retries, server-sent events,
+                        bounded text (the engine's metrics)
     calls.py            call kinds: timeouts, retries, connection pools
     http_errors.py      engines' error bodies and httpx errors as tandem errors
     sglang.py           SGLang's HTTP API behind `Engine`

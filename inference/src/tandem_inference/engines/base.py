@@ -2,10 +2,10 @@
 
 The gateway and the controller know engines only through `Engine`: generate (whole or streamed),
 load and unload adapters, list them, health and limits, the prefix cache, lending GPU memory
-(release/resume) and full-weight reloads. Each engine's wire format — its routes, field names
-and error shapes — stays inside its own implementation (`engines/sglang*`, `engines/transformers/`),
-which turns requests into its calls and its replies into `Generated` and the errors of
-`tandem_inference.errors`.
+(release/resume), full-weight reloads, and the engine's own metrics (which the gateway relays).
+Each engine's wire format — its routes, field names and error shapes — stays inside its own
+implementation (`engines/sglang*`, `engines/vllm*`, `engines/transformers/`), which turns
+requests into its calls and its replies into `Generated` and the errors of `tandem_inference.errors`.
 
 Logprobs follow tandem's convention (`tandem.logprobs`): under the temperature-scaled policy
 that sampled the token (the unscaled distribution for greedy decoding).
@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 FinishReason = Literal["stop", "length"]
+
+METRICS_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
+"""What `Engine.metrics` returns, as a content type: Prometheus' text exposition format 0.0.4."""
 
 TopLogprobs = list[tuple[float, int, str | None]]
 """The alternatives at one position, best first: (logprob, token id, token text or None)."""
@@ -133,6 +136,14 @@ class Engine(Protocol):
 
     async def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         """Take back what `release_memory` freed."""
+        ...
+
+    async def metrics(self) -> str:
+        """The engine's own Prometheus metrics, as it names them, in `METRICS_FORMAT`.
+
+        Read once, within a few seconds and a few MiB (engines/calls.py); an engine that answers
+        more, or not at all, raises (EngineResponseError, EngineUnreachable).
+        """
         ...
 
     async def update_weights(self, model_path: str, *, abort_all_requests: bool = False,

@@ -2,7 +2,8 @@
 
 Each call kind has its own timeout (a load may take a minute, a health check must not), and
 only idempotent calls are retried, only after connection errors, a bounded number of times:
-`should_retry` is the one place that decides. Generation and the rest travel in separate
+`should_retry` is the one place that decides. A metrics call is read once, short and bounded in
+size: the scraper's next scrape is its retry. Generation and the rest travel in separate
 connection pools (`pool_limits`), so loads, unloads and health checks never queue behind
 rollouts.
 """
@@ -20,6 +21,12 @@ RETRY_PAUSE_S = 0.2
 RETRY_MAX_PAUSE_S = 2.0
 #: Timeout of health, info and cache calls, in seconds.
 INFO_TIMEOUT_S = 10.0
+#: Timeout of reading the engine's metrics, start to end, in seconds: within a Prometheus scrape's
+#: own timeout (10 s by default), so a slow engine is a failed scrape, not a hung one.
+METRICS_TIMEOUT_S = 5.0
+#: Most bytes of the engine's metrics read (SGLang's and vLLM's run to a few hundred kB); an engine
+#: that answers more is refused before its text costs more memory.
+METRICS_MAX_BYTES = 4 * 1024 * 1024
 #: Longest wait for a TCP connection, in seconds (the engine is on a private network).
 CONNECT_TIMEOUT_S = 10.0
 #: Connections of the admin pool (loads, unloads, health, info): a few calls at a time.
@@ -46,10 +53,12 @@ class CallKind(StrEnum):
     FLUSH = "flush"
     MEMORY = "memory"
     WEIGHTS = "weights"
+    METRICS = "metrics"
 
 
 #: Calls that change nothing when repeated. A load is not (a second load under the same
-#: name is refused), nor is an unload or a memory release.
+#: name is refused), nor is an unload or a memory release. A metrics call changes nothing
+#: either, but it makes one attempt (`HttpEngine._text`): retries would outlast the scrape.
 IDEMPOTENT = frozenset({CallKind.GENERATE, CallKind.INFO, CallKind.FLUSH})
 
 #: httpx errors that mean "the connection failed", not "the engine was slow": a read

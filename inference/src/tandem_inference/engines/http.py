@@ -6,6 +6,7 @@ queue behind them. Each call kind has its timeout, and only idempotent calls are
 this edge (calls.py). Error statuses, error bodies and httpx errors become tandem errors
 naming the URL and the adapter (http_errors.py), so nothing of httpx leaves a client. Streams
 are server-sent events of JSON objects ending with `data: [DONE]`; only opening one is retried.
+A text reply (the engine's metrics) is read once, streamed and bounded in bytes and in time.
 
 An engine's client (sglang.py, vllm.py) subclasses `HttpEngine` and adds its routes, its
 bodies and the reading of its replies.
@@ -26,12 +27,13 @@ from tandem_inference.engines.calls import (
     CONNECT_TIMEOUT_S,
     INFO_TIMEOUT_S,
     MAX_ATTEMPTS,
+    METRICS_TIMEOUT_S,
     CallKind,
     retry_pause_s,
     should_retry,
 )
-from tandem_inference.engines.http_errors import engine_message, message_of, refusal, unreachable
-from tandem_inference.errors import EngineResponseError, EngineUnreachable
+from tandem_inference.engines.http_errors import engine_message, message_in, message_of, refusal, unreachable
+from tandem_inference.errors import EngineResponseError, EngineTimeout, EngineUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ class HttpEngine:
             CallKind.MEMORY: load_timeout_s,
             # A full checkpoint is read from disk and copied into the model: minutes for large ones.
             CallKind.WEIGHTS: weights_timeout_s,
+            CallKind.METRICS: METRICS_TIMEOUT_S,
         }
         self.max_attempts = max_attempts
 
@@ -143,6 +146,37 @@ class HttpEngine:
                 raise refusal(kind, url, resp.status_code, message_of(out) or "success: false", adapter)
             return out
 
+    async def _text(self, kind: CallKind, path: str, *, accept: str, max_bytes: int) -> str:
+        """The UTF-8 text a GET of `path` answers: one attempt over the admin pool, done within the
+        kind's timeout from start to end, and refused past `max_bytes` (read as a stream, so a reply
+        that is too long costs no more memory than that).
+
+        An error status raises the refusal, as `_call` does; a reply too long or not UTF-8
+        EngineResponseError; an httpx error or the deadline EngineUnreachable (EngineTimeout).
+        """
+        url = f"{self.url}{path}"
+        headers = {**self._headers(kind), "Accept": accept}
+        timeout_s = self.timeouts_s[kind]
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self.admin_http.stream("GET", url, headers=headers, timeout=self._timeout(kind)) as resp:
+                    content = await _bounded(resp, max_bytes)
+        except httpx.HTTPError as exc:
+            raise unreachable(kind, url, exc, timeout_s) from exc
+        except TimeoutError as exc:
+            raise EngineTimeout(f"engine at {url} did not answer the {kind.value} call whole within {timeout_s:g} s; "
+                                "it may be overloaded or stuck") from exc
+        if content is None:
+            raise EngineResponseError(f"engine at {url} answered more than {max_bytes} bytes to the {kind.value} "
+                                      "call; nothing of it is relayed", status_code=resp.status_code)
+        if resp.status_code >= 400:
+            raise refusal(kind, url, resp.status_code, message_in(content, resp.status_code), None)
+        try:
+            return content.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise EngineResponseError(f"engine at {url} answered the {kind.value} call with text that is not "
+                                      f"UTF-8 ({exc.reason} at byte {exc.start})", status_code=resp.status_code) from exc
+
     async def _events(self, path: str, body: dict[str, Any], *, adapter: str | None) -> AsyncGenerator[dict[str, Any], None]:
         """The JSON objects of a streamed generation until `data: [DONE]`.
 
@@ -171,6 +205,18 @@ class HttpEngine:
                     await asyncio.sleep(retry_pause_s(attempt))
                     continue
                 raise unreachable(CallKind.GENERATE, url, exc, self.timeouts_s[CallKind.GENERATE]) from exc
+
+
+async def _bounded(resp: httpx.Response, max_bytes: int) -> bytes | None:
+    """The body of a streamed reply (decoded from its content encoding); None past `max_bytes`."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.aiter_bytes():
+        size += len(chunk)
+        if size > max_bytes:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _sse(url: str, resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:

@@ -38,11 +38,17 @@ def engine_message(resp: httpx.Response) -> str:
     on OpenAI routes; vLLM `{"error": {"message", "type", "param", "code"}}`, and
     `{"error": "..."}` on its pause and auth refusals; FastAPI answers `{"detail": ...}`.
     """
+    return message_in(resp.content, resp.status_code)
+
+
+def message_in(content: bytes, status: int) -> str:
+    """The engine's own words in the error body `content` of a `status` reply (see `engine_message`);
+    for a body read in part, as a streamed call reads it."""
     try:
-        body = resp.json()
+        body = json.loads(content)
     except ValueError:
-        return resp.text.strip()[:MESSAGE_CHARS] or f"HTTP {resp.status_code}"
-    return message_of(body) or f"HTTP {resp.status_code}"
+        return content.decode("utf-8", "replace").strip()[:MESSAGE_CHARS] or f"HTTP {status}"
+    return message_of(body) or f"HTTP {status}"
 
 
 def message_of(body: object) -> str | None:

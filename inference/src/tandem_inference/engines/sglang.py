@@ -3,8 +3,8 @@
 tandem's controller and gateway live in one Python environment, SGLang in another; they meet
 only over SGLang's HTTP API (docs/architecture.md, "Engines"): native `/generate`, `/load_lora_adapter`,
 `/unload_lora_adapter`, `/v1/models`, `/server_info`, `/health`, `/flush_cache`,
-`/update_weights_from_disk` and the memory release/resume routes. Replies become `Generated`
-(sglang_outputs.py).
+`/update_weights_from_disk`, the memory release/resume routes and `/metrics` (the launcher passes
+`--enable-metrics`). Replies become `Generated` (sglang_outputs.py).
 
 The two connection pools, timeouts and retries per call kind and the translation of errors are
 every HTTP engine's (http.py).
@@ -16,8 +16,8 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-from tandem_inference.engines.base import EngineInfo, Generated, Sampling
-from tandem_inference.engines.calls import CallKind
+from tandem_inference.engines.base import METRICS_FORMAT, EngineInfo, Generated, Sampling
+from tandem_inference.engines.calls import METRICS_MAX_BYTES, CallKind
 from tandem_inference.engines.http import HttpEngine
 from tandem_inference.engines.sglang_outputs import SampleFold, whole
 from tandem_inference.errors import EngineResponseError
@@ -141,6 +141,11 @@ class SGLangEngine(HttpEngine):
 
     async def flush_cache(self) -> None:
         await self._call(CallKind.FLUSH, "POST", "/flush_cache")
+
+    async def metrics(self) -> str:
+        """SGLang's /metrics (`sglang:*`: running and queued requests, KV-cache usage, tokens and
+        throughput), or the transformers engine's (`tandem_engine_*`)."""
+        return await self._text(CallKind.METRICS, "/metrics", accept=METRICS_FORMAT, max_bytes=METRICS_MAX_BYTES)
 
     async def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Free GPU memory (weights and KV cache, or only `tags`) for a trainer on the same GPU."""

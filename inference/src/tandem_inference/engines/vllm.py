@@ -12,7 +12,7 @@ vLLM (0.33) runs in an environment of its own and meets tandem only over HTTP
   `parent` are adapters, `root` their path; the base card's `max_model_len` is the context length);
 - with VLLM_SERVER_DEV_MODE: `/sleep`, `/wake_up`, `/pause`, `/release_kv_cache_memory` (lending
   GPU memory), `/reset_prefix_cache`, `/collective_rpc` (full-weight reloads), `/update_weight_version`;
-- `GET /health`.
+- `GET /health`, and `GET /metrics` (`vllm:*`, served by default).
 
 vLLM's unload only forgets the name: requests already running on the adapter finish on it (the
 worker keeps its weights in its LRU cache), so unloading never waits. tandem never loads two
@@ -32,8 +32,8 @@ from typing import Any, ClassVar
 import httpx
 
 from tandem.settings import EngineSettings
-from tandem_inference.engines.base import EngineInfo, Generated, Sampling
-from tandem_inference.engines.calls import CallKind
+from tandem_inference.engines.base import METRICS_FORMAT, EngineInfo, Generated, Sampling
+from tandem_inference.engines.calls import METRICS_MAX_BYTES, CallKind
 from tandem_inference.engines.http import HttpEngine
 from tandem_inference.engines.vllm_outputs import cached_tokens, choice_output
 from tandem_inference.errors import EngineResponseError
@@ -160,6 +160,11 @@ class VLLMEngine(HttpEngine):
     async def flush_cache(self) -> None:
         """Empty the prefix cache (`success: false` while blocks are in use raises EngineResponseError)."""
         await self._call(CallKind.FLUSH, "POST", "/reset_prefix_cache")
+
+    async def metrics(self) -> str:
+        """vLLM's /metrics (`vllm:*`: running and waiting requests, KV-cache usage, tokens, the LoRA
+        adapters running and waiting)."""
+        return await self._text(CallKind.METRICS, "/metrics", accept=METRICS_FORMAT, max_bytes=METRICS_MAX_BYTES)
 
     async def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Free GPU memory for a trainer on the same GPU (no request may be running).

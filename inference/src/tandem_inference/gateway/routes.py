@@ -1,12 +1,15 @@
 """The gateway's HTTP routes: generation (and episodes), runs, and operations (health, readiness, metrics).
 
-Generation and run routes need the API key when one is set; /health, /ready and /metrics never
-do (probes and scrapers reach them from the private network).
+Generation and run routes need the API key when one is set; /health, /ready, /metrics and
+/metrics/engine never do (probes and scrapers reach them from the private network). The engine
+listens where no scraper reaches it (its admin routes stay private), so /metrics/engine relays
+its own metrics, as it names them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from typing import Annotated, Any
 
@@ -15,10 +18,14 @@ from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tandem_inference.errors import EpisodeNotFound, ModelNotFound
+from tandem_inference.engines.base import METRICS_FORMAT
+from tandem_inference.errors import EngineResponseError, EpisodeNotFound, ModelNotFound
+from tandem_inference.gateway.error_replies import error_reply, for_clients
 from tandem_inference.gateway.schemas import EPISODE_ID, ChatRequest, CompletionRequest
 from tandem_inference.gateway.service import Gateway
 from tandem_inference.routing import parse_model
+
+log = logging.getLogger(__name__)
 
 
 def current_gateway(request: Request) -> Gateway:
@@ -129,3 +136,18 @@ async def metrics(gw: GatewayDep) -> Response:
     if gw.controller is not None and gw.controller.metrics.registry is not gw.metrics.registry:
         text += generate_latest(gw.controller.metrics.registry)
     return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+@operations.get("/metrics/engine")
+async def engine_metrics(gw: GatewayDep) -> Response:
+    """The replica's engine's own metrics, as the engine names them, relayed unread.
+
+    An engine out of reach is a 503 (the error handlers'); one that answers an error, or too much,
+    a 502 whatever its status, as no scrape asks for anything the engine could refuse.
+    """
+    try:
+        text = await gw.engine.metrics()
+    except EngineResponseError as exc:
+        log.warning("engine metrics not relayed: %s", exc)
+        return error_reply(502, for_clients(exc), "engine_error")
+    return Response(text, media_type=METRICS_FORMAT)
