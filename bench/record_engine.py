@@ -137,6 +137,7 @@ async def sglang_calls(call: Call, files: dict[str, Path]) -> None:
                "sampling_params": {"max_new_tokens": 2}, "lora_path": "rec-v1"})
     await call("generate_prefix_2", "POST", "/generate", {"input_ids": prompt * 20,
                "sampling_params": {"max_new_tokens": 2}, "lora_path": "rec-v1"})
+    await call("metrics", "GET", "/metrics")  # what the gateway's /metrics/engine relays
     await call("flush_cache", "POST", "/flush_cache")
     await call("unload_ok", "POST", "/unload_lora_adapter", {"lora_name": "rec-v1"})
     await call("unload_unknown", "POST", "/unload_lora_adapter", {"lora_name": "never-loaded"})
@@ -172,7 +173,7 @@ async def vllm_calls(call: Call, files: dict[str, Path]) -> None:
     await call("unload_ok", "POST", "/v1/unload_lora_adapter", {"lora_name": "rec-v1"})
     await call("unload_unknown", "POST", "/v1/unload_lora_adapter", {"lora_name": "never-loaded"})
     await call("complete_unloaded", "POST", "/v1/completions", completion("rec-v1"))
-    await call("metrics", "GET", "/metrics")
+    await call("metrics", "GET", "/metrics")  # what the gateway's /metrics/engine relays
     # shared mode: the KV cache alone, then the weights too (what release_memory/resume_memory send)
     await call("pause", "POST", "/pause?mode=wait")
     await call("release_kv_cache", "POST", "/release_kv_cache_memory")
