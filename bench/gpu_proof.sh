@@ -18,6 +18,8 @@
 #   PART=suite    bench/suite.py --engine $ENGINE --only $ONLY (default sync,swaps; suite.json/.md, plots)
 #   PART=first    bench/gpu_first_forward.py --profile: the first response after a load, taken apart
 # MODE=split (default with two GPUs: the engine on GPU 0, the trainer on GPU 1) or shared (one GPU);
+# GPU (default 0) for the one-GPU parts, so that two parts share a call on two GPUs:
+#   PART=engines ENGINES=vllm CHECK=0 bash bench/gpu_proof.sh & GPU=1 KILL=0 PART=first bash bench/gpu_proof.sh; wait
 # ENGINE=sglang (default) or vllm; ENVS, as bench/gpu_env.sh reads it, adds vLLM's environment;
 # RECORD (PART=env) names the engines whose answers to record (default sglang; "" for none).
 #   PART=env bash bench/gpu_proof.sh          # from the repo root; STEPS (default 30)
@@ -30,7 +32,9 @@ gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 mode=${MODE:-$([ "$gpus" -ge 2 ] && echo split || echo shared)}
 export PYTHONUNBUFFERED=1
 model=/tmp/gc/model-0.5b
-nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill 2>/dev/null
+# engines an earlier run left behind; KILL=0 when another part runs beside this one (GPU=1 below)
+[ "${KILL:-1}" = 1 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill 2>/dev/null
+gpu=${GPU:-0}  # the GPU of the one-GPU parts (engines' tests, correct, first)
 case $mode in
   split) placement=(--inference-gpus '[0]' --trainer-gpus '[1]' --mem-fraction 0.7) ;;
   *) placement=(--inference-gpus '[0]' --trainer-gpus '[0]' --mem-fraction 0.6) ;;
@@ -74,7 +78,7 @@ engines)
   fi
   for e in ${ENGINES:-sglang vllm}; do
     var=TANDEM_TEST_${e^^}_PYTHON
-    env "$var=/tmp/${e:0:2}python" CUDA_VISIBLE_DEVICES=0 /tmp/trpython -m pytest -p no:cacheprovider \
+    env "$var=/tmp/${e:0:2}python" CUDA_VISIBLE_DEVICES="$gpu" /tmp/trpython -m pytest -p no:cacheprovider \
       -W ignore::pytest.PytestConfigWarning -rA -v --basetemp "/tmp/bt-$e" tests/integration/test_engine_batches.py \
       -k "$e" >>"$out/engines.log" 2>&1
     echo "test_engine_batches $e: exit $? after $((SECONDS - t0)) s" | tee -a "$out/engines.log"
@@ -97,10 +101,10 @@ correct)
     check=$!
   fi
   t0=$SECONDS
-  CUDA_VISIBLE_DEVICES=0 /tmp/trpython bench/gpu_mixed.py --out /tmp/mixed --sglang-python /tmp/sgpython \
+  CUDA_VISIBLE_DEVICES="$gpu" /tmp/trpython bench/gpu_mixed.py --out /tmp/mixed --sglang-python /tmp/sgpython \
     --lora-backends "${BACKENDS:-csgmv,triton}" >/tmp/mixed.log 2>&1
   echo "gpu_mixed: exit $? after $((SECONDS - t0)) s"
-  CUDA_VISIBLE_DEVICES=0 /tmp/trpython bench/gpu_seam.py --out /tmp/seam --sglang-python /tmp/sgpython \
+  CUDA_VISIBLE_DEVICES="$gpu" /tmp/trpython bench/gpu_seam.py --out /tmp/seam --sglang-python /tmp/sgpython \
     --shape 0.5b --rounds 4 >/tmp/seam.log 2>&1
   echo "gpu_seam: exit $? after $((SECONDS - t0)) s"
   tail -30 /tmp/mixed.log; tail -20 /tmp/seam.log
@@ -138,7 +142,7 @@ suite)
   ;;
 first)
   t0=$SECONDS
-  CUDA_VISIBLE_DEVICES=0 /tmp/tdpython bench/gpu_first_forward.py --out /tmp/first --sglang-python /tmp/sgpython \
+  CUDA_VISIBLE_DEVICES="$gpu" /tmp/tdpython bench/gpu_first_forward.py --out /tmp/first --sglang-python /tmp/sgpython \
     --shape "${SHAPE:-0.5b}" --profile >/tmp/first.log 2>&1
   echo "gpu_first_forward: exit $? after $((SECONDS - t0)) s"
   tail -40 /tmp/first.log
