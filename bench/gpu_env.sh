@@ -28,7 +28,7 @@ cp .lstage0/envs.txt "$stage/envs.txt"
   done
 )
 envs=${ENVS:-sglang trainer tandem bench}
-install() {  # env: its staged wheels into /tmp/lk-<env>
+install_env() {  # env: its staged wheels into /tmp/lk-<env>
   local wheels
   wheels=$(awk -v e="$1" -v d="$stage" '{ n = split($2, envs, ","); for (i = 1; i <= n; i++) if (envs[i] == e) print d "/" $1 }' "$stage/envs.txt")
   mkdir -p "/tmp/lk-$1"
@@ -38,10 +38,13 @@ install() {  # env: its staged wheels into /tmp/lk-<env>
   fi
   echo "gpu_env: $1: $(echo "$wheels" | grep -c . || true) staged wheels in /tmp/lk-$1"
 }
-# the environments install side by side (each into its own folder); any failure fails the whole
+# the environments install side by side (each into its own folder); any failure fails the whole,
+# once every install has ended
 pids=()
-for env in $envs; do install "$env" & pids+=($!); done
-for pid in "${pids[@]}"; do wait "$pid"; done
+for env in $envs; do install_env "$env" & pids+=($!); done
+failed=0
+for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+[ "$failed" = 0 ] || { echo "gpu_env: an environment failed to install (above)" >&2; exit 1; }
 src="$repo/shared/src:$repo/trainer/src:$repo/inference/src"
 write() {  # name, PYTHONPATH
   # A folder on PYTHONPATH is no site directory: its .pth files (nvidia-cutlass-dsl puts `cutlass`

@@ -19,7 +19,9 @@
 #   PART=first    bench/gpu_first_forward.py --profile: the first response after a load, taken apart
 # MODE=split (default with two GPUs: the engine on GPU 0, the trainer on GPU 1) or shared (one GPU);
 # GPU (default 0) for the one-GPU parts, so that two parts share a call on two GPUs:
-#   PART=engines ENGINES=vllm CHECK=0 bash bench/gpu_proof.sh & GPU=1 KILL=0 PART=first bash bench/gpu_proof.sh; wait
+#   KILL=0 PART=engines ENGINES=vllm CHECK=0 bash bench/gpu_proof.sh & GPU=1 KILL=0 PART=first bash bench/gpu_proof.sh; wait
+# (KILL=0 on both: neither may end the other's engines; the parts before them end their own).
+# A part whose check fails exits non-zero (its files still come back).
 # ENGINE=sglang (default) or vllm; ENVS, as bench/gpu_env.sh reads it, adds vLLM's environment;
 # RECORD (PART=env) names the engines whose answers to record (default sglang; "" for none).
 #   PART=env bash bench/gpu_proof.sh          # from the repo root; STEPS (default 30)
@@ -54,6 +56,7 @@ env)
   (unset PYTHONDONTWRITEBYTECODE; for d in /tmp/lk-*; do python3 -m compileall -q -j 0 "$d" >/dev/null 2>&1; done)
   tail -8 "$out/env.log"
   /tmp/trpython -c 'import sys; sys.path.insert(0, "bench"); from benchlib import SHAPES; from tandem_trainer.tiny_model import build_tiny_model; build_tiny_model(sys.argv[1], **SHAPES["0.5b"])' "$model"
+  rm -rf /tmp/rec
   for e in ${RECORD-sglang}; do
     t0=$SECONDS
     CUDA_VISIBLE_DEVICES=$second /tmp/tdpython bench/record_engine.py --engine "$e" "${engines[@]}" --out /tmp/rec \
@@ -70,6 +73,7 @@ engines)
         --inference-gpus '[1]' --trainer-gpus '[1]' --mem-fraction 0.6 --out "/tmp/gc/$engine-shared-0.5b" \
         >/tmp/gpu_check.log 2>&1
       echo "gpu_check $engine shared: exit $? after $((SECONDS - t0)) s" >>/tmp/gpu_check.log
+      rm -f "/tmp/rec/${engine}_recorded.json"
       CUDA_VISIBLE_DEVICES=1 /tmp/tdpython bench/record_engine.py --engine "$engine" "${engines[@]}" \
         --out /tmp/rec >"/tmp/rec-$engine.log" 2>&1
       echo "record_engine $engine: exit $? after $((SECONDS - t0)) s" >>"/tmp/rec-$engine.log"
@@ -81,7 +85,9 @@ engines)
     env "$var=/tmp/${e:0:2}python" CUDA_VISIBLE_DEVICES="$gpu" /tmp/trpython -m pytest -p no:cacheprovider \
       -W ignore::pytest.PytestConfigWarning -rA -v --basetemp "/tmp/bt-$e" tests/integration/test_engine_batches.py \
       -k "$e" >>"$out/engines.log" 2>&1
-    echo "test_engine_batches $e: exit $? after $((SECONDS - t0)) s" | tee -a "$out/engines.log"
+    rc=$?
+    [ "$rc" = 0 ] || status=1
+    echo "test_engine_batches $e: exit $rc after $((SECONDS - t0)) s" | tee -a "$out/engines.log"
   done
   tail -40 "$out/engines.log"
   if [ -n "${lane:-}" ]; then
@@ -89,7 +95,7 @@ engines)
     cp "/tmp/gc/$engine-shared-0.5b/results.json" "$out/gpu_check.json" 2>/dev/null
     cp "/tmp/gc/$engine-shared-0.5b/report.md" "$out/gpu_check.md" 2>/dev/null
     tail -c 60000 /tmp/gpu_check.log >"$out/gpu_check.log"
-    cp /tmp/rec/*.json "$out/" 2>/dev/null; tail -c 20000 "/tmp/rec-$engine.log" >"$out/record.log"
+    cp "/tmp/rec/${engine}_recorded.json" "$out/" 2>/dev/null; tail -c 20000 "/tmp/rec-$engine.log" >"$out/record.log"
   fi
   ;;
 correct)
@@ -149,4 +155,4 @@ first)
   cp /tmp/first/results.json /tmp/first/report.md "$out/" 2>/dev/null
   ;;
 esac
-exit 0
+exit "${status:-0}"

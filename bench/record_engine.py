@@ -148,7 +148,8 @@ async def sglang_calls(call: Call, files: dict[str, Path]) -> None:
 async def vllm_calls(call: Call, files: dict[str, Path]) -> None:
     """vLLM's OpenAI and dev routes, as VLLMEngine calls them, in the order the controller would."""
     prompt = [1, 18, 19, 20, 21]
-    client = VLLMEngine(httpx.AsyncClient(), "http://unused", served_model_name="base")
+    client = VLLMEngine(httpx.AsyncClient(), "http://unused", served_model_name="base")  # builds bodies only
+    await client.http.aclose()
 
     def completion(adapter: str | None, n: int = 1, prompt_ids: list[int] = prompt, max_tokens: int = 6) -> dict:
         return client._completion_body(prompt_ids, Sampling(max_tokens=max_tokens, temperature=1.0), n, adapter, True)

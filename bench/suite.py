@@ -210,6 +210,9 @@ def main() -> int:
             write()
             print(f"\nthe stack did not start: {exc}\n{last_lines(stack.logs, args.engine)}", file=sys.stderr)
             return 2
+        except BaseException:  # a port in use (ConfigError), Ctrl-C during a long boot: nothing left running
+            stack.stop()
+            raise
         try:
             print(f"stack ready in {time.time() - t_start:.0f} s", flush=True)
             ctx.stack = stack
@@ -245,7 +248,7 @@ def main() -> int:
 
 def last_lines(logs: Path, engine: str, count: int = 15) -> str:
     """The last lines of the engine's own log (what the inference log points at when it fails to boot)."""
-    path = logs / f"{engine}.log"
+    path = logs / f"{'engine' if engine == 'transformers' else engine}.log"
     if not path.is_file():
         return f"(no {path}; the logs are in {logs})"
     tail = path.read_text(errors="replace").splitlines()[-count:]

@@ -5,15 +5,17 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import redis
-from helpers.servers import Servers, engine_and_gateway
 from helpers.workers import WorkerProcess, start_workers, stop_workers
 
 from tandem.registry import Registry
 from tandem.runs import RunSpec
+
+if TYPE_CHECKING:  # the gateway's environment, which the gpu tests' interpreters may lack
+    from helpers.servers import Servers
 
 
 @pytest.fixture
@@ -33,6 +35,8 @@ def servers(request: pytest.FixtureRequest, tiny_model: Path, redis_url: str,
     Both bound max_tokens by the module's MAX_TOKENS (64 when it sets none), which keeps
     generation short where a module sends many requests.
     """
+    from helpers.servers import engine_and_gateway
+
     limit = getattr(request.module, "MAX_TOKENS", 64)
     with engine_and_gateway(tiny_model, redis_url, tmp_path_factory.mktemp("store"), limit=limit) as s:
         yield s

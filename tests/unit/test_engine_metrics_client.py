@@ -145,3 +145,28 @@ async def test_an_engine_that_is_down_is_unreachable_after_one_attempt() -> None
     with pytest.raises(EngineUnreachable, match="cannot be reached for the metrics"):
         await client("vllm", handler).metrics()
     assert len(attempts) == 1  # the scraper's next scrape is the retry
+
+
+async def test_scrapes_at_once_share_one_read_and_leave_the_admin_calls_alone() -> None:
+    """/metrics/engine takes no key: however many scrapes arrive while a read is in flight, the engine
+    is asked once (the admin pool keeps its connections for loads and health), each scrape gets the
+    answer, and a scrape that goes away does not cancel the read for the others."""
+    reads, release = 0, asyncio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal reads
+        if request.url.path == "/health":
+            return httpx.Response(200, json={})
+        reads += 1
+        await release.wait()
+        return prometheus_text(body_of("sglang"))
+
+    engine = SGLangEngine(httpx.AsyncClient(transport=httpx.MockTransport(handler)), URL, api_key=KEY)
+    scrapes = [asyncio.create_task(engine.metrics()) for _ in range(10)]
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(engine.health(), 1.0)  # answered while the read waits
+    scrapes[0].cancel()
+    release.set()
+    texts = await asyncio.gather(*scrapes[1:])
+    assert reads == 1 and texts == [body_of("sglang")] * 9
+    assert await engine.metrics() == body_of("sglang") and reads == 2  # the next scrape reads anew

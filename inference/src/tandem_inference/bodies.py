@@ -153,19 +153,25 @@ def invalid_request(exc: RequestValidationError,
 def unreadable_body(first: dict[str, Any], content_type: str | None) -> str | None:
     """What is wrong with a body that never reached the schema, or None when it did.
 
-    FastAPI reports invalid JSON as a `json_invalid` error at the character it stopped at, and a
-    body not sent as JSON as the raw bytes failing to be an object at `body`.
+    FastAPI reports invalid JSON as a `json_invalid` error at the character it stopped at; a body
+    not sent as JSON as its raw bytes failing to be an object at `body`; and valid JSON that is no
+    object (a string: often an object encoded twice) as that value failing to be one.
     """
     loc = tuple(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         why = printable(str((first.get("ctx") or {}).get("error") or "not JSON"))
         at = f" at character {loc[1]}" if len(loc) > 1 and isinstance(loc[1], int) else ""
         return f"the body is not valid JSON: {why}{at}; send one JSON object"
-    if loc == ("body",) and isinstance(first.get("input"), bytes | str):
+    if loc != ("body",) or first.get("type") != "model_attributes_type":
+        return None
+    value = first.get("input")
+    if isinstance(value, bytes):
         sent = printable(content_type) if content_type else "none"
         return (f"the body was not read as JSON (Content-Type: {sent}); send one JSON object with "
                 "Content-Type: application/json")
-    return None
+    kind = ("a string (an object encoded twice?)" if isinstance(value, str) else "an array" if isinstance(value, list)
+            else "null" if value is None else "a boolean" if isinstance(value, bool) else "a number")
+    return f"the body is JSON {kind}, not an object; send one JSON object"
 
 
 def location(problem: dict[str, Any]) -> str:

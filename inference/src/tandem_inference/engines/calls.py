@@ -29,7 +29,7 @@ METRICS_TIMEOUT_S = 5.0
 METRICS_MAX_BYTES = 4 * 1024 * 1024
 #: Longest wait for a TCP connection, in seconds (the engine is on a private network).
 CONNECT_TIMEOUT_S = 10.0
-#: Connections of the admin pool (loads, unloads, health, info): a few calls at a time.
+#: Connections of the admin pool (loads, unloads, health, info, and one metrics read at a time).
 ADMIN_CONNECTIONS = 8
 
 

@@ -23,10 +23,12 @@ from typing import Any, ClassVar, Self
 import httpx
 
 from tandem.settings import EngineSettings
+from tandem_inference.engines.base import METRICS_FORMAT
 from tandem_inference.engines.calls import (
     CONNECT_TIMEOUT_S,
     INFO_TIMEOUT_S,
     MAX_ATTEMPTS,
+    METRICS_MAX_BYTES,
     METRICS_TIMEOUT_S,
     CallKind,
     retry_pause_s,
@@ -81,6 +83,8 @@ class HttpEngine:
             CallKind.METRICS: METRICS_TIMEOUT_S,
         }
         self.max_attempts = max_attempts
+        self._metrics_read: asyncio.Task[str] | None = None
+        """The one read of the engine's metrics in flight, which every scrape meanwhile shares."""
 
     @classmethod
     def from_settings(
@@ -146,6 +150,19 @@ class HttpEngine:
                 raise refusal(kind, url, resp.status_code, message_of(out) or "success: false", adapter)
             return out
 
+    async def _metrics(self, path: str = "/metrics") -> str:
+        """The engine's metrics text (`_text` of METRICS), read once however many scrapes ask at once.
+
+        A scrape needs no key, so scrapes must not crowd the admin pool that loads, unloads and
+        health checks travel in: at most one read is in flight, and the scrapes that arrive
+        meanwhile share its answer (or its error). A scrape that goes away leaves it running for
+        the others.
+        """
+        if self._metrics_read is None or self._metrics_read.done():
+            self._metrics_read = asyncio.create_task(
+                self._text(CallKind.METRICS, path, accept=METRICS_FORMAT, max_bytes=METRICS_MAX_BYTES))
+        return await asyncio.shield(self._metrics_read)
+
     async def _text(self, kind: CallKind, path: str, *, accept: str, max_bytes: int) -> str:
         """The UTF-8 text a GET of `path` answers: one attempt over the admin pool, done within the
         kind's timeout from start to end, and refused past `max_bytes` (read as a stream, so a reply
@@ -161,6 +178,9 @@ class HttpEngine:
             async with asyncio.timeout(timeout_s):
                 async with self.admin_http.stream("GET", url, headers=headers, timeout=self._timeout(kind)) as resp:
                     content = await _bounded(resp, max_bytes)
+        except httpx.DecodingError as exc:  # a content encoding that does not decode: the engine's answer
+            raise EngineResponseError(f"engine at {url} answered the {kind.value} call with a body that does not "
+                                      f"decode ({exc})", status_code=502) from exc
         except httpx.HTTPError as exc:
             raise unreachable(kind, url, exc, timeout_s) from exc
         except TimeoutError as exc:

@@ -16,8 +16,8 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-from tandem_inference.engines.base import METRICS_FORMAT, EngineInfo, Generated, Sampling
-from tandem_inference.engines.calls import METRICS_MAX_BYTES, CallKind
+from tandem_inference.engines.base import EngineInfo, Generated, Sampling
+from tandem_inference.engines.calls import CallKind
 from tandem_inference.engines.http import HttpEngine
 from tandem_inference.engines.sglang_outputs import SampleFold, whole
 from tandem_inference.errors import EngineResponseError
@@ -145,7 +145,7 @@ class SGLangEngine(HttpEngine):
     async def metrics(self) -> str:
         """SGLang's /metrics (`sglang:*`: running and queued requests, KV-cache usage, tokens and
         throughput), or the transformers engine's (`tandem_engine_*`)."""
-        return await self._text(CallKind.METRICS, "/metrics", accept=METRICS_FORMAT, max_bytes=METRICS_MAX_BYTES)
+        return await self._metrics()
 
     async def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Free GPU memory (weights and KV cache, or only `tags`) for a trainer on the same GPU."""

@@ -32,8 +32,8 @@ from typing import Any, ClassVar
 import httpx
 
 from tandem.settings import EngineSettings
-from tandem_inference.engines.base import METRICS_FORMAT, EngineInfo, Generated, Sampling
-from tandem_inference.engines.calls import METRICS_MAX_BYTES, CallKind
+from tandem_inference.engines.base import EngineInfo, Generated, Sampling
+from tandem_inference.engines.calls import CallKind
 from tandem_inference.engines.http import HttpEngine
 from tandem_inference.engines.vllm_outputs import cached_tokens, choice_output
 from tandem_inference.errors import EngineResponseError
@@ -164,7 +164,7 @@ class VLLMEngine(HttpEngine):
     async def metrics(self) -> str:
         """vLLM's /metrics (`vllm:*`: running and waiting requests, KV-cache usage, tokens, the LoRA
         adapters running and waiting)."""
-        return await self._text(CallKind.METRICS, "/metrics", accept=METRICS_FORMAT, max_bytes=METRICS_MAX_BYTES)
+        return await self._metrics()
 
     async def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Free GPU memory for a trainer on the same GPU (no request may be running).

@@ -88,7 +88,7 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    message, param, problems = invalid_request(exc)
+    message, param, problems = invalid_request(exc, request.headers.get("content-type"))
     return error_response(422, {**error_body(message, 422, param), "detail": problems})
 
 
