@@ -190,6 +190,12 @@ def test_streaming_chat_and_completions(
     assert text == plain.choices[0].message.content
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == [plain.choices[0].finish_reason]
+    # OpenAI's shape: every chunk has a choice unless the usage is asked for; the finish carries the extension
+    assert all(c.choices for c in chunks) and chunks[-1].usage is None
+    assert chunks[-1].model_extra["tandem"]["completion_token_ids"] == plain.model_extra["tandem"]["completion_token_ids"]
+    chunks = list(client.chat.completions.create(model=run, messages=CHAT, max_tokens=12, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert [c.usage is not None for c in chunks].count(True) == 1  # only the last
     last = chunks[-1]
     assert last.choices == [] and last.usage.completion_tokens == plain.usage.completion_tokens
     assert (
@@ -201,7 +207,8 @@ def test_streaming_chat_and_completions(
     )
 
     stream = list(
-        client.completions.create(model=f"{run}@v1", prompt="Count:", max_tokens=6, n=2, stream=True)
+        client.completions.create(model=f"{run}@v1", prompt="Count:", max_tokens=6, n=2, stream=True,
+                                  stream_options={"include_usage": True})
     )
     texts = {0: "", 1: ""}
     for c in stream:
@@ -272,6 +279,13 @@ def test_pinned_versions_and_unknown_names(
     )
     ids = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
     assert ids == ["base", run, f"{run}@v1", f"{run}@v2"]
+    # OpenAI's models.retrieve: each listed card by its id; an unknown one a 404 listing them
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    assert client.models.retrieve(f"{run}@v1").id == f"{run}@v1"
+    assert client.models.retrieve("base").model_extra["root"] is not None
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve(f"{run}@v9")
+    assert f"{run}@v2" in str(missing.value)
 
 
 def test_a_run_created_after_start_is_served_by_the_base_model(
@@ -301,6 +315,32 @@ def test_malformed_chat_bodies_are_422(url: str, body: dict) -> None:
     resp = httpx.post(f"{url}/v1/chat/completions", json=body)
     assert resp.status_code == 422, resp.text
     assert resp.json()["error"]["type"] == "invalid_request_error" and resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("logit_bias", {"22": -100}), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("seed", 42),
+    ("top_k", 5), ("min_p", 0.1), ("repetition_penalty", 1.05), ("parallel_tool_calls", False),
+    ("tool_choice", "required"), ("modalities", ["text", "audio"]), ("functions", [{"name": "f"}]),
+])
+def test_a_sampling_field_the_engines_do_not_honour_is_refused_naming_it(url: str, field: str, value: Any) -> None:
+    """Never ignored: the reply would not be what was asked for."""
+    resp = httpx.post(f"{url}/v1/chat/completions", json={"model": "base", "messages": CHAT, "max_tokens": 2, field: value})
+    assert resp.status_code == 422, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == field and "not supported" in error["message"], error
+
+
+def test_sampling_fields_at_their_neutral_values_are_served(url: str, client: openai.OpenAI) -> None:
+    """What clients send as defaults changes nothing, so it is taken."""
+    neutral = {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "seed": None, "top_k": -1,
+               "parallel_tool_calls": True, "modalities": ["text"], "tool_choice": "auto", "user": "u",
+               "metadata": {"a": "b"}, "store": False}
+    resp = httpx.post(f"{url}/v1/chat/completions", json={"model": "base", "messages": CHAT, "max_tokens": 2, **neutral})
+    assert resp.status_code == 200, resp.text
+    for field, value in (("echo", True), ("best_of", 3), ("suffix", "!")):
+        with pytest.raises(openai.UnprocessableEntityError, match=field):
+            client.completions.create(model="base", prompt="Count:", max_tokens=2, **{field: value})
+    assert client.completions.create(model="base", prompt="Count:", max_tokens=2, echo=False, best_of=1).choices
 
 
 def test_structured_outputs_are_refused_naming_the_field_never_ignored(client: openai.OpenAI) -> None:

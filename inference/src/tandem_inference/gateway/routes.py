@@ -91,15 +91,30 @@ async def completions(body: CompletionRequest, request: Request, gw: GatewayDep)
 
 @runs.get("/v1/models")
 async def models(gw: GatewayDep) -> dict[str, Any]:
+    return {"object": "list", "data": await model_cards(gw)}
+
+
+@runs.get("/v1/models/{model_id:path}")
+async def model(model_id: str, gw: GatewayDep) -> dict[str, Any]:
+    """One card of /v1/models (OpenAI's `models.retrieve`); a name it does not list is a 404 listing them."""
+    cards = await model_cards(gw)
+    for card in cards:
+        if card["id"] == model_id:
+            return card
+    known = [str(c["id"]) for c in cards]
+    raise ModelNotFound(f"unknown model {model_id!r}; known models: {known}", known=known)
+
+
+async def model_cards(gw: Gateway) -> list[dict[str, Any]]:
+    """The base model, every registered run and every loaded version of one, as OpenAI's model objects."""
     table = gw.table
     registered = set(await gw.registry_runs())
     for run in registered:
         if not table.has_run(run):
             table.add_run(run)
-    cards = [{"id": m, "object": "model", "created": 0, "owned_by": "tandem",
-              "root": gw.settings.engine.model if m == table.base_model else None}
-             for m in table.known_models() if m == table.base_model or parse_model(m)[0] in registered]
-    return {"object": "list", "data": cards}
+    return [{"id": m, "object": "model", "created": 0, "owned_by": "tandem",
+             "root": gw.settings.engine.model if m == table.base_model else None}
+            for m in table.known_models() if m == table.base_model or parse_model(m)[0] in registered]
 
 
 @runs.get("/v1/runs/{run}")

@@ -1,8 +1,11 @@
 """The gateway's request bodies: OpenAI's chat and completions, with their limits.
 
-Unknown OpenAI fields (user, stream_options, ...) are ignored, not refused; NaN, Infinity and
-lone surrogates are refused anywhere (see bodies.py). Every number is bounded, so a bad value
-is a 422 naming its field before anything reaches the engine.
+Unknown OpenAI fields that do not change the reply (user, metadata, store, service_tier, ...) are
+ignored; the ones that would change what is sampled, which tandem's engines do not do (logit_bias,
+penalties, seed, top_k, echo, ...), are refused unless they hold their neutral value
+(`NOT_SAMPLED`), never ignored. NaN, Infinity and lone surrogates are refused anywhere (see
+bodies.py). Every number is bounded, so a bad value is a 422 naming its field before anything
+reaches the engine.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tandem.episodes import EPISODE_ID as episode_ids
 from tandem_inference.bodies import MAX_TOP_LOGPROBS, Body, ChatLogprobs
@@ -26,6 +29,48 @@ EPISODE_ID = episode_ids.pattern
 TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 """What a function name may be (OpenAI's rule)."""
 
+#: OpenAI's (and vLLM's and SGLang's) request fields that change what is sampled, which tandem's
+#: engines do not honour: field -> its neutral values, said as a client would write them. A field
+#: at a neutral value is accepted (clients send defaults); any other value is refused naming it.
+NOT_SAMPLED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "logit_bias": ((None, {}), "{}"),
+    "presence_penalty": ((None, 0), "0"),
+    "frequency_penalty": ((None, 0), "0"),
+    "repetition_penalty": ((None, 1), "1"),
+    "seed": ((None,), "null"),
+    "top_k": ((None, 0, -1), "-1"),
+    "min_p": ((None, 0), "0"),
+    "best_of": ((None, 1), "1"),
+    "echo": ((None, False), "false"),
+    "suffix": ((None, ""), "null"),
+    "prediction": ((None,), "null"),
+    "audio": ((None,), "null"),
+    "modalities": ((None, ["text"]), '["text"]'),
+    "reasoning_effort": ((None,), "null"),
+    "parallel_tool_calls": ((None, True), "true"),
+    "functions": ((None, []), "null (describe them in `tools`)"),
+    "function_call": ((None,), "null (use `tool_choice`)"),
+}
+
+
+def refuse_unless_neutral(name: str, value: Any) -> Any:
+    """`value` of the `NOT_SAMPLED` field `name` if it is neutral; else a ValueError saying why."""
+    neutral, said = NOT_SAMPLED[name]
+    if any(_same(value, n) for n in neutral):
+        return value
+    raise ValueError(f"{name}={json.dumps(value)[:80]} is not supported: tandem's engines sample with temperature, "
+                     f"top_p, stop and max tokens only, and the field would change what is sampled; leave it out "
+                     f"(or send {said})")
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """`value` equals `neutral` as JSON sees it: 0 and 0.0 alike, but true is no 1 and false no 0."""
+    number = (int, float)
+    if isinstance(value, bool) or isinstance(neutral, bool) or not (isinstance(value, number) and isinstance(neutral, number)):
+        return type(value) is type(neutral) and value == neutral
+    return bool(value == neutral)
+
+
 Kind = Literal["chat", "text"]
 """Which API a request came in by: chat completions or (text) completions."""
 
@@ -40,6 +85,16 @@ class FunctionSpec(Body):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     """The arguments' JSON schema."""
+    strict: bool | None = None
+    """Only false or absent: arguments that must follow the schema need constrained decoding."""
+
+    @field_validator("strict")
+    @classmethod
+    def _not_strict(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("strict=true is not supported: tandem's engines do not constrain decoding to the "
+                             "function's parameters schema; leave strict out (or false) and validate the arguments")
+        return value
 
 
 class Tool(Body):
@@ -49,7 +104,7 @@ class Tool(Body):
     function: FunctionSpec
 
     def as_template_input(self) -> dict[str, Any]:
-        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True, exclude={"strict"})}
 
 
 class FunctionName(Body):
@@ -128,6 +183,11 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
+class StreamOptions(Body):
+    include_usage: bool = False
+    """A last chunk, without choices, carries the usage (OpenAI's; none is sent otherwise)."""
+
+
 class SamplingRequest(Body):
     """What chat and completion requests share: the model, sampling, `n`, stops, streaming."""
 
@@ -138,6 +198,21 @@ class SamplingRequest(Body):
     n: int = Field(1, ge=1, le=MAX_N)
     stop: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    seed: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    """`NOT_SAMPLED`: refused unless neutral (vLLM and SGLang clients send top_k, min_p and
+    repetition_penalty in the body)."""
+
+    @field_validator(*NOT_SAMPLED, mode="after", check_fields=False)
+    @classmethod
+    def _not_sampled(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_unless_neutral(str(info.field_name), value)
 
     @property
     def alternatives_per_token(self) -> int:
@@ -154,11 +229,19 @@ class ChatRequest(ChatLogprobs, SamplingRequest):
     tools: list[Tool] | None = None
     """Functions the model may call; handed to the chat template."""
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    """`none` leaves the tools out of the prompt; any other choice renders them the same."""
+    """`none` leaves the tools out of the prompt, `auto` (or none) renders them; a forced choice is refused."""
     episode: str | None = Field(None, pattern=EPISODE_ID)
     """The multi-turn episode this request continues (or starts): see gateway/episodes.py."""
     response_format: dict[str, Any] | None = None
     """Only `{"type": "text"}` (the default): structured outputs are refused, never ignored."""
+    parallel_tool_calls: Any = None
+    prediction: Any = None
+    audio: Any = None
+    modalities: Any = None
+    reasoning_effort: Any = None
+    functions: Any = None
+    function_call: Any = None
+    """`NOT_SAMPLED`: refused unless neutral."""
 
     @field_validator("response_format")
     @classmethod
@@ -171,14 +254,15 @@ class ChatRequest(ChatLogprobs, SamplingRequest):
                 "out (or {\"type\": \"text\"}) and ask for JSON in the prompt, then parse the reply")
         return value
 
-    @model_validator(mode="after")
-    def _named_tool_exists(self) -> ChatRequest:
-        if isinstance(self.tool_choice, NamedToolChoice):
-            name = self.tool_choice.function.name
-            if name not in self.tool_names():
-                raise ValueError(f"tool_choice names the function {name!r}, which is not among `tools` "
-                                 f"{self.tool_names()}; add it to tools or choose 'auto'")
-        return self
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_not_forced(cls, value: Any) -> Any:
+        if value == "required" or isinstance(value, NamedToolChoice):
+            said = "'required'" if value == "required" else f"the function {value.function.name!r}"
+            raise ValueError(f"tool_choice {said} is not supported: tandem's engines do not constrain decoding, so "
+                             "a tool call cannot be forced and the field would change what the reply means; send "
+                             "'auto' (or leave it out) and check the reply's tool_calls")
+        return value
 
     def tool_names(self) -> list[str]:
         return [t.function.name for t in self.tools or ()]
@@ -192,6 +276,10 @@ class ChatRequest(ChatLogprobs, SamplingRequest):
 
 class CompletionRequest(SamplingRequest):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+    """`NOT_SAMPLED`: refused unless neutral."""
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     """OpenAI's completions API takes a count here: any value asks for logprobs, and that many
     alternatives per token come back in `top_logprobs`."""

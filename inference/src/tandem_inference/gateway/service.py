@@ -204,7 +204,8 @@ class Gateway:
         if body.stream:
             return await stream_reply(self.engine, gen, self.format, fan_out=fan_out, headers=headers,
                                       on_client_left=lambda: self.metrics.cancelled.labels(path_of(kind)).inc(),
-                                      tools=tools)
+                                      tools=tools,
+                                      include_usage=body.stream_options is not None and body.stream_options.include_usage)
         try:
             results = await generation.generate(self.engine, gen, fan_out=fan_out)
         finally:

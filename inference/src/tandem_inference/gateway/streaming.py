@@ -4,7 +4,10 @@ The first event is awaited before the response starts, so an engine error before
 token keeps its HTTP status; an error after it is sent as an error event, then `[DONE]`. The
 request's version and room are held until the stream ends, however it ends. A chat with tools
 streams its calls as OpenAI does (`tool_calls` deltas, `finish_reason: tool_calls`; see
-`tool_calls.StreamedCalls`).
+`tool_calls.StreamedCalls`). The last choice's finish carries the `tandem` extension (token ids and
+logprobs for training); with `stream_options.include_usage` a last chunk without choices follows,
+with the usage and the extension, as OpenAI sends it (never otherwise: a client reading
+`chunk.choices[0]` would fail on it).
 """
 
 from __future__ import annotations
@@ -34,11 +37,11 @@ log = logging.getLogger(__name__)
 
 async def stream_reply(
     engine: Engine, gen: Generation, fmt: ResponseFormat, *, fan_out: bool, headers: dict[str, str],
-    on_client_left: Callable[[], None], tools: Collection[str] = (),
+    on_client_left: Callable[[], None], tools: Collection[str] = (), include_usage: bool = False,
 ) -> EventStream:
     """The streamed reply of `gen` (a chat's calls of `tools` as `tool_calls` deltas); engine
     errors before the first token are raised here."""
-    events = _events(engine, gen, fmt, fan_out=fan_out, tools=tools)
+    events = _events(engine, gen, fmt, fan_out=fan_out, tools=tools, include_usage=include_usage)
     try:
         first = await events.__anext__()  # engine errors before the first token keep their status
     except BaseException:
@@ -49,7 +52,7 @@ async def stream_reply(
 
 
 async def _events(engine: Engine, gen: Generation, fmt: ResponseFormat, *, fan_out: bool,
-                  tools: Collection[str]) -> AsyncGenerator[str, None]:
+                  tools: Collection[str], include_usage: bool) -> AsyncGenerator[str, None]:
     kind, n, route = gen.kind, gen.n, gen.route
     calls = [StreamedCalls(tools if kind == "chat" else ()) for _ in range(n)]
     envelope = fmt.envelope(kind, route, stream=True)
@@ -59,6 +62,16 @@ async def _events(engine: Engine, gen: Generation, fmt: ResponseFormat, *, fan_o
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
         return "data: " + json.dumps({**envelope, "choices": choices, "tandem": tag, **extra}) + "\n\n"
+
+    def finish(i: int, reason: str) -> list[str]:
+        """Choice `i`'s last chunks; the last choice to finish carries the extension on its finish."""
+        finished[i] = True
+        events = _finished(fmt, kind, i, outputs[i], calls[i], reason, gen.logprobs)
+        last = [] if not all(finished) else [chunk([events.pop()], tandem=extension())]
+        return [chunk([event]) for event in events] + last
+
+    def extension() -> dict[str, Any]:
+        return fmt.extension(route, gen.input_ids, outputs, gen.policy_temperature)
 
     merged = generation.stream(engine, gen, fan_out=fan_out)
     try:
@@ -76,15 +89,14 @@ async def _events(engine: Engine, gen: Generation, fmt: ResponseFormat, *, fan_o
                 if content or calls[i].held_from_token is None:  # a fully held piece waits for the end
                     yield chunk([fmt.delta(kind, i, out, content, start, gen.logprobs)])
             if out.finish_reason and not finished[i]:
-                finished[i] = True
-                for event in _finished(fmt, kind, i, out, calls[i], out.finish_reason, gen.logprobs):
-                    yield chunk([event])
+                for text in finish(i, out.finish_reason):
+                    yield text
         for i, done in enumerate(finished):
             if not done:
-                for event in _finished(fmt, kind, i, outputs[i], calls[i], "stop", gen.logprobs):
-                    yield chunk([event])
-        extension = fmt.extension(route, gen.input_ids, outputs, gen.policy_temperature)
-        yield chunk([], usage=usage(gen.input_ids, outputs), tandem=extension)
+                for text in finish(i, "stop"):
+                    yield text
+        if include_usage:
+            yield chunk([], usage=usage(gen.input_ids, outputs), tandem=extension())
     except TandemError as exc:
         if not started:
             raise
