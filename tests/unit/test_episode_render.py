@@ -89,3 +89,12 @@ def test_tool_choice_none_leaves_the_tools_out(tok: Any) -> None:
     assert prompts.chat_ids(tok, body) == ids(tok, START)
     body = ChatRequest.model_validate({"model": "m", "messages": START, "tools": TOOLS, "tool_choice": "auto"})
     assert prompts.chat_ids(tok, body) == ids(tok, START, TOOLS) != ids(tok, START)
+
+
+def test_a_developer_message_renders_as_the_system_message(tok: Any) -> None:
+    """OpenAI's newer name for the system role; the chat templates of open models know only `system`."""
+    from tandem_inference.gateway.schemas import ChatRequest
+
+    developer = [{"role": "developer", "content": "You add."}, START[1]]
+    body = ChatRequest.model_validate({"model": "m", "messages": developer})
+    assert prompts.chat_ids(tok, body) == ids(tok, START)

@@ -153,8 +153,9 @@ class ChatMessage(Body):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
     def as_template_input(self) -> dict[str, Any]:
-        """The message as chat templates take it: text content, calls with their arguments as objects."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text}
+        """The message as chat templates take it: text content, calls with their arguments as objects;
+        a `developer` message as the `system` one it is to models of OpenAI's older chat format."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function",
                                   "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
