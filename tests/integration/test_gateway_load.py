@@ -95,7 +95,8 @@ def test_n_samples_are_one_engine_call_streamed_or_not(make_gateway: Callable[..
     assert [len(c["logprobs"]["token_logprobs"]) for c in resp.json()["choices"]] == [
         len(ids) for ids in ext["completion_token_ids"]]
 
-    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=streamed, timeout=60) as stream:
         lines = [line for line in stream.iter_lines() if line.startswith("data: {")]
     chunks = [httpx.Response(200, content=line[6:]).json() for line in lines]
     seen = {c["index"] for chunk in chunks for c in chunk["choices"]}
