@@ -46,6 +46,15 @@ pythons=(--tandem-python /tmp/tdpython "${engines[@]}" --trainer-python /tmp/trp
 common=(--engine "$engine" "${pythons[@]}" "${placement[@]}")
 second=$([ "$gpus" -ge 2 ] && echo 1 || echo 0)
 out=/tmp/proof-$part
+shared_check() {  # gpu_check of engine $1 in shared mode on GPU 1 (learning, not speed), into /tmp/gc/$1-shared-0.5b
+  /tmp/tdpython bench/gpu_check.py --mode shared --shape 0.5b --steps "$steps" --engine "$1" "${pythons[@]}" \
+    --inference-gpus '[1]' --trainer-gpus '[1]' --mem-fraction 0.6 --out "/tmp/gc/$1-shared-0.5b" >/tmp/gpu_check.log 2>&1
+}
+keep_check() {  # the gpu_check run whose --out was $1: its results, report and log's end
+  cp "$1/results.json" "$out/gpu_check.json" 2>/dev/null
+  cp "$1/report.md" "$out/gpu_check.md" 2>/dev/null
+  tail -c 60000 /tmp/gpu_check.log >"$out/gpu_check.log"
+}
 rm -rf "$out" && mkdir -p "$out"
 trap 'tar czf "$OUT/$part.tgz" -C "$out" . && ls -la "$out"' EXIT
 case $part in
@@ -69,9 +78,7 @@ engines)
   t0=$SECONDS
   if [ "$second" = 1 ] && [ "${CHECK:-1}" = 1 ]; then  # CHECK=0 leaves GPU 1's lane out
     (
-      /tmp/tdpython bench/gpu_check.py --mode shared --shape 0.5b --steps "$steps" --engine "$engine" "${pythons[@]}" \
-        --inference-gpus '[1]' --trainer-gpus '[1]' --mem-fraction 0.6 --out "/tmp/gc/$engine-shared-0.5b" \
-        >/tmp/gpu_check.log 2>&1
+      shared_check "$engine"
       echo "gpu_check $engine shared: exit $? after $((SECONDS - t0)) s" >>/tmp/gpu_check.log
       rm -f "/tmp/rec/${engine}_recorded.json"
       CUDA_VISIBLE_DEVICES=1 /tmp/tdpython bench/record_engine.py --engine "$engine" "${engines[@]}" \
@@ -92,18 +99,14 @@ engines)
   tail -40 "$out/engines.log"
   if [ -n "${lane:-}" ]; then
     wait "$lane"; tail -25 /tmp/gpu_check.log; tail -5 "/tmp/rec-$engine.log"
-    cp "/tmp/gc/$engine-shared-0.5b/results.json" "$out/gpu_check.json" 2>/dev/null
-    cp "/tmp/gc/$engine-shared-0.5b/report.md" "$out/gpu_check.md" 2>/dev/null
-    tail -c 60000 /tmp/gpu_check.log >"$out/gpu_check.log"
+    keep_check "/tmp/gc/$engine-shared-0.5b"
     cp "/tmp/rec/${engine}_recorded.json" "$out/" 2>/dev/null; tail -c 20000 "/tmp/rec-$engine.log" >"$out/record.log"
   fi
   ;;
 correct)
   # With two GPUs, gpu_check runs on GPU 1 in shared mode meanwhile (it checks learning, not speed).
   if [ "$second" = 1 ] && [ "${CHECK:-1}" = 1 ]; then
-    /tmp/tdpython bench/gpu_check.py --mode shared --shape 0.5b --steps "$steps" --tandem-python /tmp/tdpython \
-      --sglang-python /tmp/sgpython --trainer-python /tmp/trpython --inference-gpus '[1]' --trainer-gpus '[1]' \
-      --mem-fraction 0.6 --out /tmp/gc/shared-0.5b >/tmp/gpu_check.log 2>&1 &
+    shared_check sglang &
     check=$!
   fi
   t0=$SECONDS
@@ -120,9 +123,7 @@ correct)
   tail -c 40000 /tmp/mixed.log >"$out/mixed/run.log"; tail -c 40000 /tmp/seam.log >"$out/seam/run.log"
   if [ -n "${check:-}" ]; then
     wait "$check"; echo "gpu_check: exit $? after $((SECONDS - t0)) s"; tail -25 /tmp/gpu_check.log
-    cp /tmp/gc/shared-0.5b/results.json "$out/gpu_check.json" 2>/dev/null
-    cp /tmp/gc/shared-0.5b/report.md "$out/gpu_check.md" 2>/dev/null
-    tail -c 60000 /tmp/gpu_check.log >"$out/gpu_check.log"
+    keep_check /tmp/gc/sglang-shared-0.5b
   fi
   ;;
 check)
@@ -131,9 +132,7 @@ check)
     --out "/tmp/gc/$engine-$mode-0.5b" >/tmp/gpu_check.log 2>&1
   echo "gpu_check $engine $mode: exit $? after $((SECONDS - t0)) s"
   tail -40 /tmp/gpu_check.log
-  cp "/tmp/gc/$engine-$mode-0.5b/results.json" "$out/gpu_check.json" 2>/dev/null
-  cp "/tmp/gc/$engine-$mode-0.5b/report.md" "$out/gpu_check.md" 2>/dev/null
-  tail -c 60000 /tmp/gpu_check.log >"$out/gpu_check.log"
+  keep_check "/tmp/gc/$engine-$mode-0.5b"
   ;;
 suite)
   t0=$SECONDS
