@@ -83,7 +83,8 @@ def start(settings: InferenceSettings, log: Path) -> subprocess.Popen[bytes]:
     own = own_engine(settings)
     assert own is not None, settings.engine.kind
     print(f"{settings.engine.kind}:", " ".join(own.argv), flush=True)
-    proc = subprocess.Popen(own.argv, env=own.env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    with log.open("wb") as sink:  # the engine writes through its own copy of the descriptor
+        proc = subprocess.Popen(own.argv, env=own.env, stdout=sink, stderr=subprocess.STDOUT)
     deadline = time.time() + 900
     while time.time() < deadline:
         if proc.poll() is not None:

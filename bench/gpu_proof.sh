@@ -21,7 +21,9 @@
 # GPU (default 0) for the one-GPU parts, so that two parts share a call on two GPUs:
 #   KILL=0 PART=engines ENGINES=vllm CHECK=0 bash bench/gpu_proof.sh & GPU=1 KILL=0 PART=first bash bench/gpu_proof.sh; wait
 # (KILL=0 on both: neither may end the other's engines; the parts before them end their own).
-# A part whose check fails exits non-zero (its files still come back).
+# A part whose check fails exits non-zero (its files still come back). Each step has a time limit
+# (TEST_LIMIT per engine test, CHECK_LIMIT for gpu_check beside them) so that the part ends, and
+# leaves its files, inside a host's limit per command.
 # ENGINE=sglang (default) or vllm; ENVS, as bench/gpu_env.sh reads it, adds vLLM's environment;
 # RECORD (PART=env) names the engines whose answers to record (default sglang; "" for none).
 #   PART=env bash bench/gpu_proof.sh          # from the repo root; STEPS (default 30)
@@ -47,7 +49,7 @@ common=(--engine "$engine" "${pythons[@]}" "${placement[@]}")
 second=$([ "$gpus" -ge 2 ] && echo 1 || echo 0)
 out=/tmp/proof-$part
 shared_check() {  # gpu_check of engine $1 in shared mode on GPU 1 (learning, not speed), into /tmp/gc/$1-shared-0.5b
-  /tmp/tdpython bench/gpu_check.py --mode shared --shape 0.5b --steps "$steps" --engine "$1" "${pythons[@]}" \
+  timeout "${CHECK_LIMIT:-420}" /tmp/tdpython bench/gpu_check.py --mode shared --shape 0.5b --steps "$steps" --engine "$1" "${pythons[@]}" \
     --inference-gpus '[1]' --trainer-gpus '[1]' --mem-fraction 0.6 --out "/tmp/gc/$1-shared-0.5b" >/tmp/gpu_check.log 2>&1
 }
 keep_check() {  # the gpu_check run whose --out was $1: its results, report and log's end
@@ -81,7 +83,7 @@ engines)
       shared_check "$engine"
       echo "gpu_check $engine shared: exit $? after $((SECONDS - t0)) s" >>/tmp/gpu_check.log
       rm -f "/tmp/rec/${engine}_recorded.json"
-      CUDA_VISIBLE_DEVICES=1 /tmp/tdpython bench/record_engine.py --engine "$engine" "${engines[@]}" \
+      CUDA_VISIBLE_DEVICES=1 timeout 150 /tmp/tdpython bench/record_engine.py --engine "$engine" "${engines[@]}" \
         --out /tmp/rec >"/tmp/rec-$engine.log" 2>&1
       echo "record_engine $engine: exit $? after $((SECONDS - t0)) s" >>"/tmp/rec-$engine.log"
     ) &
@@ -89,7 +91,7 @@ engines)
   fi
   for e in ${ENGINES:-sglang vllm}; do
     var=TANDEM_TEST_${e^^}_PYTHON
-    env "$var=/tmp/${e:0:2}python" CUDA_VISIBLE_DEVICES="$gpu" /tmp/trpython -m pytest -p no:cacheprovider \
+    env "$var=/tmp/${e:0:2}python" CUDA_VISIBLE_DEVICES="$gpu" timeout "${TEST_LIMIT:-280}" /tmp/trpython -m pytest -p no:cacheprovider \
       -W ignore::pytest.PytestConfigWarning -rA -v --basetemp "/tmp/bt-$e" tests/integration/test_engine_batches.py \
       -k "$e" >>"$out/engines.log" 2>&1
     rc=$?
