@@ -1,8 +1,9 @@
 """Each engine client's `metrics()` against httpx.MockTransport: the engine's own Prometheus text,
 asked for in the format the gateway relays, bounded in size and time, failures as tandem errors.
 
-SGLang's and vLLM's bodies are tests/fixtures/engine-metrics/ (their names, types and labels, written
-by hand from the engines' sources); the transformers engine's is its own registry's text.
+SGLang's and vLLM's bodies are tests/fixtures/engine-metrics/ (vLLM's recorded from vLLM 0.33.0 on a
+GPU; SGLang's names, types and labels written by hand from its source); the transformers engine's is
+its own registry's text.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ async def test_metrics_is_the_engines_own_text_asked_for_in_the_relayed_format(k
     assert text == body
     names = {family.name for family in text_string_to_metric_families(text)}
     prefix = {"sglang": "sglang:", "vllm": "vllm:", "transformers": "tandem_engine_"}[kind]
-    assert names and all(name.startswith(prefix) for name in names)
+    assert any(name.startswith(prefix) for name in names)  # beside the runtime's python_* and process_*
     [request] = seen  # one attempt
     assert (request.method, request.url.path) == ("GET", "/metrics")
     assert request.headers["accept"] == METRICS_FORMAT
