@@ -7,7 +7,10 @@ the controller's stages) and from probers that keep sending one-token requests t
 gateway. The trainer reads its clocks after synchronising CUDA:
 
     step -> written    optimizer step done on the device -> version renamed into the store
-      copy             device -> host buffers, in the adapter's dtype (inside step -> written)
+      stage            the adapter into host memory: finding its tensors, then `copy` (inside)
+      copy             device -> host buffers, in the adapter's dtype (inside `stage`)
+      prepare          the rest before the first byte is written: the step's statistics, the
+                       manifest, clearing stale staging directories (inside step -> written)
       write            the files written from those buffers, with their checksums (inside)
       rename           manifest + rename into place (inside; the fsync comes after the announcement)
     written -> ready   -> registered and `adapter_ready` appended
@@ -148,7 +151,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
             "step_to_served_ms": (first[0] - stepped) * 1000 if first and stepped else None,
         }
         published_stages, loaded_stages = r.data.get("stages_ms") or {}, ld.data.get("stages_ms") or {}
-        for key in ("copy", "write", "rename"):
+        for key in ("stage", "copy", "prepare", "write", "rename"):
             row[f"{key}_ms"] = published_stages.get(key)
         for key in ("check", "verify"):
             row[f"{key}_ms"] = loaded_stages.get(key)
@@ -162,7 +165,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
         rows.append(row)
     # the first version pays one-off costs (the engine wraps the base model on its first load)
     steady = rows[1:] if len(rows) > 2 else rows
-    keys = ["step_to_written_ms", "copy_ms", "write_ms", "rename_ms", "written_to_ready_ms", "ready_to_loaded_ms",
+    keys = ["step_to_written_ms", "stage_ms", "copy_ms", "prepare_ms", "write_ms", "rename_ms", "written_to_ready_ms",
+            "ready_to_loaded_ms",
             "check_ms", "engine_load_ms", "verify_ms", "loaded_to_served_ms", "first_forward_ms", "step_to_served_ms",
             "publish_to_served_ms", "overhead_ms", "floor_ms"]
     stages = {k: summary([r[k] for r in steady if r.get(k) is not None]) for k in keys

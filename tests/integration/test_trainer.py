@@ -119,6 +119,13 @@ def test_first_job_publishes_v1(trainer: Trainer, run: RunSpec, store: AdapterSt
     assert event.data["step"] == 1 and event.data["parent"] == 0
     assert event.data["metrics"]["loss"] == pytest.approx(result.metrics["loss"])
     assert event.data["published_at"] == pytest.approx(result.published_at)
+    # the stages between the optimizer step and the version in place, which together make it up
+    stages = event.data["stages_ms"]
+    assert set(stages) == {"stage", "copy", "prepare", "write", "rename"}
+    assert 0 < stages["copy"] <= stages["stage"] and stages["prepare"] >= 0
+    whole = (event.data["published_at"] - event.data["stepped_at"]) * 1000
+    parts = stages["stage"] + stages["prepare"] + stages["write"] + stages["rename"]
+    assert parts == pytest.approx(whole, abs=1.0)
 
 
 def test_a_train_job_object_trains_as_it_is(trainer: Trainer, run: RunSpec) -> None:

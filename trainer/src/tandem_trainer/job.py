@@ -57,6 +57,9 @@ class Trained:
     train_s: float
     stepped_at: float
     """Wall clock when the optimizer step was done on the device."""
+    stage_ms: float = 0.0
+    """How long staging the adapter in host memory took: the device copy (`adapter.copy_ms`) and
+    what the backend does before it (finding the adapter's tensors)."""
 
 
 def _names(payload: TrainJob | JsonValue, queued_as: str | None) -> tuple[str, str | None]:
@@ -303,8 +306,10 @@ class Trainer:
         step = train_step(self.backend, order, self.group, clock)
         train_s = time.perf_counter() - started
         stepped_at = time.time()
+        staging = time.perf_counter()
         with clock.stage("stage_adapter"):
             adapter = self.backend.stage_adapter()
+        stage_ms = (time.perf_counter() - staging) * 1000
         metrics = {
             **step.stats.metrics(), **reward_stats(rewards), **rollout_stats(job.groups, latest),
             "grad_norm": step.grad_norm,
@@ -321,12 +326,12 @@ class Trainer:
             run=job.run, version=latest + 1, parent=parent, step=job.step, job_id=job.job_id,
             base_model=spec.base_model, lora_rank=spec.lora.r, metrics=metrics,
         )
-        return Trained(manifest, adapter, train_s=train_s, stepped_at=stepped_at)
+        return Trained(manifest, adapter, train_s=train_s, stepped_at=stepped_at, stage_ms=stage_ms)
 
     def _publish(self, job: TrainJob, trained: Trained) -> TrainResult:
         t0 = time.perf_counter()
         result = self.publisher.publish(job, trained.manifest, trained.adapter, train_s=trained.train_s,
-                                        stepped_at=trained.stepped_at)
+                                        stepped_at=trained.stepped_at, stage_ms=trained.stage_ms)
         self.metrics.stage_seconds.labels("publish").observe(time.perf_counter() - t0)
         version_dir = self.store.version_dir(job.run, result.version)
         self.backend.mark_active(job.run, result.version, version_dir)

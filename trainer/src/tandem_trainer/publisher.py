@@ -58,11 +58,17 @@ class Publisher:
 
     # publishing ---------------------------------------------------------------
     def publish(self, job: TrainJob, manifest: Manifest, adapter: StagedAdapter, *,
-                train_s: float, stepped_at: float) -> TrainResult:
-        """Write the staged adapter into a new version, rename it into place, announce it, fsync it."""
+                train_s: float, stepped_at: float, stage_ms: float | None = None) -> TrainResult:
+        """Write the staged adapter into a new version, rename it into place, announce it, fsync it.
+
+        The announcement's stages: `stage` (the adapter into host memory, `stage_ms`; `copy` is its
+        device copy), `prepare` (the rest between the optimizer step and the first byte written:
+        the step's statistics, the manifest, clearing stale staging directories), `write`, `rename`.
+        """
         removed = self.store.remove_stale_staging(job.run)
         if removed:
             log.info("store.staging.cleaned run=%s removed=%d", job.run, removed)
+        before_ms = (time.time() - stepped_at) * 1000
         t0 = time.perf_counter()
         with self.store.staging(job.run, manifest.version) as staged:
             failpoints.hit("staging_created")
@@ -74,6 +80,8 @@ class Publisher:
         published_at = time.time()
         t2 = time.perf_counter()
         stages = {"copy": adapter.copy_ms, "write": (t1 - t0) * 1000, "rename": (t2 - t1) * 1000}
+        if stage_ms is not None:
+            stages |= {"stage": stage_ms, "prepare": max(0.0, before_ms - stage_ms)}
         self.announce(manifest, published_at=published_at, stepped_at=stepped_at, stages_ms=stages)
         failpoints.hit("after_announce")
         t3 = time.perf_counter()
