@@ -13,6 +13,7 @@ shows as "–"; nothing is estimated.
     python bench/compare_engines.py OUT/suite-sglang/results.json OUT/suite-vllm/results.json \\
         --handover OUT/check-sglang-shared/results.json OUT/check-vllm-shared/results.json \\
         --out OUT/engines.md
+    python bench/compare_engines.py sglang-1.json,sglang-2.json vllm-1.json,vllm-2.json   # runs merged
 """
 
 from __future__ import annotations
@@ -57,6 +58,22 @@ def load(path: Path) -> dict[str, Any]:
         raise ResultsError(f"{path} has no 'meta' and 'scenarios': it is not a results.json of bench/suite.py "
                            "(gpu_check's results go after --handover)")
     return data
+
+
+def load_parts(spec: str) -> dict[str, Any]:
+    """One engine's results from one or more results.json, comma-separated (`a.json,b.json`: suite
+    runs with different `--only`, each within a host's time per command): the first run's `meta`,
+    and every run's scenarios, a later run's replacing an earlier one's of the same name."""
+    parts = [load(Path(p)) for p in spec.split(",") if p]
+    if not parts:
+        raise ResultsError(f"no results.json in {spec!r}")
+    merged = {"meta": parts[0]["meta"], "scenarios": {}}
+    for part in parts:
+        if part["meta"].get("engine") != merged["meta"].get("engine"):
+            raise ResultsError(f"{spec} joins runs of engines {parts[0]['meta'].get('engine')!r} and "
+                               f"{part['meta'].get('engine')!r}: give each engine's runs as one argument")
+        merged["scenarios"].update(part["scenarios"])
+    return merged
 
 
 def num(value: Any, fmt: str = "{:.1f}") -> str:
@@ -251,13 +268,14 @@ def page(runs: Sequence[dict[str, Any]], checks: Sequence[dict[str, Any] | None]
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", nargs=2, type=Path, help="two results.json of bench/suite.py (first: the baseline)")
+    parser.add_argument("results", nargs=2, help="two results.json of bench/suite.py (first: the baseline); "
+                        "each may be several runs of one engine, comma-separated")
     parser.add_argument("--handover", nargs=2, type=Path, default=None, metavar=("FIRST", "SECOND"),
                         help="results.json of bench/gpu_check.py --mode shared, one per engine, in the same order")
     parser.add_argument("--out", type=Path, default=None, help="write the page here (default: print it)")
     args = parser.parse_args(argv)
     try:
-        runs = [load(p) for p in args.results]
+        runs = [load_parts(p) for p in args.results]
         checks: list[dict[str, Any] | None] = [None, None]
         if args.handover:
             checks = [json.loads(p.read_text()) for p in args.handover]

@@ -17,6 +17,11 @@
 #   PART=check    bench/gpu_check.py --engine $ENGINE --steps $STEPS (gpu_check.json/.md)
 #   PART=suite    bench/suite.py --engine $ENGINE --only $ONLY (default sync,swaps; suite.json/.md, plots)
 #   PART=first    bench/gpu_first_forward.py --profile: the first response after a load, taken apart
+#   PART=compare  SGLang and vLLM side by side: bench/suite.py --only $ONLY (default
+#                 sync,swaps,agreement) with SGLang on GPU 0 and vLLM on GPU 1 at once, each with its
+#                 trainer on the same GPU (shared mode), then bench/compare_engines.py (engines.md);
+#                 suite-<engine>.json of separate calls (ONLY=throughput,memory; ONLY=hotload) merge
+#                 there: compare_engines.py a.json,b.json c.json,d.json
 # MODE=split (default with two GPUs: the engine on GPU 0, the trainer on GPU 1) or shared (one GPU);
 # GPU (default 0) for the one-GPU parts, so that two parts share a call on two GPUs:
 #   KILL=0 PART=engines ENGINES=vllm CHECK=0 bash bench/gpu_proof.sh & GPU=1 KILL=0 PART=first bash bench/gpu_proof.sh; wait
@@ -30,7 +35,7 @@
 set -uo pipefail
 : "${OUT:?set OUT}"
 steps=${STEPS:-30}
-part=${PART:?PART=env, correct, engines, check, suite or first}
+part=${PART:?PART=env, correct, engines, check, suite, first or compare}
 engine=${ENGINE:-sglang}
 gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 mode=${MODE:-$([ "$gpus" -ge 2 ] && echo split || echo shared)}
@@ -146,6 +151,29 @@ suite)
   cp /tmp/suite/report.md "$out/suite.md" 2>/dev/null
   cp /tmp/suite/*.png "$out/" 2>/dev/null
   tail -c 40000 /tmp/suite-state/logs/inference.log >"$out/inference.log" 2>/dev/null
+  ;;
+compare)
+  t0=$SECONDS
+  lanes=()
+  for e in sglang vllm; do
+    g=$([ "$e" = sglang ] && echo 0 || echo "$second")
+    timeout "${LIMIT:-560}" /tmp/tdpython bench/suite.py --engine "$e" --mode shared --shape 0.5b \
+      --only "${ONLY:-sync,swaps,agreement}" --model "$model" "${pythons[@]}" --inference-gpus "[$g]" \
+      --trainer-gpus "[$g]" --mem-fraction 0.6 --out "/tmp/cmp-$e" --state "/tmp/cmp-state-$e" >"/tmp/cmp-$e.log" 2>&1 &
+    lanes+=($!)
+    sleep 15  # the second stack picks its ports once the first holds its own
+  done
+  for i in 0 1; do wait "${lanes[$i]}" || status=1; done
+  echo "suites: exit ${status:-0} after $((SECONDS - t0)) s"
+  for e in sglang vllm; do
+    tail -15 "/tmp/cmp-$e.log"
+    cp "/tmp/cmp-$e/results.json" "$out/suite-$e.json" 2>/dev/null
+    tail -c 30000 "/tmp/cmp-$e.log" >"$out/suite-$e.log"
+    tail -c 30000 "/tmp/cmp-state-$e/logs/inference.log" >"$out/inference-$e.log" 2>/dev/null
+    mkdir -p "$out/plots-$e" && cp /tmp/cmp-$e/*.png "$out/plots-$e/" 2>/dev/null
+  done
+  /tmp/tdpython bench/compare_engines.py "$out/suite-sglang.json" "$out/suite-vllm.json" --out "$out/engines.md" &&
+    head -60 "$out/engines.md"
   ;;
 first)
   t0=$SECONDS

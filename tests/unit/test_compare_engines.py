@@ -147,3 +147,30 @@ def test_engine_log_pairs_each_lend_with_its_return(engine_log) -> None:
     assert rec["handover"]["release_ms"] == {"p50": 300.0, "max": 310.0}
     assert engine_log.record("")["handover"] == {"count": 0, "drain_ms": None, "release_ms": None, "lent_ms": None,
                                                  "resume_ms": None}
+
+
+def test_one_engines_runs_given_comma_separated_are_merged_scenario_by_scenario(compare, tmp_path: Path) -> None:
+    a = fixture("suite-a.json")
+    first = {"meta": a["meta"], "scenarios": {k: v for k, v in a["scenarios"].items() if k in ("sync", "swaps")}}
+    later = copy.deepcopy({"meta": {**a["meta"], "timestamp": "later"},
+                           "scenarios": {k: v for k, v in a["scenarios"].items() if k != "sync"}})
+    later["scenarios"]["swaps"]["marker"] = "from the later run"
+    (tmp_path / "one.json").write_text(json.dumps(first))
+    (tmp_path / "two.json").write_text(json.dumps(later))
+    merged = compare.load_parts(f"{tmp_path / 'one.json'},{tmp_path / 'two.json'}")
+    assert merged["meta"] == a["meta"]  # the first run's
+    assert set(merged["scenarios"]) == set(a["scenarios"])
+    assert merged["scenarios"]["sync"] == a["scenarios"]["sync"]
+    assert merged["scenarios"]["swaps"]["marker"] == "from the later run"
+    out = tmp_path / "engines.md"
+    assert compare.main([f"{tmp_path / 'one.json'},{tmp_path / 'two.json'}", str(FIXTURES / "suite-b.json"),
+                         "--out", str(out)]) == 0
+    assert compare.page([merged, fixture("suite-b.json")], [None, None]) == out.read_text()
+
+
+def test_runs_of_two_engines_are_not_merged_into_one(compare, tmp_path: Path) -> None:
+    other = fixture("suite-a.json")
+    other["meta"] = {**other["meta"], "engine": "vllm"}
+    (tmp_path / "vllm.json").write_text(json.dumps(other))
+    with pytest.raises(compare.ResultsError, match="give each engine's runs as one argument"):
+        compare.load_parts(f"{FIXTURES / 'suite-a.json'},{tmp_path / 'vllm.json'}")
