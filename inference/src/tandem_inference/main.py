@@ -34,6 +34,8 @@ from tandem.settings import GatewaySettings, InferenceSettings
 from tandem_inference.bodies import is_loopback
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from tandem_inference.controller.service import Controller
     from tandem_inference.engines.base import Engine
 
@@ -48,7 +50,6 @@ async def serve(settings: InferenceSettings) -> None:
     stopped, then stop the parts in the reverse order."""
     import httpx
     import uvicorn
-    from transformers import AutoTokenizer
 
     from tandem.adapters import AdapterStore
     from tandem.registry import Registry
@@ -63,7 +64,7 @@ async def serve(settings: InferenceSettings) -> None:
     from tandem_inference.routing import RoutingTable
 
     t0 = time.monotonic()
-    tokenizer = AutoTokenizer.from_pretrained(settings.engine.model)
+    tokenizer = load_tokenizer(settings.engine.model)
     log.info("tokenizer of %s loaded in %.1f s", settings.engine.model, time.monotonic() - t0)
     conn = settings.redis.connect()
     # Rollouts and admin calls (loads, unloads, health) in pools of their own: the controller's
@@ -145,6 +146,23 @@ def check_exposure(settings: GatewaySettings) -> None:
         "(GATEWAY_API_KEY in the compose .env), bind to 127.0.0.1, or set "
         "TANDEM_GATEWAY__ALLOW_UNAUTHENTICATED=true to serve anyone who can reach it"
     )
+
+
+def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
+    """The served model's tokenizer (the gateway's chat templates and text); a model it cannot
+    load is a ConfigError naming the setting, instead of the hub client's traceback."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as exc:
+        missing = model.startswith(("/", ".")) and not Path(model).exists()
+        where = "no such directory" if missing else " ".join(str(exc).split())  # one line in the log
+        raise ConfigError(
+            f"cannot load the tokenizer of engine.model {model!r} (TANDEM_ENGINE__MODEL): {where}; give the "
+            "directory of the model the engine serves (config.json and the tokenizer's files), as the engine sees it"
+        ) from exc
+    return tokenizer
 
 
 def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
