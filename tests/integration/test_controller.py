@@ -605,16 +605,19 @@ async def test_a_name_once_given_to_the_engine_is_never_given_again(
     await wait_until(lambda: controller.table.serving(run) == 2, what="the new v2 serving")
     assert loads == [f"{run}-v2", f"{run}-v2-a1"]
     assert controller.table.resolve(run).adapter == f"{run}-v2-a1"
+    # the alias switches before `adapter_loaded` is appended: wait for the event itself
+    await wait_until(lambda: events_of(events, EventKind.ADAPTER_LOADED, run)[-1].version == 2,
+                     what="v2's adapter_loaded")
     assert events_of(events, EventKind.ADAPTER_LOADED, run)[-1].data["adapter"] == f"{run}-v2-a1"
     assert f"{run}-v2-a1" in await engine.loaded_adapters()
 
     # a new controller adopts what the engine holds under the suffixed name, and never reuses it
     await controller.stop()
+    controller.settings.controller.reconcile_s = 0.2  # the second's first periodic reconcile comes soon
     second = await start()
     assert second.table.loaded(run) == [1, 2] and second.table.resolve(f"{run}@v2").adapter == f"{run}-v2-a1"
     assert loads == [f"{run}-v2", f"{run}-v2-a1"]
     await engine.unload_adapter(f"{run}-v2-a1")  # lost by the engine: loaded again, under a new name
-    second.settings.controller.reconcile_s = 0.2
     await wait_until(lambda: second.table.resolve(run).adapter == f"{run}-v2-a2", timeout_s=10,
                      what="v2 loaded again")
     assert f"{run}-v2-a2" in await engine.loaded_adapters()
