@@ -57,7 +57,7 @@ class Trained:
     train_s: float
     stepped_at: float
     """Wall clock when the optimizer step was done on the device."""
-    stage_ms: float = 0.0
+    stage_ms: float
     """How long staging the adapter in host memory took: the device copy (`adapter.copy_ms`) and
     what the backend does before it (finding the adapter's tensors)."""
 

@@ -58,7 +58,7 @@ class Publisher:
 
     # publishing ---------------------------------------------------------------
     def publish(self, job: TrainJob, manifest: Manifest, adapter: StagedAdapter, *,
-                train_s: float, stepped_at: float, stage_ms: float | None = None) -> TrainResult:
+                train_s: float, stepped_at: float, stage_ms: float) -> TrainResult:
         """Write the staged adapter into a new version, rename it into place, announce it, fsync it.
 
         The announcement's stages: `stage` (the adapter into host memory, `stage_ms`; `copy` is its
@@ -79,9 +79,8 @@ class Publisher:
         failpoints.hit("after_rename")
         published_at = time.time()
         t2 = time.perf_counter()
-        stages = {"copy": adapter.copy_ms, "write": (t1 - t0) * 1000, "rename": (t2 - t1) * 1000}
-        if stage_ms is not None:
-            stages |= {"stage": stage_ms, "prepare": max(0.0, before_ms - stage_ms)}
+        stages = {"stage": stage_ms, "copy": adapter.copy_ms, "prepare": max(0.0, before_ms - stage_ms),
+                  "write": (t1 - t0) * 1000, "rename": (t2 - t1) * 1000}
         self.announce(manifest, published_at=published_at, stepped_at=stepped_at, stages_ms=stages)
         failpoints.hit("after_announce")
         t3 = time.perf_counter()
