@@ -8,8 +8,9 @@ through its `Engine` client, as the gateway drives it: no request of a batch tha
 runner-up by more than a tie (`gpu_mixed.TIE_NATS`): a kernel that skips some adapters' LoRA work
 (sglang#28371) does that at once; departures at ties are bfloat16 batching noise, which the
 single-adapter control shows as well. And the trainer's logprobs of tokens the
-engine sampled at T 0.7 and 1.0 with top_p 1 (tandem's convention) put no token more than 0.1
-apart. (With top_p 0.9 vLLM's processed logprobs are renormalised over the nucleus,
+engine sampled at T 0.7 and 1.0 with top_p 1 (tandem's convention) stay within bfloat16's noise
+(`AGREEMENT`), which the same tokens read as the unscaled model (the convention tandem had
+before) break. (With top_p 0.9 vLLM's processed logprobs are renormalised over the nucleus,
 engines/vllm_launcher.py: those rows are reported by the bench, not held to the bound here.)
 
 Needs TANDEM_TEST_SGLANG_PYTHON / TANDEM_TEST_VLLM_PYTHON: an interpreter whose environment has
@@ -22,6 +23,7 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.bench import bench_module
@@ -30,6 +32,18 @@ pytestmark = [pytest.mark.integration, pytest.mark.gpu, pytest.mark.slow]
 
 PYTHONS = {"sglang": "TANDEM_TEST_SGLANG_PYTHON", "vllm": "TANDEM_TEST_VLLM_PYTHON"}
 PORTS = {"sglang": 30177, "vllm": 30178}
+
+AGREEMENT = {"mean_abs": 0.03, "max_abs": 0.25, "over_outlier": 0.02}
+"""Engine against trainer in bfloat16 at T >= 0.7, per token |Δ logprob|: bounds on the mean, the
+maximum and the share above 0.1 nats. Measured on H100s over 26 such rows of 192 tokens (SGLang
+0.5.23 four runs, vLLM 0.33.0 two): mean <= 0.018, max <= 0.102, share <= 0.5 % (one token). A
+logprob convention off by the temperature gives a share of 68-77 % and a max above 1 nat, and a
+token decoded under the wrong adapter is off by more than a nat too. Exactly 0 over 0.1 is not
+bfloat16's noise: one SGLang run of four had one token at 0.1023."""
+
+
+def within_noise(row: dict[str, Any]) -> bool:
+    return all(float(row[key]) <= bound for key, bound in AGREEMENT.items())
 
 
 @pytest.mark.parametrize("engine", sorted(PYTHONS))
@@ -62,5 +76,7 @@ def test_mixed_batches_and_logprobs_agree_with_solo_and_the_trainer(engine: str,
     for r in rows:
         print(f"{engine} | {r['adapter']} T={r['temperature']} top_p={r['top_p']} {r['trainer_convention']}: "
               f"mean {r['mean_abs']:.2e} max {r['max_abs']:.2e} >0.1 {r['over_outlier']:.4f} ratio {r['ratio_mean']:.4f}")
-    assert ours and all(r["over_outlier"] == 0 for r in ours), ours
+    assert ours and all(within_noise(r) for r in ours), ours
+    before = [r for r in rows if r["trainer_convention"].startswith("unscaled") and r["temperature"] >= 0.7]
+    assert before and not any(within_noise(r) for r in before), "the bound must catch the unscaled convention"
     assert all(abs(r["ratio_mean"] - 1) < 0.02 for r in ours), ours
