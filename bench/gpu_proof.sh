@@ -18,8 +18,9 @@
 #   PART=suite    bench/suite.py --engine $ENGINE --only $ONLY (default sync,swaps; suite.json/.md, plots)
 #   PART=first    bench/gpu_first_forward.py --profile: the first response after a load, taken apart
 #   PART=compare  SGLang and vLLM side by side: bench/suite.py --only $ONLY (default
-#                 sync,swaps,agreement) with SGLang on GPU 0 and vLLM on GPU 1 at once, each with its
-#                 trainer on the same GPU (shared mode), then bench/compare_engines.py (engines.md);
+#                 sync,swaps,agreement,throughput,memory) with SGLang on GPU 0 and vLLM on
+#                 GPU 1 at once (one GPU: one after the other, LIMIT each), each with its trainer on the
+#                 same GPU (shared mode), then bench/compare_engines.py (engines.md);
 #                 suite-<engine>.json of separate calls (ONLY=throughput,memory; ONLY=hotload) merge
 #                 there: compare_engines.py a.json,b.json c.json,d.json
 # MODE=split (default with two GPUs: the engine on GPU 0, the trainer on GPU 1) or shared (one GPU);
@@ -158,12 +159,16 @@ compare)
   for e in sglang vllm; do
     g=$([ "$e" = sglang ] && echo 0 || echo "$second")
     timeout "${LIMIT:-560}" /tmp/tdpython bench/suite.py --engine "$e" --mode shared --shape 0.5b \
-      --only "${ONLY:-sync,swaps,agreement}" --model "$model" "${pythons[@]}" --inference-gpus "[$g]" \
+      --only "${ONLY:-sync,swaps,agreement,throughput,memory}" --model "$model" "${pythons[@]}" --inference-gpus "[$g]" \
       --trainer-gpus "[$g]" --mem-fraction 0.6 --out "/tmp/cmp-$e" --state "/tmp/cmp-state-$e" >"/tmp/cmp-$e.log" 2>&1 &
     lanes+=($!)
-    sleep 15  # the second stack picks its ports once the first holds its own
+    if [ "$second" = 0 ]; then  # one GPU: one engine after the other
+      wait "${lanes[-1]}" || status=1
+    else
+      sleep 15  # the second stack picks its ports once the first holds its own
+    fi
   done
-  for i in 0 1; do wait "${lanes[$i]}" || status=1; done
+  [ "$second" = 1 ] && for i in 0 1; do wait "${lanes[$i]}" || status=1; done
   echo "suites: exit ${status:-0} after $((SECONDS - t0)) s"
   for e in sglang vllm; do
     tail -15 "/tmp/cmp-$e.log"
