@@ -58,10 +58,13 @@ shared_check() {  # gpu_check of engine $1 in shared mode on GPU 1 (learning, no
   timeout "${CHECK_LIMIT:-420}" /tmp/tdpython bench/gpu_check.py --mode shared --shape 0.5b --steps "$steps" --engine "$1" "${pythons[@]}" \
     --inference-gpus '[1]' --trainer-gpus '[1]' --mem-fraction 0.6 --out "/tmp/gc/$1-shared-0.5b" >/tmp/gpu_check.log 2>&1
 }
-keep_check() {  # the gpu_check run whose --out was $1: its results, report and log's end
+keep_check() {  # the gpu_check run whose --out was $1: its results, report and log's end, and the
+  # controller's timeline of hand-overs and loads (does a load wait for the engine's wake-up?)
   cp "$1/results.json" "$out/gpu_check.json" 2>/dev/null
   cp "$1/report.md" "$out/gpu_check.md" 2>/dev/null
   tail -c 60000 /tmp/gpu_check.log >"$out/gpu_check.log"
+  grep -E "gpu lent|gpu back|adapter_load (start|end)" "$1/stack/logs/inference.log" 2>/dev/null | tail -c 200000 \
+    >"$out/gpu_check-timeline.log"
 }
 rm -rf "$out" && mkdir -p "$out"
 trap 'tar czf "$OUT/$part.tgz" -C "$out" . && ls -la "$out"' EXIT
