@@ -9,12 +9,17 @@ flags plus each variant's), for `--rounds` fresh adapter names per variant:
 - load: the engine's load call, as the controller times it;
 - first / second: the same one-token request (the sync probe's) right after the load, then again;
 - warmed: with a one-token request on another prompt first (a pre-warmed slot), then the probe;
-- base: the probe without an adapter, the floor of a one-token request;
+- again: the probe once more on that adapter, its prompt now in the adapter's prefix cache;
+- base: the probe without an adapter (its prompt cached too, from the rounds before);
 - with `--profile` (SGLang): the engine's own torch profile of the first request after one load
   (`/start_profile`, CPU and GPU activities), its busiest operations and kernels summed.
 
 Variants: `plain` (tandem's flags), `overlap` (`--enable-lora-overlap-loading`: SGLang copies an
-adapter's weights to the GPU beside compute). Results: OUT/results.json and OUT/report.md.
+adapter's weights to the GPU beside compute), `small-prefill` (prefill CUDA graphs captured from
+1 token: SGLang 0.5.23's smallest is 4, and it runs a prefill eagerly where the graph would pad it
+more than twice, so a prompt whose prefix is cached but for its last token, as `second`, `again`
+and `base` are, runs all layers eagerly). The adapter is saved in bfloat16, as the trainer
+publishes it for a bfloat16 model. Results: OUT/results.json and OUT/report.md.
 
     python bench/gpu_first_forward.py --out OUT --sglang-python /tmp/sgpython --shape 0.5b --profile
     python bench/gpu_first_forward.py --out /tmp/ff --engine transformers --shape tiny --rounds 3   # CPU dry run
@@ -38,7 +43,11 @@ from benchlib import SHAPES
 
 from tandem_inference.engines.base import Engine, Sampling
 
-VARIANTS = {"plain": [], "overlap": ["--enable-lora-overlap-loading"]}
+VARIANTS = {
+    "plain": [],
+    "overlap": ["--enable-lora-overlap-loading"],
+    "small-prefill": ["--cuda-graph-bs-prefill", *map(str, [1, 2, 3, 4, 8, 12, 16, 20, 24, 28, 32])],
+}
 ONE = Sampling(max_tokens=1)
 PROBE = [3, 17, 9]  # the sync probe's size: a prompt of a few tokens, one new token
 WARM = [5, 11]
@@ -60,9 +69,10 @@ async def rounds(engine: Engine, adapter_path: Path, n: int, tag: str) -> list[d
         await engine.load_adapter(warm, str(adapter_path))
         warm_up = await timed(engine, WARM, warm)
         warmed = await timed(engine, PROBE, warm)
+        again = await timed(engine, PROBE, warm)
         base = await timed(engine, PROBE, None)
         rows.append({"load_ms": load_ms, "first_ms": first, "second_ms": second, "warm_up_ms": warm_up,
-                     "warmed_first_ms": warmed, "base_ms": base})
+                     "warmed_first_ms": warmed, "again_ms": again, "base_ms": base})
         for name in (cold, warm):
             await engine.unload_adapter(name)
     return rows
@@ -106,7 +116,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     work = args.out / "work"
     model = build_tiny_model(work / "model", **{**SHAPES[args.shape], "initializer_range": 0.02})
-    adapter = build_random_adapter(model, work / "adapter", rank=16, seed=1, scale=0.02)
+    adapter = build_random_adapter(model, work / "adapter", rank=16, seed=1, scale=0.02, dtype="bfloat16")
     out: dict[str, Any] = {"shape": args.shape, "engine": args.engine, "variants": {}}
     variants = args.variants.split(",") if args.engine == "sglang" else ["plain"]
     for variant in variants:
@@ -127,7 +137,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(res: dict[str, Any]) -> str:
-    keys = ["load_ms", "first_ms", "second_ms", "warm_up_ms", "warmed_first_ms", "base_ms"]
+    keys = ["load_ms", "first_ms", "second_ms", "warm_up_ms", "warmed_first_ms", "again_ms", "base_ms"]
     lines = [f"# First response after a load ({res['engine']}, {res['shape']}), p50 ms", "",
              "| variant | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
     for name, v in res["variants"].items():
@@ -146,7 +156,7 @@ def report(res: dict[str, Any]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     one_engine.add_arguments(p, port=30191)
-    p.add_argument("--variants", default="plain,overlap", help=f"comma-separated, of {sorted(VARIANTS)}")
+    p.add_argument("--variants", default="plain,overlap,small-prefill", help=f"comma-separated, of {sorted(VARIANTS)}")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--profile", action="store_true", help="SGLang's torch profile of one first request")
     args = p.parse_args()

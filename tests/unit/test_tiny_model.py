@@ -140,3 +140,18 @@ def test_a_random_adapter_follows_its_seed_and_changes_the_outputs(tiny_dir: Pat
         plain = base(input_ids=ids).logits
         adapted = PeftModel.from_pretrained(base, a1).eval()(input_ids=ids).logits
     assert not torch.allclose(plain, adapted, atol=1e-4)
+
+
+def test_a_random_adapter_saved_in_bfloat16_is_the_float32_one_rounded(tiny_dir: Path, tmp_path: Path) -> None:
+    """What the trainer publishes for a bfloat16 model: the same weights, in bfloat16."""
+    import torch
+    from safetensors.torch import load_file
+
+    wide = build_random_adapter(tiny_dir, tmp_path / "wide", rank=4, seed=1, target_modules=["q_proj"])
+    narrow = build_random_adapter(tiny_dir, tmp_path / "narrow", rank=4, seed=1, target_modules=["q_proj"],
+                                  dtype="bfloat16")
+    w, n = load_file(wide / "adapter_model.safetensors"), load_file(narrow / "adapter_model.safetensors")
+    assert w.keys() == n.keys() and w
+    assert {t.dtype for t in w.values()} == {torch.float32}
+    assert {t.dtype for t in n.values()} == {torch.bfloat16}
+    assert all(torch.equal(w[k].to(torch.bfloat16), n[k]) for k in w)

@@ -327,13 +327,16 @@ def build_random_adapter(
     seed: int = 0,
     scale: float = 0.5,
     target_modules: Sequence[str] = ALL_PROJECTIONS,
+    dtype: str | None = None,
 ) -> Path:
     """Save a LoRA adapter of the model at ``base`` to ``out`` (peft's layout) and return ``out``.
 
     peft starts every B matrix at zero, which leaves the model's outputs as they were; here B
     is drawn from a normal distribution times ``scale``, so the adapter changes the outputs as
     a trained one does. Every weight follows from ``seed``: the same arguments give the same
-    adapter. ``lora_alpha`` is ``2 * rank``.
+    adapter. ``lora_alpha`` is ``2 * rank``. The weights are saved in peft's dtype (float32),
+    or in ``dtype`` (a torch dtype's name, e.g. "bfloat16": what the trainer publishes for a
+    bfloat16 model) when given.
     """
     import torch
     from peft import LoraConfig, get_peft_model
@@ -348,6 +351,10 @@ def build_random_adapter(
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * scale)
+        if dtype is not None:
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.data = param.data.to(getattr(torch, dtype))
     model.save_pretrained(str(out))
     return Path(out)
 
