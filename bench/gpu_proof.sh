@@ -15,7 +15,8 @@
 #                 its output in engines.log; with two GPUs gpu_check --engine $ENGINE --mode shared runs
 #                 on GPU 1 meanwhile, then bench/record_engine.py records that engine's answers
 #   PART=check    bench/gpu_check.py --engine $ENGINE --steps $STEPS (gpu_check.json/.md)
-#   PART=suite    bench/suite.py --engine $ENGINE --only $ONLY (default sync,swaps; suite.json/.md, plots)
+#   PART=suite    bench/suite.py --engine $ENGINE --only $ONLY (default sync,swaps; suite.json/.md, plots),
+#                 SHAPE (default 0.5b; 8b: the suite builds the model) and MEM (--mem-fraction) to choose
 #   PART=first    bench/gpu_first_forward.py --profile: the first response after a load, taken apart
 #   PART=compare  SGLang and vLLM side by side: bench/suite.py --only $ONLY (default
 #                 sync,swaps,agreement,throughput,memory) with SGLang on GPU 0 and vLLM on
@@ -147,8 +148,12 @@ check)
   ;;
 suite)
   t0=$SECONDS
-  timeout "${LIMIT:-560}" /tmp/tdpython bench/suite.py --mode "$mode" --shape 0.5b --only "${ONLY:-sync,swaps}" \
-    --model "$model" "${common[@]}" --out /tmp/suite --state /tmp/suite-state >/tmp/suite.log 2>&1
+  shape=${SHAPE:-0.5b}
+  built=(--model "$model")  # the 0.5B model of PART=env; another shape the suite builds itself
+  [ "$shape" = 0.5b ] || built=()
+  timeout "${LIMIT:-560}" /tmp/tdpython bench/suite.py --mode "$mode" --shape "$shape" --only "${ONLY:-sync,swaps}" \
+    "${built[@]}" "${common[@]}" ${MEM:+--mem-fraction "$MEM"} --out /tmp/suite --state /tmp/suite-state \
+    >/tmp/suite.log 2>&1
   echo "suite: exit $? after $((SECONDS - t0)) s"
   tail -50 /tmp/suite.log
   cp /tmp/suite/results.json "$out/suite.json" 2>/dev/null
