@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from tandem import keys
 from tandem.adapters import AdapterStore
 from tandem.events import Cursor, Event, EventKind, EventStream
 from tandem.registry import Registry
+from tandem.runs import RunSpec
 from tandem.settings import (
     ControllerSettings,
     EngineSettings,
@@ -88,7 +90,8 @@ def settings(redis_url: str, tmp_path: Path, engine_url: str, tiny_model: Path) 
     return InferenceSettings(
         redis=RedisSettings(url=redis_url),
         store=StoreSettings(root=tmp_path / "store"),
-        engine=EngineSettings(url=engine_url, model=str(tiny_model), max_lora_rank=64, unload_timeout_s=10),
+        engine=EngineSettings(url=engine_url, model=str(tiny_model), max_lora_rank=64, max_loaded_adapters=64,
+                              unload_timeout_s=10),
         controller=ControllerSettings(block_ms=50, keep_versions=2),
     )
 
@@ -752,3 +755,45 @@ async def test_an_engine_that_refuses_loads_with_503_is_not_asked_again_at_once(
     assert loads == [f"{run}-v1"]
     assert int(redis_conn.hget(keys.run_load_attempts(run), "1")) == 1  # one name used up, not hundreds
     assert controller.table.serving(run) == 0
+
+
+async def test_a_full_engine_makes_room_from_older_versions_and_says_which_setting_to_raise(
+    redis_conn: redis.Redis, settings: InferenceSettings, store: AdapterStore, tiny_model: Path
+) -> None:
+    """Runs share the engine's `max_loaded_adapters`: older versions make room for new ones, and
+    once every slot serves a run the refusal names the setting; what serves keeps serving."""
+    registry, events = Registry(redis_conn), EventStream(redis_conn)
+    a, b, c, d = (f"full{uuid.uuid4().hex[:6]}{x}" for x in "abcd")
+    for name in (a, b, c, d):
+        registry.create_run(RunSpec(name=name, base_model=str(tiny_model)))
+    small = EngineSettings(model=str(tiny_model), device="cpu", max_lora_rank=MAX_RANK, max_loaded_adapters=3)
+    with serve_app(create_engine_app(small)) as url:
+        async with httpx.AsyncClient() as http:
+            engine = TransformersEngine(http, url)
+            limited = settings.model_copy(update={"engine": settings.engine.model_copy(
+                update={"url": url, "max_loaded_adapters": 3})})
+            controller = Controller(limited, redis_conn, engine, store, RoutingTable("base"))
+            controller.start()
+            try:
+                table = controller.table
+                for run, version in ((a, 1), (a, 2), (b, 1)):  # the engine is full
+                    announce(events, store, publish(store, registry, tiny_model, run, version))
+                    await wait_until(lambda r=run, v=version: table.serving(r) == v, what=f"{run} v{version}")
+                announce(events, store, publish(store, registry, tiny_model, b, 2))
+                await wait_until(lambda: table.serving(b) == 2, what="b v2 serving on a full engine")
+                assert table.loaded(a) == [2] and table.serving(a) == 2  # a v1 made the room
+                assert f"{a}-v1" not in await engine.loaded_adapters()
+
+                announce(events, store, publish(store, registry, tiny_model, c, 1))  # b v1 makes room
+                await wait_until(lambda: table.serving(c) == 1, what="c v1 serving")
+                assert sorted(await engine.loaded_adapters()) == sorted([f"{a}-v2", f"{b}-v2", f"{c}-v1"])
+
+                announce(events, store, publish(store, registry, tiny_model, d, 1))  # every slot serves a run
+                await wait_until(lambda: events_of(events, EventKind.ADAPTER_REJECTED, d), what="d v1 refused")
+                message = events_of(events, EventKind.ADAPTER_REJECTED, d)[0].data["message"]
+                assert "TANDEM_ENGINE__MAX_LOADED_ADAPTERS" in message and "3 adapters" in message, message
+                assert (table.serving(a), table.serving(b), table.serving(c), table.serving(d)) == (2, 2, 1, 0)
+                (out,) = await engine.complete([5, 6, 7], Sampling(max_tokens=2, temperature=0), adapter=f"{a}-v2")
+                assert out.token_ids
+            finally:
+                await controller.stop()

@@ -132,7 +132,7 @@ class AdapterLoader:
         checksums = asyncio.create_task(asyncio.to_thread(self._timed_verify, run, version))
         refused: AdapterLoadRefused | None = None
         try:
-            load_ms = await self.engine.load_adapter(name, str(adapter_dir))
+            load_ms = await self._load_making_room(run, name, adapter_dir)
         except AdapterLoadRefused as exc:
             load_ms, refused = 0.0, exc
         except EngineTimeout as exc:
@@ -277,6 +277,39 @@ class AdapterLoader:
             raise
         except Exception as exc:  # noqa: BLE001 - unverified files must never serve
             raise AdapterRejected(f"{run} v{version}: its checksums could not be checked: {exc!r}") from exc
+
+    async def _load_making_room(self, run: str, name: str, adapter_dir: Path) -> float:
+        """The engine's load; when the engine refuses it holding all the adapters it may
+        (`engine.max_loaded_adapters`), every run keeps only its serving version, those no
+        request uses are unloaded, and the load is sent once more. Still full -- each adapter
+        the serving version of a run -- the refusal says so and which setting to raise."""
+        try:
+            return await self.engine.load_adapter(name, str(adapter_dir))
+        except AdapterLoadRefused as exc:
+            limit = self.settings.engine.max_loaded_adapters
+            if await self._held_count() < limit:
+                raise  # refused for another reason: the engine's message says which
+            for other in self.table.runs():
+                self.unloader.retire_old(other, 1)
+            for touched in await self.unloader.unload_idle():
+                await asyncio.to_thread(self.announcer.write_status, touched)
+            if await self._held_count() < limit:
+                log.warning("the engine held its %d adapters; older versions were unloaded to load %s", limit, name)
+                return await self.engine.load_adapter(name, str(adapter_dir))
+            serving = sorted(r for r in self.table.runs() if self.table.serving(r) and r != run)
+            raise AdapterLoadRefused(
+                f"the engine holds {limit} adapters, the most it may (engine.max_loaded_adapters), and "
+                f"{'each serves a run' if serving else 'requests still use them'} ({', '.join(serving[:10])}"
+                f"{', ...' if len(serving) > 10 else ''}); raise TANDEM_ENGINE__MAX_LOADED_ADAPTERS "
+                f"or serve fewer runs from one engine",
+                adapter=name, status_code=exc.status_code, engine_message=exc.engine_message,
+            ) from exc
+
+    async def _held_count(self) -> int:
+        try:
+            return len(await self.engine.loaded_adapters())
+        except EngineClientError:
+            return 0
 
     async def _max_lora_rank(self) -> int:
         """The engine's own limit where it says, else settings.engine.max_lora_rank."""
