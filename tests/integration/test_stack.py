@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from tandem import Client
+from tandem import Client, keys
 from tandem.dev.cli import main as tandem
 from tandem.dev.stack import Service, Stack, StackConfig
 from tandem.errors import ConfigError
+from tandem.registry import Registry
+from tandem.runs import RunSpec
 
 pytestmark = pytest.mark.integration
 
@@ -162,6 +164,17 @@ def test_status_and_client_find_the_stack_that_tandem_up_started(
             client.close()
         assert tandem(["status", "ghost"]) == 1
         assert capsys.readouterr().err.strip() == "tandem status: unknown run 'ghost'; known runs: []"
+
+        # a run spec that no longer reads back (written by hand, or by an older tandem) is named
+        # on its own line, and the other runs are still listed
+        registry = Registry(redis.Redis.from_url(stack.redis_url))
+        for name in ("good", "broken"):
+            registry.create_run(RunSpec(name=name, base_model="tiny"))
+        registry.conn.set(keys.run("broken"), '{"name": "broken", "base_model": "tiny", "loss": {"kl_coef": null}}')
+        assert tandem(["status"]) == 0
+        out = capsys.readouterr().out
+        assert "good: base tiny, latest v0, serving v0" in out
+        assert "broken: run 'broken' in Redis" in out and "kl_coef" in out
 
 
 @pytest.mark.parametrize("blocked", ["logs", "redis", "secrets.json/x"])

@@ -44,6 +44,25 @@ def test_run_spec_defaults_are_plain_lora() -> None:
 
 
 @pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"loss": {"kl_coef": math.inf}}, "loss.kl_coef"),
+        ({"optimizer": {"weight_decay": math.inf}}, "optimizer.weight_decay"),
+        ({"optimizer": {"max_grad_norm": math.nan}}, "optimizer.max_grad_norm"),
+        ({"optimizer": {"betas": (math.nan, 0.5)}}, "optimizer.betas.0"),
+        ({"optimizer": {"betas": (0.9, 5.0)}}, "optimizer.betas.1"),
+        ({"lora": {"alpha": math.inf}}, "lora.alpha"),
+        ({"seed": 2**64}, "seed"),
+    ],
+)
+def test_run_specs_that_would_not_read_back_or_train_are_refused_naming_the_field(spec: dict, field: str) -> None:
+    """JSON has no inf or NaN (pydantic would store null, and the run could never be read again)."""
+    with pytest.raises(ValueError) as info:
+        RunSpec.model_validate({"name": "r", "base_model": "m", **spec})
+    assert field in str(info.value).replace("\n", " ").split()[0:20].__str__() or field in str(info.value)
+
+
+@pytest.mark.parametrize(
     ("payload", "field"),
     [
         (job([]), "groups"),

@@ -85,9 +85,11 @@ class Registry:
         try:
             return RunSpec.model_validate_json(raw)
         except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "the spec"
             raise ValidationFailed(
                 f"run {name!r} in Redis ({keys.run(name)}) is not a valid run spec ({exc.error_count()} "
-                f"problems, first: {exc.errors()[0]['msg']}); delete that key and create the run again",
+                f"problems, first: {where}: {first['msg']}); delete that key and create the run again",
                 field="run",
             ) from exc
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import PurePosixPath
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -92,7 +92,9 @@ def parse_adapter_name(name: str) -> tuple[str, int, int] | None:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # inf and NaN are refused by name: JSON has no spelling for them (pydantic would store null,
+    # and the stored spec would no longer read back)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class LoraConfig(_Strict):
@@ -120,8 +122,8 @@ class OptimizerConfig(_Strict):
 
     lr: float = Field(2e-4, gt=0, le=1)
     """Learning rate."""
-    betas: tuple[float, float] = (0.9, 0.99)
-    """Adam betas."""
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.99)
+    """Adam betas, each in [0, 1)."""
     weight_decay: float = Field(0.0, ge=0)
     """Decoupled weight decay."""
     max_grad_norm: float = Field(1.0, gt=0)
@@ -157,8 +159,8 @@ class RunSpec(_Strict):
     loss: LossConfig = LossConfig()
     max_staleness_steps: int = Field(1, ge=0, le=64)
     """How many versions older than the parent of the version being trained a rollout may be."""
-    seed: int = 0
-    """Seed of the LoRA initialisation."""
+    seed: int = Field(0, ge=-(2**63), lt=2**63)
+    """Seed of the LoRA initialisation (a 64-bit signed integer)."""
 
     @field_validator("name")
     @classmethod

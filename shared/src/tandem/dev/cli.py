@@ -23,7 +23,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from tandem.dev.settings_reference import settings_markdown
-from tandem.errors import BackendUnavailable, ConfigError, TandemError
+from tandem.errors import BackendUnavailable, ConfigError, TandemError, ValidationFailed
 from tandem.settings import LOCAL_STACK_ENV, SERVICES, ClientSettings, redact_url
 
 TINY_MODEL = ".tandem/models/tiny"
@@ -130,8 +130,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not names:
         print(f"no runs yet in Redis at {redact_url(settings.redis.url)}")
     for name in names:
-        spec = reg.get_run(name)
-        print(f"{name}: base {spec.base_model}, latest v{reg.latest_version(name)}, serving v{reg.serving(name)}")
+        try:
+            base = reg.get_run(name).base_model
+        except ValidationFailed as exc:  # one unreadable run spec must not hide the others
+            print(f"{name}: {exc}")
+            continue
+        print(f"{name}: base {base}, latest v{reg.latest_version(name)}, serving v{reg.serving(name)}")
     for replica in Replicas(reg.conn).live():
         runs = [f"{run} v{held.serving} (loaded {', '.join(f'v{v}' for v in held.loaded) or 'none'})"
                 for run, held in sorted(replica.runs.items()) if not args.run or run == args.run]
