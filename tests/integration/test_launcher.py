@@ -113,11 +113,14 @@ async def test_a_dead_engine_is_restarted_its_children_killed_and_the_controller
 ) -> None:
     launcher, http = engine_launcher(tiny_model, tmp_path)
     reloads: list[int] = []
+    told: list[str] = []  # the controller hears the engine is down before the new one answers
 
     async def on_restart() -> None:
         reloads.append(1)
+        told.append("restarted")
 
     launcher.on_restart = on_restart
+    launcher.on_down = lambda: told.append("down")
     try:
         boot_s = await launcher.start()
         assert boot_s > 0
@@ -131,6 +134,7 @@ async def test_a_dead_engine_is_restarted_its_children_killed_and_the_controller
                 break
             await asyncio.sleep(0.1)
         assert reloads == [1]
+        assert told == ["down", "restarted"]  # /ready says not ready in between (Controller.engine_lost)
         assert launcher.proc.pid != first
         assert (await http.get(f"{launcher.url}/health")).status_code == 200
         assert not alive(orphan), "the crashed engine's child process was left running"

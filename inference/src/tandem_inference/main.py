@@ -96,6 +96,7 @@ async def serve(settings: InferenceSettings) -> None:
                                     restart_engine=launcher.restart if launcher else None)
             if launcher is not None:
                 launcher.on_restart = controller.reconcile
+                launcher.on_down = controller.engine_lost
             running.push_async_callback(controller.stop)
             controller.start()
             admission = None

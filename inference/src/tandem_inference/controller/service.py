@@ -127,6 +127,7 @@ class Controller:
                 await self.reconcile()
                 await self.follow(start)
             except EngineUnreachable as exc:  # down, or healthy by /health yet answering 503
+                self.engine_lost()
                 log.warning("engine unavailable (%s); waiting %.0f s and for its health, then reconciling",
                             exc, RESTART_PAUSE_S)
                 self.loader.forget_pending("the engine went away")
@@ -137,6 +138,11 @@ class Controller:
             except Exception:  # noqa: BLE001 - logged with its traceback; the loop must go on
                 log.exception("controller failed; starting over in %.0f s", RESTART_PAUSE_S)
                 await asyncio.sleep(RESTART_PAUSE_S)
+
+    def engine_lost(self) -> None:
+        """The engine went away (or is being restarted): what it held must be loaded again, so
+        /ready says not ready until the next reconcile has done that."""
+        self.reconciled = False
 
     async def wait_for_engine(self) -> float:
         """Block until the engine's /health answers 200; returns seconds waited."""

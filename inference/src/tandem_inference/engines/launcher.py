@@ -123,6 +123,8 @@ class Launcher:
         self.log_path = log_path
         self.pid_path = pid_path  # names the running engine, for the next run to reap if this one cannot
         self.on_restart = on_restart
+        self.on_down: Callable[[], None] | None = None
+        """Called as a restart begins: the engine's adapters are gone until `on_restart` loads them."""
         self.health_poll_s = health_poll_s  # pause between /health probes while booting
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts: deque[float] = deque()
@@ -254,6 +256,8 @@ class Launcher:
             )
         self.restarts.append(time.monotonic())
         log.warning("restarting engine: %s", reason)
+        if self.on_down is not None:
+            self.on_down()
         self.terminate()
         await self.start()
         if self.on_restart is not None:
