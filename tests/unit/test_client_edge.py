@@ -132,6 +132,17 @@ def test_train_with_no_groups_is_validation_failed_before_redis_is_asked() -> No
         run.train([], wait=False)
 
 
+@pytest.mark.parametrize("timeout_s", [0, 0.4, -5])
+def test_a_train_timeout_below_a_second_is_validation_failed_before_redis_is_asked(timeout_s: float) -> None:
+    """0 used to mean "the default" for the job while the caller's wait timed out at once: the
+    job trained on, and a caller who retried trained the step twice."""
+    run = Run(answering(200, {}), RunSpec(name="r", base_model="m"))
+    group = Run.group([completion(), completion()], [1.0, 0.0])
+    with pytest.raises(ValidationFailed) as info:
+        run.train([group], timeout_s=timeout_s)
+    assert info.value.field == "timeout_s"
+
+
 SAME = [
     ("/models/Qwen/Qwen2.5-0.5B-Instruct", "/models/Qwen/Qwen2.5-0.5B-Instruct/", None),
     ("Qwen/Qwen2.5-0.5B-Instruct", "/models/Qwen/Qwen2.5-0.5B-Instruct", None),

@@ -19,6 +19,7 @@ shorter than its timeout (it reads on from where it was once Redis answers again
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -160,9 +161,11 @@ class Run:
         rollouts that follow are never older than the run allows.
         """
         conn = self.client.conn
-        job = jobs.parse_job(
-            {"run": self.name, "groups": list(groups), "timeout_s": int(timeout_s or self.client.settings.train_timeout_s)}
-        )
+        # 0 is refused, not read as "the default": the job would run on while the caller was told
+        # it timed out (the job's own bound, whole seconds from 1, checks the rest)
+        timeout = self.client.settings.train_timeout_s if timeout_s is None else timeout_s
+        whole = math.ceil(timeout) if timeout >= 1 else timeout
+        job = jobs.parse_job({"run": self.name, "groups": list(groups), "timeout_s": whole})
         job = job.model_copy(update={"step": self.client.registry.next_step(self.name)})
         after = self.client.events.last_id()
         jobs.enqueue(conn, job)
