@@ -135,6 +135,18 @@ def test_a_train_job_object_trains_as_it_is(trainer: Trainer, run: RunSpec) -> N
     assert trainer.train(job).reused
 
 
+def test_a_job_id_used_again_with_other_groups_is_refused_naming_it(trainer: Trainer, run: RunSpec,
+                                                                     redis_conn) -> None:
+    """A retry sends the same groups and gets the version back; other groups under that id are
+    another step, which would be silently dropped if answered with the old version."""
+    first = trainer.train(make_job("job-7", seed=1))
+    assert trainer.train(make_job("job-7", seed=1)).reused  # the retry
+    with pytest.raises(JobRejected) as info:
+        trainer.train(make_job("job-7", seed=2, groups=3))
+    assert info.value.field == "job_id" and "job-7" in str(info.value) and "new job_id" in str(info.value)
+    assert Registry(redis_conn).latest_version(RUN) == first.version  # nothing trained, nothing lost
+
+
 def test_an_adapter_that_cannot_be_written_is_a_checkpoint_error(trainer: Trainer, backend: PeftBackend,
                                                                  run: RunSpec, tmp_path: Path) -> None:
     trainer.train(make_job())  # an adapter is active

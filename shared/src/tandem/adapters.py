@@ -68,6 +68,9 @@ class Manifest(BaseModel):
     """Client-side train step that produced it."""
     job_id: str
     """Train job that produced it; a retried job finds its version by this id."""
+    job_digest: str | None = None
+    """`tandem.jobs.groups_digest` of that job: the same id with other groups is refused, not
+    answered with this version (manifests written before it have none)."""
     base_model: str
     lora_rank: int = Field(ge=1)
     created_at: float = Field(default_factory=time.time)

@@ -25,7 +25,7 @@ from pydantic import JsonValue
 from tandem.adapters import AdapterStore, Manifest
 from tandem.errors import AdapterRejected, RunNotFound, ValidationFailed, VersionExists
 from tandem.events import Event, EventKind, EventStream
-from tandem.jobs import TrainJob, TrainResult, parse_job
+from tandem.jobs import TrainJob, TrainResult, groups_digest, parse_job
 from tandem.registry import Registry
 from tandem.runs import RunSpec
 from tandem.settings import TrainerSettings
@@ -324,7 +324,7 @@ class Trainer:
         metrics.update(clock.metrics())
         manifest = Manifest(
             run=job.run, version=latest + 1, parent=parent, step=job.step, job_id=job.job_id,
-            base_model=spec.base_model, lora_rank=spec.lora.r, metrics=metrics,
+            job_digest=groups_digest(job), base_model=spec.base_model, lora_rank=spec.lora.r, metrics=metrics,
         )
         return Trained(manifest, adapter, train_s=train_s, stepped_at=stepped_at, stage_ms=stage_ms)
 

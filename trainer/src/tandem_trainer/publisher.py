@@ -25,11 +25,11 @@ from pydantic import JsonValue
 from tandem.adapters import ADAPTER_DIR, AdapterStore, Manifest
 from tandem.errors import AdapterRejected
 from tandem.events import Event, EventKind, EventStream
-from tandem.jobs import TrainJob, TrainResult
+from tandem.jobs import TrainJob, TrainResult, groups_digest
 from tandem.registry import Registry
 from tandem_trainer import failpoints
 from tandem_trainer.adapter_files import StagedAdapter
-from tandem_trainer.errors import CheckpointError
+from tandem_trainer.errors import CheckpointError, JobRejected
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,12 @@ class Publisher:
         manifest = self.registry.manifest(job.run, version) if version is not None else None
         if manifest is None:
             return None
+        if manifest.job_digest is not None and manifest.job_digest != groups_digest(job):
+            raise JobRejected(
+                f"job_id {job.job_id!r} already trained {job.run} v{manifest.version} on other groups; a retry "
+                "must send the same groups, and a new step needs a new job_id (leave job_id out for one)",
+                field="job_id",
+            )
         if not self.announced(manifest):
             log.warning("announce.resumed run=%s version=%d job_id=%s: registered but never announced",
                         manifest.run, manifest.version, manifest.job_id)
