@@ -321,6 +321,8 @@ def test_malformed_chat_bodies_are_422(url: str, body: dict) -> None:
     ("logit_bias", {"22": -100}), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("seed", 42),
     ("top_k", 5), ("min_p", 0.1), ("repetition_penalty", 1.05), ("parallel_tool_calls", False),
     ("tool_choice", "required"), ("modalities", ["text", "audio"]), ("functions", [{"name": "f"}]),
+    ("echo", True), ("best_of", 3), ("ignore_eos", True), ("min_tokens", 50), ("stop_token_ids", [2]),
+    ("include_stop_str_in_output", True),
 ])
 def test_a_sampling_field_the_engines_do_not_honour_is_refused_naming_it(url: str, field: str, value: Any) -> None:
     """Never ignored: the reply would not be what was asked for."""
@@ -334,7 +336,8 @@ def test_sampling_fields_at_their_neutral_values_are_served(url: str, client: op
     """What clients send as defaults changes nothing, so it is taken."""
     neutral = {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "seed": None, "top_k": -1,
                "parallel_tool_calls": True, "modalities": ["text"], "tool_choice": "auto", "user": "u",
-               "metadata": {"a": "b"}, "store": False}
+               "metadata": {"a": "b"}, "store": False, "ignore_eos": False, "min_tokens": 0, "stop_token_ids": [],
+               "echo": False, "best_of": 1}
     resp = httpx.post(f"{url}/v1/chat/completions", json={"model": "base", "messages": CHAT, "max_tokens": 2, **neutral})
     assert resp.status_code == 200, resp.text
     for field, value in (("echo", True), ("best_of", 3), ("suffix", "!")):

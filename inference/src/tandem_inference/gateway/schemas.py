@@ -50,6 +50,11 @@ NOT_SAMPLED: dict[str, tuple[tuple[Any, ...], str]] = {
     "parallel_tool_calls": ((None, True), "true"),
     "functions": ((None, []), "null (describe them in `tools`)"),
     "function_call": ((None,), "null (use `tool_choice`)"),
+    # vLLM's and SGLang's own sampling extensions, which their clients send in the body
+    "ignore_eos": ((None, False), "false"),
+    "min_tokens": ((None, 0), "0"),
+    "stop_token_ids": ((None, []), "null (give `stop` strings)"),
+    "include_stop_str_in_output": ((None, False), "false"),
 }
 
 
@@ -207,8 +212,14 @@ class SamplingRequest(Body):
     seed: Any = None
     top_k: Any = None
     min_p: Any = None
-    """`NOT_SAMPLED`: refused unless neutral (vLLM and SGLang clients send top_k, min_p and
-    repetition_penalty in the body)."""
+    best_of: Any = None
+    echo: Any = None
+    ignore_eos: Any = None
+    min_tokens: Any = None
+    stop_token_ids: Any = None
+    include_stop_str_in_output: Any = None
+    """`NOT_SAMPLED`: refused unless neutral, on chat and completions alike (vLLM and SGLang
+    clients send top_k, min_p and repetition_penalty in the body)."""
 
     @field_validator(*NOT_SAMPLED, mode="after", check_fields=False)
     @classmethod
@@ -277,9 +288,7 @@ class ChatRequest(ChatLogprobs, SamplingRequest):
 
 class CompletionRequest(SamplingRequest):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
-    echo: Any = None
     suffix: Any = None
-    best_of: Any = None
     """`NOT_SAMPLED`: refused unless neutral."""
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     """OpenAI's completions API takes a count here: any value asks for logprobs, and that many
