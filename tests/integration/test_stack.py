@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -16,7 +17,7 @@ import redis
 from tandem import Client, keys
 from tandem.dev.cli import main as tandem
 from tandem.dev.stack import Service, Stack, StackConfig
-from tandem.errors import ConfigError
+from tandem.errors import ConfigError, StackError
 from tandem.registry import Registry
 from tandem.runs import RunSpec
 
@@ -193,3 +194,26 @@ def test_a_state_directory_that_cannot_be_written_is_one_line_naming_it(
             signal.signal(sig, handler)
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(state / blocked.split("/")[0]) in err, err
+
+
+def test_a_gateway_port_answered_by_another_process_is_a_stack_error_naming_it(tmp_path: Path) -> None:
+    """Two `tandem up` started in the same moment on one port: both pass the port check, one binds,
+    and the other's readiness probe got the winner's /ready. It must not take that for its own."""
+    from fastapi import FastAPI
+    from helpers.loopback import serve_app
+
+    other = FastAPI()
+    other.get("/ready")(lambda: {"status": "ready"})
+    with serve_app(other) as url:
+        port = int(url.rsplit(":", 1)[1])
+        stack = RedisOnly(StackConfig(state_dir=tmp_path, gateway_port=0))
+        ours = Service("inference", ["sleep", "60"], ready=lambda: True)
+        ours.proc = subprocess.Popen(["sleep", "60"])  # ours, which could not bind the port
+        stack.services.append(ours)
+        try:
+            with pytest.raises(StackError, match=f"gateway port {port} is held by another process") as info:
+                stack._gateway_ready("inference", port)
+            assert "--gateway-port 0" in str(info.value)
+        finally:
+            ours.proc.kill()
+            ours.proc.wait()

@@ -198,7 +198,7 @@ class Stack:
                 Service("engine", [py, "-m", "tandem_inference.engines.transformers"],
                         ready=lambda: self._engine_ready(self.engine_url)),
                 Service("inference", [py, "-m", "tandem_inference.main"],
-                        ready=lambda: self._http_ok(f"{self.gateway_url}/ready")),
+                        ready=lambda: self._gateway_ready("inference", self.gateway_port)),
             ]
         for i, (engine_port, gateway_port) in enumerate(self.replicas, start=1):
             engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
@@ -209,7 +209,7 @@ class Stack:
                 Service(f"engine-{i}", [py, "-m", "tandem_inference.engines.transformers"], env=env,
                         ready=functools.partial(self._engine_ready, engine_url)),
                 Service(f"inference-{i}", [py, "-m", "tandem_inference.main"], env=env,
-                        ready=functools.partial(self._http_ok, f"{gateway_url}/ready")),
+                        ready=functools.partial(self._gateway_ready, f"inference-{i}", gateway_port)),
             ]
         if self.replicas:
             services.append(Service("router", [haproxy_binary(), "-db", "-f", str(self._router_conf())],
@@ -279,6 +279,19 @@ class Stack:
             raise StackError(f"{url} answers with an engine that refuses this stack's admin key: another tandem "
                              "stack's engine holds the port; start this one again (it picks another port)")
         return reply.status_code == 200
+
+    def _gateway_ready(self, name: str, port: int) -> bool:
+        """The gateway of service `name` answers /ready on `port` -- and is that service's own: a
+        stack started in the same moment on the same port would answer for it while ours cannot bind."""
+        if not self._http_ok(f"http://127.0.0.1:{port}/ready"):
+            return False
+        proc = self.service(name).proc
+        if proc is not None and listens_on(proc.pid, port) is False:
+            self.stop()
+            raise StackError(f"gateway port {port} is held by another process (another `tandem up` started at the "
+                             "same time?), which answered for this stack; stop it, or start this stack with "
+                             "`tandem up --gateway-port 0` (a free port)")
+        return True
 
     @staticmethod
     def _http_ok(url: str) -> bool:
@@ -435,6 +448,30 @@ def haproxy_binary() -> str:
         raise ConfigError("several replicas need the router, HAProxy, which is not installed: "
                           "`apt-get install haproxy` (Debian, Ubuntu), or run one replica")
     return found
+
+
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether process `pid` holds a listening TCP socket on `port`, from Linux's /proc; None where
+    that cannot be told (no /proc)."""
+    inodes: set[str] = set()
+    try:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                for line in f.readlines()[1:]:
+                    fields = line.split()
+                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                        inodes.add(fields[9])
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except (OSError, IndexError, ValueError):
+        return None
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            return True
+    return False
 
 
 def port_free(port: int) -> bool:
