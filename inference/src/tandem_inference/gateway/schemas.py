@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tandem.episodes import EPISODE_ID as episode_ids
-from tandem_inference.bodies import MAX_TOP_LOGPROBS, Body, ChatLogprobs
+from tandem_inference.bodies import MAX_TOP_LOGPROBS, Body, ChatLogprobs, Part
 
 #: Most samples one request may ask for (`n`).
 MAX_N = 64
@@ -80,12 +80,12 @@ Kind = Literal["chat", "text"]
 """Which API a request came in by: chat completions or (text) completions."""
 
 
-class TextPart(Body):
+class TextPart(Part):
     type: Literal["text"]
     text: str
 
 
-class FunctionSpec(Body):
+class FunctionSpec(Part):
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -102,7 +102,7 @@ class FunctionSpec(Body):
         return value
 
 
-class Tool(Body):
+class Tool(Part):
     """A tool the model may call: OpenAI's `{"type": "function", "function": {...}}`."""
 
     type: Literal["function"]
@@ -112,28 +112,28 @@ class Tool(Body):
         return {"type": "function", "function": self.function.model_dump(exclude_none=True, exclude={"strict"})}
 
 
-class FunctionName(Body):
+class FunctionName(Part):
     name: str = Field(pattern=TOOL_NAME)
 
 
-class NamedToolChoice(Body):
+class NamedToolChoice(Part):
     type: Literal["function"]
     function: FunctionName
 
 
-class FunctionCall(Body):
+class FunctionCall(Part):
     name: str = Field(min_length=1)
     arguments: str
     """The arguments as a JSON text, as OpenAI sends them."""
 
 
-class ToolCall(Body):
+class ToolCall(Part):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(Body):
+class ChatMessage(Part):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     """Text; may be null or empty on an assistant message that carries `tool_calls`."""
@@ -189,7 +189,7 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
-class StreamOptions(Body):
+class StreamOptions(Part):
     include_usage: bool = False
     """A last chunk, without choices, carries the usage (OpenAI's; none is sent otherwise)."""
 
