@@ -89,6 +89,21 @@ def test_lone_surrogates_are_422_naming_the_field(
     still_serves(http, url_of(servers, where, "/v1/chat/completions"))
 
 
+@pytest.mark.parametrize(("extra", "words"), [
+    ('"user": "a\\ud800"', ("user", "lone surrogate")),
+    ('"metadata": {"k": NaN}', ("metadata.k", "finite")),
+    ('"metadata": {"k": Infinity}', ("metadata.k", "finite")),
+])
+def test_fields_the_gateway_does_not_read_are_held_to_the_same_rule(
+    servers: Servers, http: httpx.Client, extra: str, words: tuple[str, ...]
+) -> None:
+    """`user` and `metadata` change nothing of the reply, but they were let through unchecked."""
+    url = url_of(servers, "gateway", "/v1/chat/completions")
+    raw = f'{{"model": "{BASE}", "messages": {json.dumps(CHAT)}, "max_tokens": 2, {extra}}}'
+    assert_client_error(post_raw(http, url, raw), 422, *words)
+    still_serves(http, url)
+
+
 def test_lone_surrogates_in_native_text_and_rid_are_422(servers: Servers, http: httpx.Client) -> None:
     for raw, field in (('{"text": "a\\ud800"}', "text"), ('{"text": "a", "rid": "\\ud800"}', "rid")):
         assert_client_error(post_raw(http, f"{servers.engine}/generate", raw), 422, field, "lone surrogate")

@@ -25,6 +25,9 @@ def test_parse_model() -> None:
     assert parse_model("digits@7") == ("digits", 7)
     assert parse_model("my-run.v2@v10") == ("my-run.v2", 10)
     assert parse_model("digits@v7\n") == ("digits@v7\n", None)  # no pin: refused as an unknown model
+    # versions are ASCII digits without leading zeros (int() reads "٣" and "７" as 3 and 7)
+    for loose in ("digits@v\u0663", "digits@\uff17", "digits@v007", "digits@v" + "9" * 40):
+        assert parse_model(loose) == (loose, None), loose
 
 
 def test_base_model_and_runs_resolve(table: RoutingTable) -> None:

@@ -55,6 +55,20 @@ class Body(BaseModel):
         return value
 
 
+    @model_validator(mode="before")
+    @classmethod
+    def _extra_json_text_and_numbers(cls, data: Any) -> Any:
+        """The fields a body does not declare (ignored, but echoed in logs and kept by clients that
+        send them, like `user` and `metadata`) are held to the same rule."""
+        if cls.checks_values and isinstance(data, dict):
+            for key, value in data.items():
+                if key not in cls.model_fields:
+                    problem = first_invalid(value, str(key)[:QUOTE_CHARS])
+                    if problem is not None:
+                        raise PydanticCustomError("invalid_value", "{problem}", {"problem": problem})
+        return data
+
+
 class Part(Body):
     """A model only ever read inside a `Body` (a message, a tool, a content part): the body's own
     walk has checked its values already, so it is not walked again. Each nesting level walking its

@@ -32,7 +32,7 @@ from typing import Any
 from tandem.runs import RUN_NAME, adapter_name
 from tandem_inference.errors import ModelNotFound
 
-_PINNED = re.compile(r"^(?P<run>[^@]+)@v?(?P<version>\d+)$")
+_PINNED = re.compile(r"^(?P<run>[^@]+)@v?(?P<version>0|[1-9][0-9]{0,17})$")
 
 
 @dataclass(frozen=True)
