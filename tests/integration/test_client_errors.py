@@ -104,6 +104,18 @@ def test_fields_the_gateway_does_not_read_are_held_to_the_same_rule(
     still_serves(http, url)
 
 
+def test_a_prompt_that_fits_without_max_tokens_gets_the_room_left_not_a_refusal(
+    servers: Servers, http: httpx.Client
+) -> None:
+    """The default of 128 new tokens would overflow the context; OpenAI's rule is the rest of it."""
+    url = url_of(servers, "gateway", "/v1/completions")
+    reply = http.post(url, json={"model": BASE, "prompt": [5] * (CONTEXT - 6), "temperature": 1.0})
+    assert reply.status_code == 200, reply.text
+    assert 1 <= reply.json()["usage"]["completion_tokens"] <= 6
+    asked = http.post(url, json={"model": BASE, "prompt": [5] * (CONTEXT - 6), "max_tokens": 60})
+    assert_client_error(asked, 400)  # one that names max_tokens is held to it
+
+
 def test_lone_surrogates_in_native_text_and_rid_are_422(servers: Servers, http: httpx.Client) -> None:
     for raw, field in (('{"text": "a\\ud800"}', "text"), ('{"text": "a", "rid": "\\ud800"}', "rid")):
         assert_client_error(post_raw(http, f"{servers.engine}/generate", raw), 422, field, "lone surrogate")

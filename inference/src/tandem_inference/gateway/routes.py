@@ -59,7 +59,9 @@ async def chat_completions(body: ChatRequest, request: Request, gw: GatewayDep) 
     if body.episode is not None:
         turn = await gw.episode_turn(body, sampling.max_tokens)
         return await gw.serve(request, "chat", body, turn.input_ids, sampling, body.logprobs, episode=turn)
-    return await gw.serve(request, "chat", body, await gw.chat_ids(body), sampling, body.logprobs)
+    ids = await gw.chat_ids(body)
+    sampling = gw.fit_default(sampling, asked=body.max_completion_tokens or body.max_tokens, prompt_tokens=len(ids))
+    return await gw.serve(request, "chat", body, ids, sampling, body.logprobs)
 
 
 EpisodeId = Annotated[str, PathParam(pattern=EPISODE_ID)]
@@ -86,6 +88,7 @@ async def delete_episode(episode_id: EpisodeId, gw: GatewayDep) -> Response:
 async def completions(body: CompletionRequest, request: Request, gw: GatewayDep) -> Response:
     sampling = gw.sampling(body, body.max_tokens)
     prompt = await gw.completion_ids(body)
+    sampling = gw.fit_default(sampling, asked=body.max_tokens, prompt_tokens=len(prompt))
     return await gw.serve(request, "text", body, prompt, sampling, body.logprobs is not None)
 
 

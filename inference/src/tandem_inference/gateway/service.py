@@ -9,6 +9,7 @@ an episode (episodes.py) is planned before it is admitted and saved once it is g
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -150,6 +151,14 @@ class Gateway:
             stop=tuple(stop),
             top_logprobs=body.alternatives_per_token,
         )
+
+    def fit_default(self, sampling: Sampling, *, asked: int | None, prompt_tokens: int) -> Sampling:
+        """A request that named no max_tokens gets the default only as far as the context leaves
+        room after its prompt (OpenAI's rule: the rest of the context); one that named it keeps it."""
+        room = (self._engine_context or 0) - prompt_tokens
+        if asked is not None or room < 1 or sampling.max_tokens <= room:
+            return sampling
+        return dataclasses.replace(sampling, max_tokens=room)
 
     # episodes ---------------------------------------------------------------
     async def episode_turn(self, body: ChatRequest, max_new_tokens: int) -> Turn:
