@@ -104,6 +104,17 @@ def test_fields_the_gateway_does_not_read_are_held_to_the_same_rule(
     still_serves(http, url)
 
 
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_tokens", '"5"'), ("stream", '"yes"'), ("n", "true"), ("logprobs", '"true"'), ("max_tokens", "5.5"),
+])
+def test_a_value_of_the_wrong_type_is_refused_not_converted(
+    servers: Servers, http: httpx.Client, field: str, value: str
+) -> None:
+    url = url_of(servers, "gateway", "/v1/chat/completions")
+    raw = f'{{"model": "{BASE}", "messages": {json.dumps(CHAT)}, "{field}": {value}}}'
+    assert_client_error(post_raw(http, url, raw), 422, field, param=field)
+
+
 def test_a_prompt_that_fits_without_max_tokens_gets_the_room_left_not_a_refusal(
     servers: Servers, http: httpx.Client
 ) -> None:

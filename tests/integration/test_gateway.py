@@ -503,6 +503,8 @@ def test_api_key_is_required_when_set(
         with oai(url, api_key="s3cret") as right_key:
             assert right_key.completions.create(model="base", prompt="x", max_tokens=2).choices
         assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/ready").status_code == 200
+        for page in ("/docs", "/redoc", "/openapi.json"):  # FastAPI would serve them without the key
+            assert httpx.get(f"{url}{page}").status_code == 404, page
 
 
 @pytest.mark.parametrize("empty", ["", "  "])

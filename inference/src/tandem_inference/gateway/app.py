@@ -50,7 +50,10 @@ def create_gateway_app(
     requests while the GPU is lent out (shared mode).
     """
     gateway_metrics = GatewayMetrics(metrics if metrics is not None else CollectorRegistry())
-    app = FastAPI(title="tandem gateway")
+    # with an API key, no /docs, /redoc or /openapi.json: FastAPI serves them without it
+    open_schema = settings.gateway.api_key is None
+    app = FastAPI(title="tandem gateway", docs_url="/docs" if open_schema else None,
+                  redoc_url="/redoc" if open_schema else None, openapi_url="/openapi.json" if open_schema else None)
     app.state.gateway = Gateway(settings, engine, table, tokenizer, registry, controller, admission, gateway_metrics)
     install_error_handlers(app)
     app.add_middleware(MetricsMiddleware, metrics=gateway_metrics)

@@ -198,12 +198,12 @@ class SamplingRequest(Body):
     """What chat and completion requests share: the model, sampling, `n`, stops, streaming."""
 
     model: str = Field(min_length=1, max_length=MAX_MODEL_CHARS)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, strict=True)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1, le=MAX_N, strict=True)
     stop: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | None = None
-    stream: bool = False
+    stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
     logit_bias: Any = None
     presence_penalty: Any = None
@@ -234,9 +234,9 @@ class SamplingRequest(Body):
 
 class ChatRequest(ChatLogprobs, SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
+    logprobs: bool = Field(False, strict=True)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
     """Alternatives per token in `logprobs.content[].top_logprobs`; needs `logprobs: true`."""
     tools: list[Tool] | None = None
     """Functions the model may call; handed to the chat template."""
@@ -287,10 +287,10 @@ class ChatRequest(ChatLogprobs, SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(strict=True)]], Field(min_length=1)]
     suffix: Any = None
     """`NOT_SAMPLED`: refused unless neutral."""
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
     """OpenAI's completions API takes a count here: any value asks for logprobs, and that many
     alternatives per token come back in `top_logprobs`."""
 
