@@ -12,7 +12,6 @@ resolves no name but `TRAIN_FUNC` and refuses everything else before anything ru
 from __future__ import annotations
 
 import hashlib
-import json
 import reprlib
 import time
 import uuid
@@ -70,8 +69,7 @@ class TrainJob(BaseModel):
 def groups_digest(job: TrainJob) -> str:
     """A digest of what the job trains on (its groups): a job id used again with other groups is
     another step under an old name, not a retry."""
-    raw = json.dumps([g.model_dump(mode="json") for g in job.groups], sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(raw.encode()).hexdigest()
+    return hashlib.sha256(job.model_dump_json(include={"groups"}).encode()).hexdigest()
 
 
 class TrainResult(BaseModel):

@@ -135,11 +135,12 @@ class Trainer:
                         latest = self.registry.latest_version(job.run)
                         version = latest + 1
                         self._check_versions(job, spec, latest)
+                        digest = groups_digest(job)  # before the step: not between it and the files
                         if self.gpu is None:
-                            trained = self._train(job, spec, info, latest)
+                            trained = self._train(job, spec, info, latest, digest)
                         else:
                             with self.gpu.held() as waited:
-                                trained = self._train(job, spec, info, latest, gpu_wait_s=waited)
+                                trained = self._train(job, spec, info, latest, digest, gpu_wait_s=waited)
                         # in shared mode the GPU is back with inference while the files are written
                         result = self._publish(job, trained)
                         # off the path to serving: after the announcement
@@ -272,10 +273,11 @@ class Trainer:
             return str(exc)
         return None
 
-    def _train(self, job: TrainJob, spec: RunSpec, info: ModelInfo, latest: int,
+    def _train(self, job: TrainJob, spec: RunSpec, info: ModelInfo, latest: int, digest: str,
                gpu_wait_s: float | None = None) -> Trained:
         """One step from the run's newest intact version, staged in host memory as version
-        `latest + 1`: everything of the job that needs the device.
+        `latest + 1`: everything of the job that needs the device. `digest` is the job's
+        `groups_digest`, for the manifest.
 
         `gpu_wait_s` (shared mode: how long the job waited for the GPU) goes into the version's
         metrics with the rest, so `adapter_ready` carries it too: a client that takes its result
@@ -324,7 +326,7 @@ class Trainer:
         metrics.update(clock.metrics())
         manifest = Manifest(
             run=job.run, version=latest + 1, parent=parent, step=job.step, job_id=job.job_id,
-            job_digest=groups_digest(job), base_model=spec.base_model, lora_rank=spec.lora.r, metrics=metrics,
+            job_digest=digest, base_model=spec.base_model, lora_rank=spec.lora.r, metrics=metrics,
         )
         return Trained(manifest, adapter, train_s=train_s, stepped_at=stepped_at, stage_ms=stage_ms)
 
