@@ -47,13 +47,9 @@ class Body(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _json_text_and_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        if not cls.checks_values:
-            return value
-        problem = first_invalid(value, info.field_name or "body")
-        if problem is not None:
-            raise PydanticCustomError("invalid_value", "{problem}", {"problem": problem})
+        if cls.checks_values:
+            _refuse_invalid(value, info.field_name or "body")
         return value
-
 
     @model_validator(mode="before")
     @classmethod
@@ -63,9 +59,7 @@ class Body(BaseModel):
         if cls.checks_values and isinstance(data, dict):
             for key, value in data.items():
                 if key not in cls.model_fields:
-                    problem = first_invalid(value, str(key)[:QUOTE_CHARS])
-                    if problem is not None:
-                        raise PydanticCustomError("invalid_value", "{problem}", {"problem": problem})
+                    _refuse_invalid(value, str(key)[:QUOTE_CHARS])
         return data
 
 
@@ -98,6 +92,13 @@ class ChatLogprobs(Body):
     def alternatives_per_token(self) -> int:
         """How many alternatives per token the reply lists (0: none)."""
         return (self.top_logprobs or 0) if self.logprobs else 0
+
+
+def _refuse_invalid(value: Any, path: str) -> None:
+    """A validation error saying what `first_invalid` found in `value`, if anything."""
+    problem = first_invalid(value, path)
+    if problem is not None:
+        raise PydanticCustomError("invalid_value", "{problem}", {"problem": problem})
 
 
 def first_invalid(value: Any, path: str) -> str | None:

@@ -351,10 +351,8 @@ def build_random_adapter(
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * scale)
-        if dtype is not None:
-            for name, param in model.named_parameters():
-                if "lora_" in name:
-                    param.data = param.data.to(getattr(torch, dtype))
+            if dtype is not None and "lora_" in name:
+                param.data = param.data.to(getattr(torch, dtype))
     model.save_pretrained(str(out))
     return Path(out)
 

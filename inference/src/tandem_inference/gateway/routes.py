@@ -54,13 +54,13 @@ operations = APIRouter()
 
 @generation.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request, gw: GatewayDep) -> Response:
-    sampling = gw.sampling(body, body.max_completion_tokens or body.max_tokens,
-                           "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+    asked = body.max_completion_tokens or body.max_tokens
+    sampling = gw.sampling(body, asked, "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     if body.episode is not None:
         turn = await gw.episode_turn(body, sampling.max_tokens)
         return await gw.serve(request, "chat", body, turn.input_ids, sampling, body.logprobs, episode=turn)
     ids = await gw.chat_ids(body)
-    sampling = gw.fit_default(sampling, asked=body.max_completion_tokens or body.max_tokens, prompt_tokens=len(ids))
+    sampling = gw.fit_default(sampling, asked=asked, prompt_tokens=len(ids))
     return await gw.serve(request, "chat", body, ids, sampling, body.logprobs)
 
 
