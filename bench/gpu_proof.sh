@@ -20,7 +20,7 @@
 #   PART=first    bench/gpu_first_forward.py --profile: the first response after a load, taken apart
 #   PART=compare  SGLang and vLLM side by side: bench/suite.py --only $ONLY (default
 #                 sync,swaps,agreement,throughput,memory) with SGLang on GPU 0 and vLLM on
-#                 GPU 1 at once (one GPU: one after the other, LIMIT each), each with its trainer on the
+#                 GPU 1 at once (one GPU: one after the other, LIMIT each; ENGINES=vllm runs one), each with its trainer on the
 #                 same GPU (shared mode), then bench/compare_engines.py (engines.md);
 #                 suite-<engine>.json of separate calls (ONLY=throughput,memory; ONLY=hotload) merge
 #                 there: compare_engines.py a.json,b.json c.json,d.json
@@ -164,7 +164,7 @@ suite)
 compare)
   t0=$SECONDS
   lanes=()
-  for e in sglang vllm; do
+  for e in ${ENGINES:-sglang vllm}; do
     g=$([ "$e" = sglang ] && echo 0 || echo "$second")
     timeout "${LIMIT:-560}" /tmp/tdpython bench/suite.py --engine "$e" --mode shared --shape 0.5b \
       --only "${ONLY:-sync,swaps,agreement,throughput,memory}" --model "$model" "${pythons[@]}" --inference-gpus "[$g]" \
@@ -176,16 +176,17 @@ compare)
       sleep 15  # the second stack picks its ports once the first holds its own
     fi
   done
-  [ "$second" = 1 ] && for i in 0 1; do wait "${lanes[$i]}" || status=1; done
+  [ "$second" = 1 ] && for lane in "${lanes[@]}"; do wait "$lane" || status=1; done
   echo "suites: exit ${status:-0} after $((SECONDS - t0)) s"
-  for e in sglang vllm; do
+  for e in ${ENGINES:-sglang vllm}; do
     tail -15 "/tmp/cmp-$e.log"
     cp "/tmp/cmp-$e/results.json" "$out/suite-$e.json" 2>/dev/null
     tail -c 30000 "/tmp/cmp-$e.log" >"$out/suite-$e.log"
     tail -c 30000 "/tmp/cmp-state-$e/logs/inference.log" >"$out/inference-$e.log" 2>/dev/null
     mkdir -p "$out/plots-$e" && cp /tmp/cmp-$e/*.png "$out/plots-$e/" 2>/dev/null
   done
-  /tmp/tdpython bench/compare_engines.py "$out/suite-sglang.json" "$out/suite-vllm.json" --out "$out/engines.md" &&
+  [ -f "$out/suite-sglang.json" ] && [ -f "$out/suite-vllm.json" ] &&
+    /tmp/tdpython bench/compare_engines.py "$out/suite-sglang.json" "$out/suite-vllm.json" --out "$out/engines.md" &&
     head -60 "$out/engines.md"
   ;;
 first)
