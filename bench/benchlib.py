@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from tandem import Client
+from tandem import Client, LoraConfig, OptimizerConfig
 from tandem.dev.stack import Service, Stack, StackConfig
 
 #: Model shapes for GPU runs: the tiny model, and transformer bodies of Qwen2.5 models with
@@ -176,6 +176,16 @@ class Sample:
     tokens: int = 0
     model: str = ""
     """The `model` the request named (a run, or a run's version), where the generator spreads them."""
+
+
+def bench_run(ctx: Ctx) -> Any:
+    """The bench run (`ctx.run_name`) the later scenarios publish on, created by `sync` or by the
+    first scenario that runs without it, with one spec: a state directory of an earlier call opens
+    it again instead of refusing another spec."""
+    assert ctx.client is not None
+    rank = 8 if ctx.engine == "transformers" else 16
+    return ctx.client.create_run(ctx.run_name, base_model=ctx.model, lora=LoraConfig(r=rank, alpha=2 * rank),
+                                 optimizer=OptimizerConfig(lr=1e-3))
 
 
 def new_version(run: Any) -> int:

@@ -19,7 +19,9 @@
 #                 SHAPE (default 0.5b; 8b: the suite builds the model) and MEM (--mem-fraction) to choose
 #   PART=first    bench/gpu_first_forward.py --profile: the first response after a load, taken apart
 #   PART=compare  SGLang and vLLM side by side: bench/suite.py --only $ONLY (default
-#                 sync,swaps,agreement,throughput,memory) with SGLang on GPU 0 and vLLM on
+#                 sync,swaps,agreement,throughput; ONLY=memory,hotload is a second call: all six
+#                 take longer than a host's 10 minutes) on the 0.5B model of initializer_range
+#                 0.02 (PART=env builds it), with SGLang on GPU 0 and vLLM on
 #                 GPU 1 at once (one GPU: one after the other, LIMIT each; ENGINES=vllm runs one), each with its trainer on the
 #                 same GPU (shared mode), then bench/compare_engines.py (engines.md);
 #                 suite-<engine>.json of separate calls (ONLY=throughput,memory; ONLY=hotload) merge
@@ -43,6 +45,7 @@ gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 mode=${MODE:-$([ "$gpus" -ge 2 ] && echo split || echo shared)}
 export PYTHONUNBUFFERED=1
 model=/tmp/gc/model-0.5b
+model_cmp=/tmp/gc/model-0.5b-0.02
 # engines an earlier run left behind; KILL=0 when another part runs beside this one (GPU=1 below)
 [ "${KILL:-1}" = 1 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill 2>/dev/null
 gpu=${GPU:-0}  # the GPU of the one-GPU parts (engines' tests, correct, first)
@@ -76,7 +79,9 @@ env)
   # The host sets PYTHONDONTWRITEBYTECODE: without this every process compiles every module again.
   (unset PYTHONDONTWRITEBYTECODE; for d in /tmp/lk-*; do python3 -m compileall -q -j 0 "$d" >/dev/null 2>&1; done)
   tail -8 "$out/env.log"
-  /tmp/trpython -c 'import sys; sys.path.insert(0, "bench"); from benchlib import SHAPES; from tandem_trainer.tiny_model import build_tiny_model; build_tiny_model(sys.argv[1], **SHAPES["0.5b"])' "$model"
+  # the learning checks' model (initializer_range 0.1, so LoRA can move it) and the engine comparison's
+  # (0.02, a real model's: bfloat16 logprobs of the sharper one are too noisy to compare engines by)
+  /tmp/trpython -c 'import sys; sys.path.insert(0, "bench"); from benchlib import SHAPES; from tandem_trainer.tiny_model import build_tiny_model; build_tiny_model(sys.argv[1], **SHAPES["0.5b"]); build_tiny_model(sys.argv[2], **{**SHAPES["0.5b"], "initializer_range": 0.02})' "$model" "$model_cmp"
   rm -rf /tmp/rec
   for e in ${RECORD-sglang}; do
     t0=$SECONDS
@@ -167,7 +172,7 @@ compare)
   for e in ${ENGINES:-sglang vllm}; do
     g=$([ "$e" = sglang ] && echo 0 || echo "$second")
     timeout "${LIMIT:-560}" /tmp/tdpython bench/suite.py --engine "$e" --mode shared --shape 0.5b \
-      --only "${ONLY:-sync,swaps,agreement,throughput,memory}" --model "$model" "${pythons[@]}" --inference-gpus "[$g]" \
+      --only "${ONLY:-sync,swaps,agreement,throughput}" --model "$model_cmp" "${pythons[@]}" --inference-gpus "[$g]" \
       --trainer-gpus "[$g]" --mem-fraction 0.6 --out "/tmp/cmp-$e" --state "/tmp/cmp-state-$e" >"/tmp/cmp-$e.log" 2>&1 &
     lanes+=($!)
     if [ "$second" = 0 ]; then  # one GPU: one engine after the other

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import engine_log
-from benchlib import SGLANG_FLAGS, SHAPES, BenchStack, Ctx, machine, md_table, package_versions, python_versions
+from benchlib import SGLANG_FLAGS, bench_run, SHAPES, BenchStack, Ctx, machine, md_table, package_versions, python_versions
 
 from tandem import Client
 from tandem.dev.stack import StackConfig
@@ -77,7 +77,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--trainer-gpus", default="[1]")
     p.add_argument("--mem-fraction", type=float, default=None,
                    help="SGLang's --mem-fraction-static (vLLM's --gpu-memory-utilization); default 0.7 split, 0.6 shared")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=8)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=64,
+                   help="the largest decode batch the engine captures a CUDA graph for: 64 covers the throughput "
+                        "grid's 64 clients (at 8, both engines served 64 clients slower than 8)")
     return p.parse_args()
 
 
@@ -219,15 +221,17 @@ def main() -> int:
             ctx.client = Client(stack.gateway_url, stack.redis_url)
             for name in on_stack:
                 if name != "sync" and "sync" not in results and name != "pipeline":
-                    # later scenarios run on the run `sync` created; make one version if it was skipped
-                    ctx.client.create_run(ctx.run_name, base_model=model)
+                    # later scenarios publish on the run `sync` creates: create it if sync is
+                    # skipped, or open the one an earlier call left in the same state directory
+                    bench_run(ctx)
                     results["sync"] = {"skipped": True}
                 run_scenario(name, ctx, results)
+                # the engine's command line and boot, and the shared-mode hand-overs, as the inference
+                # log has them so far (a run cut short keeps them)
+                meta["engine_log"] = engine_log.record((stack.logs / "inference.log").read_text(errors="replace"))
                 write()
             ctx.client.close()
             ctx.stack, ctx.client = None, None
-            # the engine's command line and boot, and the shared-mode hand-overs, as the inference log has them
-            meta["engine_log"] = engine_log.record((stack.logs / "inference.log").read_text(errors="replace"))
         finally:
             stack.stop()
     for name in names:

@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from benchlib import Ctx, goal, new_version, plt, save_figure, stage_table, summary
+from benchlib import Ctx, bench_run, goal, new_version, plt, save_figure, stage_table, summary
 
-from tandem import Client, LoraConfig, OptimizerConfig
+from tandem import Client
 from tandem.events import EventKind
 
 
@@ -119,9 +119,7 @@ def floor_ms(adapter_dir: Path, device: str) -> float:
 def run(ctx: Ctx) -> dict[str, Any]:
     assert ctx.stack is not None and ctx.client is not None
     versions = 8 if ctx.quick else 40
-    rank = 8 if ctx.engine == "transformers" else 16
-    run = ctx.client.create_run(ctx.run_name, base_model=ctx.model, lora=LoraConfig(r=rank, alpha=2 * rank),
-                                optimizer=OptimizerConfig(lr=1e-3))
+    run = bench_run(ctx)
     with Prober(ctx.stack.gateway_url, ctx.client, run.name) as probers:
         for i in range(1, versions + 1):
             new_version(run)
