@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import engine_log
-from benchlib import SGLANG_FLAGS, bench_run, SHAPES, BenchStack, Ctx, machine, md_table, package_versions, python_versions
+from benchlib import SGLANG_FLAGS, SHAPES, BenchStack, Ctx, bench_run, machine, md_table, package_versions, python_versions
 
 from tandem import Client
 from tandem.dev.stack import StackConfig
