@@ -1,4 +1,5 @@
-"""`Client.create_run` refuses a run whose base model is not the one the engine serves.
+"""`Client.create_run` refuses a run whose base model is not the one the engine serves, or whose
+adapters the engine would refuse to load (a rank above its limit, modules SGLang prepares no LoRA for).
 
 A real gateway on loopback tells its engine's model in `/v1/models`; no engine is needed for that.
 """
@@ -15,8 +16,9 @@ import redis
 from helpers.loopback import free_port
 from helpers.servers import gateway, inference_settings
 
-from tandem import Client
+from tandem import Client, LoraConfig
 from tandem.errors import BackendUnavailable, ValidationFailed
+from tandem.runs import DEFAULT_TARGETS
 from tandem.settings import InferenceSettings
 
 pytestmark = pytest.mark.integration
@@ -88,3 +90,38 @@ def test_the_gateway_tells_its_model_and_runs_while_redis_is_down(tmp_path: Path
         models = httpx.get(f"{url}/v1/models")
         assert models.status_code == 200 and models.json()["data"][0]["root"] == ENGINE_MODEL
         assert httpx.get(f"{url}/v1/runs/nope").status_code == 404
+
+
+def test_a_rank_above_the_engines_limit_is_refused_before_any_training(
+    redis_url: str, redis_conn: redis.Redis, tmp_path: Path, tokenizer: Any
+) -> None:
+    settings = settings_for(redis_url, tmp_path, ENGINE_MODEL)
+    settings.engine.max_lora_rank = 16
+    with gateway(settings, tokenizer, with_controller=False) as url:
+        client = Client(url, conn=redis_conn)
+        card = next(c for c in client.get("/v1/models")["data"] if c.get("root"))
+        assert card["lora"] == {"max_rank": 16}  # the transformers engine takes any module
+        with pytest.raises(ValidationFailed) as info:
+            client.create_run("wide", base_model=ENGINE_MODEL, lora=LoraConfig(r=32, alpha=64))
+        message = str(info.value)
+        assert info.value.field == "lora.r" and "r=32" in message and "TANDEM_ENGINE__MAX_LORA_RANK" in message
+        assert client.runs() == []
+        assert client.create_run("fits", base_model=ENGINE_MODEL, lora=LoraConfig(r=16)).spec.lora.r == 16
+        client.close()
+
+
+def test_modules_sglang_prepares_no_lora_for_are_refused(
+    redis_url: str, redis_conn: redis.Redis, tmp_path: Path, tokenizer: Any
+) -> None:
+    settings = settings_for(redis_url, tmp_path, ENGINE_MODEL)
+    settings.engine.kind = "sglang"  # the card is the gateway's; no engine answers here
+    settings.engine.lora_target_modules = ("q_proj", "v_proj")
+    with gateway(settings, tokenizer, with_controller=False) as url:
+        client = Client(url, conn=redis_conn)
+        with pytest.raises(ValidationFailed) as info:
+            client.create_run("all", base_model=ENGINE_MODEL, lora=LoraConfig(target_modules=DEFAULT_TARGETS))
+        assert info.value.field == "lora.target_modules" and "'o_proj'" in str(info.value)
+        assert "'q_proj'" not in str(info.value).split("prepares")[0]
+        run = client.create_run("qv", base_model=ENGINE_MODEL, lora=LoraConfig(target_modules=("q_proj", "v_proj")))
+        assert run.spec.lora.target_modules == ("q_proj", "v_proj") and client.runs() == ["qv"]
+        client.close()

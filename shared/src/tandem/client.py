@@ -284,19 +284,24 @@ class Client:
     def engine_model(self) -> tuple[str, str] | None:
         """The engine's model (hub id or path) and the name it serves it under, from the gateway's
         `/v1/models` (the card with a `root`); None when the gateway does not say."""
+        card = self._base_card()
+        return (card["root"], str(card.get("id") or "")) if card else None
+
+    def _base_card(self) -> dict[str, Any] | None:
+        """The base model's card of the gateway's `/v1/models` (the one with a `root`), or None."""
         cards = self.get("/v1/models").get("data")
         for card in cards if isinstance(cards, list) else []:
             if isinstance(card, dict) and isinstance(card.get("root"), str) and card["root"]:
-                return card["root"], str(card.get("id") or "")
+                return card
         return None
 
     def _check_base_model(self, spec: RunSpec) -> None:
-        engine = self.engine_model()
-        if engine is None:
+        card = self._base_card()
+        if card is None:
             log.warning("the gateway at %s does not say which model it serves; cannot check base_model %r",
                         self.settings.gateway_url, spec.base_model)
             return
-        model, served_name = engine
+        model, served_name = card["root"], str(card.get("id") or "")
         if not same_base_model(spec.base_model, model, served_name):
             raise ValidationFailed(
                 f"run {spec.name!r} asks for base_model {spec.base_model!r}, but the engine behind "
@@ -305,6 +310,31 @@ class Client:
                 "(TANDEM_ENGINE__MODEL)",
                 field="base_model",
             )
+        self._check_lora(spec, card.get("lora"))
+
+    def _check_lora(self, spec: RunSpec, limits: Any) -> None:
+        """Refuse a run whose adapters the engine would refuse to load (after their first step):
+        a rank above its max_lora_rank, or modules it prepares no LoRA for (SGLang)."""
+        if not isinstance(limits, dict):
+            return
+        max_rank = limits.get("max_rank")
+        if isinstance(max_rank, int) and spec.lora.r > max_rank:
+            raise ValidationFailed(
+                f"run {spec.name!r} asks for lora.r={spec.lora.r}, but the engine behind {self.settings.gateway_url} "
+                f"loads adapters up to rank {max_rank}: create the run with r <= {max_rank}, or start the "
+                f"stack with TANDEM_ENGINE__MAX_LORA_RANK >= {spec.lora.r}",
+                field="lora.r",
+            )
+        modules = limits.get("target_modules")
+        if isinstance(modules, list):
+            missing = sorted(set(spec.lora.target_modules) - {str(m) for m in modules})
+            if missing:
+                raise ValidationFailed(
+                    f"run {spec.name!r} targets {missing}, but the engine behind {self.settings.gateway_url} "
+                    f"prepares LoRA only for {modules}: drop them from lora.target_modules, or start the "
+                    "stack with them in TANDEM_ENGINE__LORA_TARGET_MODULES",
+                    field="lora.target_modules",
+                )
 
     def run(self, name: str) -> Run:
         """Open an existing run."""

@@ -18,6 +18,7 @@ from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from tandem.settings import EngineSettings
 from tandem_inference.engines.base import METRICS_FORMAT
 from tandem_inference.errors import EngineResponseError, EpisodeNotFound, ModelNotFound
 from tandem_inference.gateway.error_replies import error_reply, for_clients
@@ -116,8 +117,19 @@ async def model_cards(gw: Gateway) -> list[dict[str, Any]]:
         if not table.has_run(run):
             table.add_run(run)
     return [{"id": m, "object": "model", "created": 0, "owned_by": "tandem",
-             "root": gw.settings.engine.model if m == table.base_model else None}
+             "root": gw.settings.engine.model if m == table.base_model else None,
+             **({"lora": lora_limits(gw.settings.engine)} if m == table.base_model else {})}
             for m in table.known_models() if m == table.base_model or parse_model(m)[0] in registered]
+
+
+def lora_limits(engine: EngineSettings) -> dict[str, Any]:
+    """What adapters the engine takes, on the base model's card, so that a client refuses a run whose
+    adapters would be refused only after their first training step: the largest rank, and the
+    modules an adapter may target where the engine prepares LoRA for a fixed set (SGLang)."""
+    limits: dict[str, Any] = {"max_rank": engine.max_lora_rank}
+    if engine.kind == "sglang":
+        limits["target_modules"] = list(engine.lora_target_modules)
+    return limits
 
 
 @runs.get("/v1/runs/{run}")
