@@ -390,6 +390,31 @@ def test_bad_input_is_rejected_naming_the_field(case: str, trainer: Trainer, run
     assert store.versions(RUN) == [] and Registry(redis_conn).latest_version(RUN) == 0
 
 
+def test_rewards_of_any_finite_size_train_as_their_ranking(trainer: Trainer, run: RunSpec, redis_conn) -> None:
+    """Advantages are normalised within the group, so 1e308 and -1e308 are as good as 1 and -1 (their
+    sum, in floating point, is not)."""
+    job = make_job("huge")
+    for g, group in enumerate(job["groups"]):
+        for t, traj in enumerate(group["trajectories"]):
+            traj["reward"] = 1e308 if (g + t) % 2 else -1e308
+    assert trainer.train(job).version == 1
+    assert [e.job_id for e in events(redis_conn, EventKind.TRAIN_FAILED)] == []
+
+
+def test_unnormalised_advantages_beyond_float32_are_refused_naming_the_group(
+    trainer: Trainer, redis_conn, tiny_model: Path, store: AdapterStore
+) -> None:
+    Registry(redis_conn).create_run(RunSpec(name="raw", base_model=str(tiny_model), lora=LoraConfig(r=4, alpha=8.0),
+                                            loss=LossConfig(normalize_std=False)))
+    job = {**make_job("raw-1"), "run": "raw"}
+    job["groups"][1]["trajectories"][0]["reward"] = 1e39
+    with pytest.raises(JobRejected) as info:
+        trainer.train(job)
+    assert info.value.field == "groups.1.trajectories"
+    assert "1e+39" in str(info.value) and "normalize_std" in str(info.value)
+    assert store.versions("raw") == [] and Registry(redis_conn).latest_version("raw") == 0
+
+
 def test_trajectory_older_than_allowed_is_rejected(trainer: Trainer, run: RunSpec, redis_conn) -> None:
     trainer.train(make_job("job-1"))
     trainer.train(make_job("job-2", seed=1, version=1))  # one version stale: allowed

@@ -40,6 +40,21 @@ def test_group_of_two_gets_plus_and_minus_one() -> None:
     assert torch.allclose(group_advantages(torch.tensor([0.0, 1.0])), torch.tensor([-1.0, 1.0]), atol=1e-5)
 
 
+@pytest.mark.parametrize("scale", [1.0, 1e3, 1e150, 1e307])
+def test_advantages_do_not_depend_on_the_rewards_scale_up_to_the_largest_finite(scale: float) -> None:
+    rewards = torch.tensor([1.0, -1.0, 0.0], dtype=torch.float64) * scale  # 1e307 * 1.0 sums past float64
+    adv = group_advantages(rewards)
+    assert torch.isfinite(adv).all()
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0, 0.0]) * math.sqrt(1.5), atol=1e-4)
+
+
+def test_unnormalised_advantages_beyond_float32_are_inf_for_the_job_to_refuse() -> None:
+    assert torch.equal(group_advantages(torch.tensor([1e200, 0.0], dtype=torch.float64), normalize_std=False),
+                       torch.tensor([math.inf, -math.inf]))
+    assert torch.allclose(group_advantages(torch.tensor([1e30, 0.0], dtype=torch.float64), normalize_std=False),
+                          torch.tensor([5e29, -5e29]))
+
+
 def _grad(logprob: float, rollout: float, advantage: float) -> float:
     lp = torch.tensor([[logprob]], requires_grad=True)
     terms = grpo_loss(lp, torch.tensor([[rollout]]), torch.tensor([advantage]), torch.ones(1, 1), **CLIP)

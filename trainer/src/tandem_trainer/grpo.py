@@ -35,15 +35,24 @@ def group_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: 
     larger one). A group whose rewards are all equal carries no signal about which
     completion is better, so it gets exactly zero advantages instead of rounding noise
     divided by eps.
+
+    Computed on the rewards divided by their largest magnitude, which changes nothing (the std and
+    eps are scaled alike) but keeps any finite rewards from overflowing: 1e308 sums to inf. Without
+    `normalize_std` the advantages are the rewards' own scale, so ones beyond float32 come back as
+    inf (the job refuses them, naming the group).
     """
     rewards = rewards.to(torch.float64)
-    centered = rewards - rewards.mean()
-    std = rewards.std(unbiased=False)
-    if float(std) < eps:
+    scale = float(rewards.abs().max()) if rewards.numel() else 0.0
+    if scale == 0.0:
+        return torch.zeros_like(rewards, dtype=torch.float32)
+    unit = rewards / scale
+    centered = unit - unit.mean()
+    std = float(unit.std(unbiased=False))
+    if std < eps / scale:
         return torch.zeros_like(rewards, dtype=torch.float32)
     if normalize_std:
-        centered = centered / (std + eps)
-    return centered.to(torch.float32)
+        return (centered / (std + eps / scale)).to(torch.float32)
+    return (centered * scale).to(torch.float32)
 
 
 def selective_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor | None = None) -> torch.Tensor:

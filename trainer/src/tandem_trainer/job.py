@@ -288,8 +288,15 @@ class Trainer:
         samples: list[Sample] = []
         rewards: list[float] = []
         flat_groups = 0
-        for group in job.groups:
-            adv = group_advantages(torch.tensor(group.rewards), normalize_std=spec.loss.normalize_std)
+        for g, group in enumerate(job.groups):
+            adv = group_advantages(torch.tensor(group.rewards, dtype=torch.float64),
+                                   normalize_std=spec.loss.normalize_std)
+            if not bool(torch.isfinite(adv).all()):
+                raise JobRejected(
+                    f"groups.{g}: rewards {group.rewards} give advantages beyond float32 (|a| > 3.4e38) with "
+                    f"run {spec.name!r}'s loss.normalize_std off; scale the rewards down, or create the run "
+                    "with normalize_std on", field=f"groups.{g}.trajectories",
+                )
             flat_groups += int(not adv.any())
             rewards += group.rewards
             samples += [
