@@ -296,6 +296,19 @@ def test_a_run_created_after_start_is_served_by_the_base_model(
     assert resp.model_extra["tandem"] == {**resp.model_extra["tandem"], "run": "late", "version": 0}
 
 
+@pytest.mark.parametrize("path", ["/v1/models/late%0A", "/v1/runs/late%0A", "/v1/models/late%00", "/v1/runs/la%0Dte"])
+def test_a_name_in_the_path_with_a_control_character_is_no_name(
+    url: str, redis_conn: redis.Redis, tiny_model: Path, path: str
+) -> None:
+    """Route patterns end in `$`, which also matches before a trailing newline: never `late`'s card."""
+    Registry(redis_conn).create_run(RunSpec(name="late", base_model=str(tiny_model)))
+    assert httpx.get(f"{url}/v1/runs/late").status_code == 200
+    resp = httpx.get(url + path)
+    assert resp.status_code == 404, resp.text
+    assert resp.json()["error"]["param"] == "path" and "control character" in resp.json()["error"]["message"]
+    assert httpx.get(url + "/v1/models/" + "x" * 5000 + "%0A").json()["error"]["message"].count("x") < 200
+
+
 @pytest.mark.parametrize(
     "body",
     [
@@ -344,6 +357,20 @@ def test_sampling_fields_at_their_neutral_values_are_served(url: str, client: op
         with pytest.raises(openai.UnprocessableEntityError, match=field):
             client.completions.create(model="base", prompt="Count:", max_tokens=2, **{field: value})
     assert client.completions.create(model="base", prompt="Count:", max_tokens=2, echo=False, best_of=1).choices
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "Count:"}),
+])
+def test_stream_options_without_stream_is_refused_naming_it(url: str, route: str, body: dict[str, Any]) -> None:
+    for stream in ({}, {"stream": False}):
+        resp = httpx.post(f"{url}{route}", json={"model": "base", "max_tokens": 2, **body, **stream,
+                                                 "stream_options": {"include_usage": True}})
+        assert resp.status_code == 422, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "stream_options" and "stream: true" in error["message"], error
+    resp = httpx.post(f"{url}{route}", json={"model": "base", "max_tokens": 2, **body, "stream_options": None})
+    assert resp.status_code == 200, resp.text
 
 
 def test_structured_outputs_are_refused_naming_the_field_never_ignored(client: openai.OpenAI) -> None:

@@ -68,12 +68,13 @@ def test_request_models() -> None:
             "messages": [
                 {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
             ],
+            "stream": True,
             "stream_options": {"include_usage": True},
             "user": "ignored",
         }
     )
     assert body.messages[0].as_template_input() == {"role": "user", "content": "ab"}
-    assert body.n == 1 and body.temperature is None and body.stream is False
+    assert body.n == 1 and body.temperature is None and body.stream is True
     assert CompletionRequest.model_validate({"model": "r", "prompt": [1, 2]}).prompt == [1, 2]
     for bad in (
         {"model": "r", "messages": []},

@@ -20,6 +20,7 @@ from tandem_inference.gateway import routes
 from tandem_inference.gateway.body_limit import BodyLimit
 from tandem_inference.gateway.error_replies import install_error_handlers
 from tandem_inference.gateway.metrics import GatewayMetrics, MetricsMiddleware
+from tandem_inference.gateway.plain_path import PlainPath
 from tandem_inference.gateway.service import Gateway
 from tandem_inference.routing import RoutingTable
 
@@ -57,7 +58,8 @@ def create_gateway_app(
     app.state.gateway = Gateway(settings, engine, table, tokenizer, registry, controller, admission, gateway_metrics)
     install_error_handlers(app)
     app.add_middleware(MetricsMiddleware, metrics=gateway_metrics)
-    app.add_middleware(BodyLimit, max_bytes=settings.gateway.max_body_bytes)  # outermost: before any parsing
+    app.add_middleware(BodyLimit, max_bytes=settings.gateway.max_body_bytes)  # before any parsing
+    app.add_middleware(PlainPath)  # outermost: before routing
     for router in (routes.generation, routes.runs, routes.operations):
         app.include_router(router)
     return app

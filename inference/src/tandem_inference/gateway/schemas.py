@@ -226,6 +226,14 @@ class SamplingRequest(Body):
     def _not_sampled(cls, value: Any, info: ValidationInfo) -> Any:
         return refuse_unless_neutral(str(info.field_name), value)
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and info.data.get("stream") is not True:
+            raise ValueError("stream_options is only allowed with stream: true (as OpenAI's API has it); "
+                             "send stream: true, or leave stream_options out")
+        return value
+
     @property
     def alternatives_per_token(self) -> int:
         """How many alternatives per token the reply lists (0: none)."""
