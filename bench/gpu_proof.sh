@@ -188,6 +188,9 @@ compare)
     cp "/tmp/cmp-$e/results.json" "$out/suite-$e.json" 2>/dev/null
     tail -c 30000 "/tmp/cmp-$e.log" >"$out/suite-$e.log"
     tail -c 30000 "/tmp/cmp-state-$e/logs/inference.log" >"$out/inference-$e.log" 2>/dev/null
+    # the engine's own timing of each hand-over (vLLM: "It took X seconds to wake up tags ...")
+    grep -iE "wake up|fall asleep|sleep mode|memory_occupation" "/tmp/cmp-state-$e/logs/$e.log" 2>/dev/null |
+      tail -c 30000 >"$out/engine-memory-$e.log"
     mkdir -p "$out/plots-$e" && cp /tmp/cmp-$e/*.png "$out/plots-$e/" 2>/dev/null
   done
   [ -f "$out/suite-sglang.json" ] && [ -f "$out/suite-vllm.json" ] &&
