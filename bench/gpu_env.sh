@@ -10,7 +10,8 @@
 # shown file by file to be identical to the locked wheel (bench/lock_parity.py compare). The
 # staged wheels arrive in .lstage1 .lstage2 ... (bench/lock_parity.py pack; each folder copied
 # to /tmp/lstage on the host); .lstage0/envs.txt says which environments take
-# each wheel. Run from the repo root; the folders still in the working tree are collected too.
+# each wheel, and .lstage0/groups.txt which folders hold all that the environments without
+# vLLM take (packed with --first sglang,trainer,tandem,bench: they come first). Run from the repo root; the folders still in the working tree are collected too.
 # ENVS="trainer bench" builds only those environments (and their interpreters) from fewer staged folders;
 # vLLM's is built when ENVS names it (ENVS="vllm trainer tandem bench").
 set -euo pipefail

@@ -13,7 +13,7 @@ line). Three steps:
     # here: the wheels of every lock, hash-checked (pip download --require-hashes), against it
     python bench/lock_parity.py compare --wheels DIR --inventory inventory.json.gz --report parity.md --stage-list stage.txt
     # here: the wheels to stage, packed into folders of at most 58 MiB to copy over one at a time
-    python bench/lock_parity.py pack --wheels DIR --stage-list stage.txt --prefix .lstage
+    python bench/lock_parity.py pack --wheels DIR --stage-list stage.txt --prefix .lstage --first sglang,trainer,tandem,bench
 
 `bench/gpu_env.sh` installs the staged wheels into one folder per environment on the machine.
 """
@@ -213,27 +213,27 @@ def compare(wheels: Path, inventory_path: Path, report: Path, stage_list: Path, 
     return 0 if not counts.get("missing-wheel") else 1
 
 
-def pack(wheels: Path, stage_list: Path, prefix: str, limit: int = LIMIT) -> None:
-    """Pack the listed wheels (big ones split into parts) into prefix1, prefix2, ... of at most `limit` bytes."""
-    pieces = []
+def pack(wheels: Path, stage_list: Path, prefix: str, limit: int = LIMIT, first: frozenset[str] = frozenset()) -> None:
+    """Pack the listed wheels (big ones split into parts) into prefix1, prefix2, ... of at most `limit` bytes.
+
+    With `first`, the wheels any of those environments take fill the first folders and the rest
+    follow, so a session that needs only them copies the first folders and stops
+    (prefix0/groups.txt says where they end)."""
+    leading: list[tuple[int, Path, int, str]] = []
+    trailing: list[tuple[int, Path, int, str]] = []
     for line in stage_list.read_text().splitlines():
-        name = line.split()[0]
+        name, envs = line.split()[0], set(line.split()[1].split(","))
         path = wheels / name
         size = path.stat().st_size
+        group = leading if envs & first else trailing
         if size <= limit:
-            pieces.append((size, path, 0, name))
+            group.append((size, path, 0, name))
         else:
             for i, off in enumerate(range(0, size, limit)):
-                pieces.append((min(limit, size - off), path, off, f"{name}.part{i:02d}"))
-    bins: list[list] = []
-    for piece in sorted(pieces, key=lambda p: p[0], reverse=True):
-        for b in bins:
-            if b[0] + piece[0] <= limit:
-                b[0] += piece[0]
-                b[1].append(piece)
-                break
-        else:
-            bins.append([piece[0], [piece]])
+                group.append((min(limit, size - off), path, off, f"{name}.part{i:02d}"))
+    bins = first_fit(leading, limit)
+    split = len(bins)
+    bins += first_fit(trailing, limit)
     for old in ROOT.glob(f"{prefix}[0-9]*"):
         for f in old.iterdir():
             f.unlink()
@@ -248,6 +248,22 @@ def pack(wheels: Path, stage_list: Path, prefix: str, limit: int = LIMIT) -> Non
         print(f"{d.name}: {sum(p[0] for p in ps) / 2**20:.1f} MiB, {len(ps)} files")
     (ROOT / f"{prefix}0").mkdir(exist_ok=True)
     (ROOT / f"{prefix}0" / "envs.txt").write_text(stage_list.read_text())
+    groups = f"{','.join(sorted(first))}: {prefix}1-{prefix}{split}\n" if first else ""
+    (ROOT / f"{prefix}0" / "groups.txt").write_text(groups + f"all: {prefix}1-{prefix}{len(bins)}\n")
+
+
+def first_fit(pieces: list[tuple[int, Path, int, str]], limit: int) -> list[list]:
+    """The pieces in bins of at most `limit` bytes, largest first: [[bytes, [piece, ...]], ...]."""
+    bins: list[list] = []
+    for piece in sorted(pieces, key=lambda p: p[0], reverse=True):
+        for b in bins:
+            if b[0] + piece[0] <= limit:
+                b[0] += piece[0]
+                b[1].append(piece)
+                break
+        else:
+            bins.append([piece[0], [piece]])
+    return bins
 
 
 def main() -> int:
@@ -267,6 +283,8 @@ def main() -> int:
     c.add_argument("--stage-list", type=Path, required=True)
     c.add_argument("--prefix", default=".lstage")
     c.add_argument("--limit-mib", type=int, default=LIMIT // 2**20, help="size of a folder: one copy to the host")
+    c.add_argument("--first", default="", help="environments whose wheels fill the first folders, comma-separated "
+                                               "(sglang,trainer,tandem,bench: a session without vLLM stops earlier)")
     args = p.parse_args()
     if args.cmd == "inventory":
         inventory(args.out)
@@ -277,7 +295,11 @@ def main() -> int:
         if unknown:
             p.error(f"--envs: {unknown} unknown; choose from {', '.join(ENVS)}")
         return compare(args.wheels, args.inventory, args.report, args.stage_list, args.staged, envs)
-    pack(args.wheels, args.stage_list, args.prefix, args.limit_mib * 2**20)
+    first = frozenset(e for e in args.first.split(",") if e)
+    known = {*ENVS, "bench"}  # bench: what the bench driver adds (gpu_env.sh)
+    if first - known:
+        p.error(f"--first: {sorted(first - known)} unknown; choose from {', '.join(sorted(known))}")
+    pack(args.wheels, args.stage_list, args.prefix, args.limit_mib * 2**20, first)
     return 0
 
 
