@@ -54,8 +54,9 @@ def trainer_env(ctx: Ctx) -> dict[str, str]:
     return env
 
 
-def trainer_logprobs(ctx: Ctx, spec_json: str, version: int, version_dir: Path, samples: list[dict[str, Any]],
-                     temperature: float | None = None) -> list[list[float]]:
+def trainer_logprobs(ctx: Ctx, spec_json: str, version: int, version_dir: Path,
+                     samples: list[dict[str, Any]]) -> list[list[float]]:
+    """The trainer's logprob of every completion token of `samples`, each at its own temperature."""
     work = ctx.out / "agreement"
     work.mkdir(exist_ok=True)
     (work / "spec.json").write_text(spec_json)
@@ -63,8 +64,6 @@ def trainer_logprobs(ctx: Ctx, spec_json: str, version: int, version_dir: Path, 
     argv = [ctx.trainer_python, "-m", "tandem_trainer.logprob_check", "--spec", str(work / "spec.json"),
             "--version", str(version), "--version-dir", str(version_dir), "--samples", str(work / "samples.json"),
             "--out", str(work / "trainer.json")]
-    if temperature is not None:
-        argv += ["--temperature", str(temperature)]
     subprocess.run(argv, check=True, env=trainer_env(ctx), timeout=900)
     trainer: list[list[float]] = json.loads((work / "trainer.json").read_text())["trainer"]
     return trainer
@@ -92,9 +91,12 @@ def run(ctx: Ctx) -> dict[str, Any]:
         sampled[temperature, top_p] = comps
     flat = [c for comps in sampled.values() for c in comps]
     ctx.progress(f"v{version}: {len(flat)} completions sampled; the trainer recomputes them")
-    trainer = trainer_logprobs(ctx, spec_json, version, version_dir, [sample(c) for c in flat])
     control_samples = sampled[0.7, 1.0]
-    control = trainer_logprobs(ctx, spec_json, version, version_dir, [sample(c) for c in control_samples], 1.0)
+    # one trainer process for both (its backend loads once): the control is the T = 0.7 samples
+    # again, each marked as sampled at T = 1 (the unscaled model)
+    both = trainer_logprobs(ctx, spec_json, version, version_dir,
+                            [sample(c) for c in flat] + [{**sample(c), "temperature": 1.0} for c in control_samples])
+    trainer, control = both[: len(flat)], both[len(flat):]
     rows, at = [], 0
     for (temperature, top_p), comps in sampled.items():
         m = Mismatch.of([c.rollout_logprobs for c in comps], trainer[at: at + len(comps)])
