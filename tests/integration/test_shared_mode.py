@@ -62,3 +62,23 @@ def test_jobs_take_the_device_from_inference_and_give_it_back(tiny_model: Path, 
     assert inference_log.count("gpu lent to the trainer") == 3
     assert inference_log.count("gpu back") == 3
     assert trainer_log.count("gpu.lease.granted") == 3
+
+
+def test_with_nothing_to_release_the_engine_keeps_its_memory_and_still_hands_over(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """`TANDEM_GPUS__RELEASE_TAGS=[]`: the drain and the lease as before, no release or resume."""
+    config = StackConfig(state_dir=tmp_path / "stack", model=str(tiny_model), gateway_port=0,
+                         extra_env={"TANDEM_GPUS__MODE": "shared", "TANDEM_GPUS__RELEASE_TAGS": "[]"})
+    with Stack(config) as stack:
+        client = Client(stack.gateway_url, stack.redis_url)
+        run = client.create_run("kept", base_model=str(tiny_model), lora=LoraConfig(r=4, alpha=8))
+        for step in range(2):
+            comps = run.chat([{"role": "user", "content": "Count."}], n=4, max_tokens=6)
+            assert run.train([run.group(comps, [0.0, 1.0, 0.5, 0.25])]).version == step + 1
+            assert run.chat([{"role": "user", "content": "Count."}], max_tokens=2)[0].version == step + 1
+        client.close()
+    inference_log = (stack.logs / "inference.log").read_text()
+    engine_log = (stack.logs / "engine.log").read_text()
+    assert inference_log.count("gpu lent to the trainer") == 2 and inference_log.count("gpu back") == 2
+    assert "release_memory_occupation" not in engine_log and "memory_released device" not in engine_log

@@ -306,7 +306,10 @@ class GpuSettings(BaseModel):
     """Shared mode: how long the trainer waits for inference to hand the GPU over, in seconds."""
     release_tags: list[ReleaseTag] = Field(default_factory=_default_release_tags)
     """Shared mode: what the engine frees for the trainer. The KV cache is nearly all of it; adding
-    `weights` makes SGLang keep a CPU copy of the base weights (--enable-weights-cpu-backup)."""
+    `weights` makes SGLang keep a CPU copy of the base weights (--enable-weights-cpu-backup). None
+    (`[]`): the engine keeps all of its memory and only stops serving while the trainer steps, for
+    a trainer that fits beside it; each hand-over then skips the release and the resume (vLLM's
+    wake-up took 0.43 s of every policy sync in shared mode)."""
 
     @model_validator(mode="after")
     def _disjoint(self) -> GpuSettings:

@@ -5,7 +5,9 @@ request, stops admitting new generation requests (they wait in the gateway, noth
 dropped), lets the ones in flight finish, asks the engine to release its GPU memory
 (`Engine.release_memory`; SGLang needs `--enable-memory-saver` for it), and grants the
 lease. When the lease ends — released by the trainer, or expired because the trainer died —
-it resumes the engine's memory and opens admission again. No restart on either side.
+it resumes the engine's memory and opens admission again. No restart on either side. With
+`gpus.release_tags` empty the engine frees and resumes nothing: only the drain and the lease
+remain, for a trainer that fits beside the engine's memory.
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ class GpuSharing:
         while self.table.in_flight_total() > 0:
             await asyncio.sleep(0.005)
         t1 = time.monotonic()
-        await self.engine.release_memory(self.tags)
+        if self.tags:  # none: the engine keeps its memory and only stops serving while the trainer steps
+            await self.engine.release_memory(self.tags)
         t2 = time.monotonic()
         self.released = True
         await asyncio.to_thread(self.lease.grant)
@@ -103,7 +106,8 @@ class GpuSharing:
 
     async def _take_back(self) -> None:
         t0 = time.monotonic()
-        await self.engine.resume_memory(self.tags)
+        if self.tags:
+            await self.engine.resume_memory(self.tags)
         self.released = False
         self.admission.open()
         done = time.monotonic()
