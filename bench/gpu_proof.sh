@@ -16,7 +16,8 @@
 #                 on GPU 1 meanwhile, then bench/record_engine.py records that engine's answers
 #   PART=check    bench/gpu_check.py --engine $ENGINE --steps $STEPS (gpu_check.json/.md)
 #   PART=suite    bench/suite.py --engine $ENGINE --only $ONLY (default sync,swaps; suite.json/.md, plots),
-#                 SHAPE (default 0.5b; 8b: the suite builds the model) and MEM (--mem-fraction) to choose
+#                 SHAPE (default 0.5b; 8b: the suite builds the model), MEM (--mem-fraction) and, in
+#                 shared mode, RELEASE (--release-tags: '[]' frees nothing at the hand-over) to choose
 #   PART=first    bench/gpu_first_forward.py --profile: the first response after a load, taken apart
 #   PART=compare  SGLang and vLLM side by side: bench/suite.py --only $ONLY (default
 #                 sync,swaps,agreement,throughput; ONLY=memory,hotload is a second call: all six
@@ -157,7 +158,8 @@ suite)
   built=(--model "$model")  # the 0.5B model of PART=env; another shape the suite builds itself
   [ "$shape" = 0.5b ] || built=()
   timeout "${LIMIT:-560}" /tmp/tdpython bench/suite.py --mode "$mode" --shape "$shape" --only "${ONLY:-sync,swaps}" \
-    "${built[@]}" "${common[@]}" ${MEM:+--mem-fraction "$MEM"} --out /tmp/suite --state /tmp/suite-state \
+    "${built[@]}" "${common[@]}" ${MEM:+--mem-fraction "$MEM"} ${RELEASE:+--release-tags "$RELEASE"} \
+    --out /tmp/suite --state /tmp/suite-state \
     >/tmp/suite.log 2>&1
   echo "suite: exit $? after $((SECONDS - t0)) s"
   tail -50 /tmp/suite.log
@@ -173,7 +175,8 @@ compare)
     g=$([ "$e" = sglang ] && echo 0 || echo "$second")
     timeout "${LIMIT:-560}" /tmp/tdpython bench/suite.py --engine "$e" --mode shared --shape 0.5b \
       --only "${ONLY:-sync,swaps,agreement,throughput}" --model "$model_cmp" "${pythons[@]}" --inference-gpus "[$g]" \
-      --trainer-gpus "[$g]" --mem-fraction 0.6 --out "/tmp/cmp-$e" --state "/tmp/cmp-state-$e" >"/tmp/cmp-$e.log" 2>&1 &
+      --trainer-gpus "[$g]" --mem-fraction 0.6 ${RELEASE:+--release-tags "$RELEASE"} --out "/tmp/cmp-$e" \
+      --state "/tmp/cmp-state-$e" >"/tmp/cmp-$e.log" 2>&1 &
     lanes+=($!)
     if [ "$second" = 0 ]; then  # one GPU: one engine after the other
       wait "${lanes[-1]}" || status=1

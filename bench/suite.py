@@ -77,6 +77,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--trainer-gpus", default="[1]")
     p.add_argument("--mem-fraction", type=float, default=None,
                    help="SGLang's --mem-fraction-static (vLLM's --gpu-memory-utilization); default 0.7 split, 0.6 shared")
+    p.add_argument("--release-tags", default=None,
+                   help="shared mode: gpus.release_tags as JSON (default the settings' [\"kv_cache\"]; [] frees nothing)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=64,
                    help="the largest decode batch the engine captures a CUDA graph for: 64 covers the throughput "
                         "grid's 64 clients (at 8, both engines served 64 clients slower than 8)")
@@ -117,6 +119,8 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
         "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": str(MAX_LOADED_ADAPTERS),
         "TANDEM_GATEWAY__MAX_IN_FLIGHT_TOKENS": "524288",  # as compose.yaml: a GPU takes far more than a CPU
     }
+    if args.release_tags is not None:  # shared mode: what the engine frees for the trainer
+        env["TANDEM_GPUS__RELEASE_TAGS"] = args.release_tags
     return env
 
 
