@@ -30,7 +30,7 @@ from benchlib import md_table
 SYNC_STAGES = [("step_to_served_ms", "optimizer step → first response by the new version"),
                ("publish_to_served_ms", "publish → served"), ("ready_to_loaded_ms", "adapter_ready → loaded"),
                ("engine_load_ms", "engine load (inside)"), ("loaded_to_served_ms", "loaded → first response"),
-               ("probe_wait_ms", "  of which the probe's wait"), ("overhead_ms", "tandem's own overhead")]
+               ("probe_wait_ms", "  the probe's wait after the switch"), ("overhead_ms", "tandem's own overhead")]
 HOTLOAD = [("hotload_total_ms_p50", "hot-load → first response, p50 ms"),
            ("restart_total_ms_p50", "restart → first response, p50 ms"),
            ("restart_boot_ms_p50", "  of which the engine's boot, p50 ms"),

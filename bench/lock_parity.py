@@ -248,7 +248,7 @@ def pack(wheels: Path, stage_list: Path, prefix: str, limit: int = LIMIT, first:
         print(f"{d.name}: {sum(p[0] for p in ps) / 2**20:.1f} MiB, {len(ps)} files")
     (ROOT / f"{prefix}0").mkdir(exist_ok=True)
     (ROOT / f"{prefix}0" / "envs.txt").write_text(stage_list.read_text())
-    groups = f"{','.join(sorted(first))}: {prefix}1-{prefix}{split}\n" if first else ""
+    groups = f"{','.join(sorted(first))}: {prefix}1-{prefix}{split}\n" if first and split else ""
     (ROOT / f"{prefix}0" / "groups.txt").write_text(groups + f"all: {prefix}1-{prefix}{len(bins)}\n")
 
 

@@ -20,12 +20,12 @@ gateway. The trainer reads its clocks after synchronising CUDA:
     loaded -> served   -> a response by the new version came back
     step -> served     the whole path
 
-tandem's own overhead is step -> served minus the engine's load, the first forward (the
+tandem's own overhead is step -> served minus the engine's load and the first forward (the
 duration of the request that first came back from the new version; a prober starts sending
-requests when `adapter_ready` appears and stops when the new version answers) and the probe's
-wait (loaded -> served minus the first forward: the prober's request in flight at the switch was
-routed to the old version, so the first one the new version answers starts up to one request
-later; that wait is the bench's, not tandem's). The floor is what the
+requests when `adapter_ready` appears and stops when the new version answers). The probe's wait,
+loaded -> served minus the first forward (0 when that request started before `adapter_loaded`
+was appended, after the switch), is shown beside it: the prober's request in flight at the
+switch went to the old version, so the first the new version answers may start later. The floor is what the
 same bytes cost without tandem: write the adapter file (fsync), read it back, and copy its
 tensors to the engine's device.
 """
@@ -158,8 +158,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
             row[f"{key}_ms"] = loaded_stages.get(key)
         if row["step_to_served_ms"] is not None:
             row["probe_wait_ms"] = max(0.0, row["loaded_to_served_ms"] - row["first_forward_ms"])
-            row["overhead_ms"] = (row["step_to_served_ms"] - (row["engine_load_ms"] or 0) - row["first_forward_ms"]
-                                  - row["probe_wait_ms"])
+            row["overhead_ms"] = row["step_to_served_ms"] - (row["engine_load_ms"] or 0) - row["first_forward_ms"]
         else:
             row["probe_wait_ms"] = row["overhead_ms"] = None
         adapter = store / run.name / f"v{v:06d}" / "adapter"
@@ -180,7 +179,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
     on_gpu = ctx.device.startswith("cuda")
     goals = [
         goal("tandem's own overhead in the sync path, p50 ms", overhead, 30.0 if on_gpu else 20.0,
-             note="step -> served minus the engine's load, the first forward and the probe's wait"),
+             note="step -> served minus the engine's load and the first forward"),
         goal("publish -> served p50 within 3x the floor (ratio)", served / floor if floor else float("inf"), 3.0,
              note=f"publish -> served {served:.1f} ms, floor {floor:.2f} ms"),
         goal("failed probe requests", float(probers.errors), 0.0),

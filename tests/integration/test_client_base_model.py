@@ -100,7 +100,7 @@ def test_a_rank_above_the_engines_limit_is_refused_before_any_training(
     with gateway(settings, tokenizer, with_controller=False) as url:
         client = Client(url, conn=redis_conn)
         card = next(c for c in client.get("/v1/models")["data"] if c.get("root"))
-        assert card["lora"] == {"max_rank": 16}  # the transformers engine takes any module
+        assert card["lora"] == {"max_rank": 16, "target_modules": list(DEFAULT_TARGETS)}
         with pytest.raises(ValidationFailed) as info:
             client.create_run("wide", base_model=ENGINE_MODEL, lora=LoraConfig(r=32, alpha=64))
         message = str(info.value)
@@ -124,4 +124,30 @@ def test_modules_sglang_prepares_no_lora_for_are_refused(
         assert "'q_proj'" not in str(info.value).split("prepares")[0]
         run = client.create_run("qv", base_model=ENGINE_MODEL, lora=LoraConfig(target_modules=("q_proj", "v_proj")))
         assert run.spec.lora.target_modules == ("q_proj", "v_proj") and client.runs() == ["qv"]
+        client.close()
+
+
+@pytest.mark.parametrize("engine_modules", [("all",), ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")])
+def test_all_and_sglangs_fused_names_take_every_module_they_cover(
+    redis_url: str, redis_conn: redis.Redis, tmp_path: Path, tokenizer: Any, engine_modules: tuple[str, ...]
+) -> None:
+    settings = settings_for(redis_url, tmp_path, ENGINE_MODEL)
+    settings.engine.kind = "sglang"
+    settings.engine.lora_target_modules = engine_modules
+    with gateway(settings, tokenizer, with_controller=False) as url:
+        client = Client(url, conn=redis_conn)
+        assert client.create_run("every", base_model=ENGINE_MODEL).spec.lora.target_modules == DEFAULT_TARGETS
+        client.close()
+
+
+def test_vllm_takes_any_module(redis_url: str, redis_conn: redis.Redis, tmp_path: Path, tokenizer: Any) -> None:
+    settings = settings_for(redis_url, tmp_path, ENGINE_MODEL)
+    settings.engine.kind = "vllm"
+    settings.engine.max_lora_rank = 16
+    settings.engine.lora_target_modules = ("q_proj",)  # not a vLLM flag: it loads adapters on any module
+    with gateway(settings, tokenizer, with_controller=False) as url:
+        client = Client(url, conn=redis_conn)
+        card = next(c for c in client.get("/v1/models")["data"] if c.get("root"))
+        assert card["lora"] == {"max_rank": 16}
+        assert client.create_run("any", base_model=ENGINE_MODEL).spec.lora.target_modules == DEFAULT_TARGETS
         client.close()

@@ -296,7 +296,8 @@ def test_a_run_created_after_start_is_served_by_the_base_model(
     assert resp.model_extra["tandem"] == {**resp.model_extra["tandem"], "run": "late", "version": 0}
 
 
-@pytest.mark.parametrize("path", ["/v1/models/late%0A", "/v1/runs/late%0A", "/v1/models/late%00", "/v1/runs/la%0Dte"])
+@pytest.mark.parametrize("path", ["/v1/models/late%0A", "/v1/runs/late%0A", "/v1/models/late%00", "/v1/runs/la%0Dte",
+                                  "/v1/models%0A", "/health%0A"])
 def test_a_name_in_the_path_with_a_control_character_is_no_name(
     url: str, redis_conn: redis.Redis, tiny_model: Path, path: str
 ) -> None:
@@ -307,6 +308,8 @@ def test_a_name_in_the_path_with_a_control_character_is_no_name(
     assert resp.status_code == 404, resp.text
     assert resp.json()["error"]["param"] == "path" and "control character" in resp.json()["error"]["message"]
     assert httpx.get(url + "/v1/models/" + "x" * 5000 + "%0A").json()["error"]["message"].count("x") < 200
+    chat = httpx.post(url + "/v1/chat/completions%0A", json={"model": "base", "messages": CHAT, "max_tokens": 2})
+    assert chat.status_code == 404 and chat.json()["error"]["type"] == "not_found"
 
 
 @pytest.mark.parametrize(

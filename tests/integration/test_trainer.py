@@ -390,15 +390,22 @@ def test_bad_input_is_rejected_naming_the_field(case: str, trainer: Trainer, run
     assert store.versions(RUN) == [] and Registry(redis_conn).latest_version(RUN) == 0
 
 
-def test_rewards_of_any_finite_size_train_as_their_ranking(trainer: Trainer, run: RunSpec, redis_conn) -> None:
-    """Advantages are normalised within the group, so 1e308 and -1e308 are as good as 1 and -1 (their
-    sum, in floating point, is not)."""
+def test_rewards_of_any_finite_size_train_as_their_ranking(trainer: Trainer, run: RunSpec, redis_conn,
+                                                            store: AdapterStore) -> None:
+    """Advantages are normalised within the group, so 1e308 and -1e308 are as good as 1 and -1 (the
+    squares of such rewards overflow, and so do their sums); the version they make reads back, with
+    finite statistics, and a retry of the job finds it."""
     job = make_job("huge")
     for g, group in enumerate(job["groups"]):
         for t, traj in enumerate(group["trajectories"]):
-            traj["reward"] = 1e308 if (g + t) % 2 else -1e308
+            traj["reward"] = 1e308 if t % 2 else 1.7e308 * (-1) ** g
     assert trainer.train(job).version == 1
     assert [e.job_id for e in events(redis_conn, EventKind.TRAIN_FAILED)] == []
+    for manifest in (Registry(redis_conn).manifest(RUN, 1), store.read_manifest(RUN, 1)):
+        assert manifest is not None and all(math.isfinite(v) for v in manifest.metrics.values())
+        assert 1e307 < manifest.metrics["reward_std"] < 1.8e308 and manifest.metrics["reward_group_std"] > 1e307
+    assert [m.version for m in Registry(redis_conn).manifests(RUN)] == [1]
+    assert trainer.train(job).reused
 
 
 def test_unnormalised_advantages_beyond_float32_are_refused_naming_the_group(

@@ -11,6 +11,7 @@ from tandem_trainer.grpo import (
     LossStats,
     group_advantages,
     grpo_loss,
+    mean_std,
     reward_stats,
     selective_logprobs,
     token_entropy,
@@ -40,12 +41,19 @@ def test_group_of_two_gets_plus_and_minus_one() -> None:
     assert torch.allclose(group_advantages(torch.tensor([0.0, 1.0])), torch.tensor([-1.0, 1.0]), atol=1e-5)
 
 
-@pytest.mark.parametrize("scale", [1.0, 1e3, 1e150, 1e307])
+@pytest.mark.parametrize("scale", [1.0, 1e3, 1e160, 1e307])
 def test_advantages_do_not_depend_on_the_rewards_scale_up_to_the_largest_finite(scale: float) -> None:
-    rewards = torch.tensor([1.0, -1.0, 0.0], dtype=torch.float64) * scale  # 1e307 * 1.0 sums past float64
+    rewards = torch.tensor([1.0, -1.0, 0.0], dtype=torch.float64) * scale  # from 1e155 on the squares overflow
     adv = group_advantages(rewards)
     assert torch.isfinite(adv).all()
     assert torch.allclose(adv, torch.tensor([1.0, -1.0, 0.0]) * math.sqrt(1.5), atol=1e-4)
+
+
+def test_reward_statistics_are_finite_for_any_finite_rewards() -> None:
+    assert reward_stats([1e308, 1.7e308, -1e308]) == pytest.approx(
+        {"reward_mean": 5.6666667e307, "reward_std": 1.1440668e308}, rel=1e-6)
+    assert reward_stats([2.0, 4.0]) == {"reward_mean": 3.0, "reward_std": 1.0}
+    assert mean_std([]) == (0.0, 0.0) and mean_std([0.0, 0.0]) == (0.0, 0.0)
 
 
 def test_unnormalised_advantages_beyond_float32_are_inf_for_the_job_to_refuse() -> None:

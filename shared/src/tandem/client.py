@@ -49,6 +49,9 @@ __all__ = ["Client", "Completion", "Episode", "Run", "TrainHandle"]
 
 log = logging.getLogger(__name__)
 
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+"""SGLang's names for the projections it fuses: in an engine's target modules they stand for their parts."""
+
 
 class Scorable(Protocol):
     """What a group is made of: a `Completion` or an `Episode`."""
@@ -285,7 +288,7 @@ class Client:
         """The engine's model (hub id or path) and the name it serves it under, from the gateway's
         `/v1/models` (the card with a `root`); None when the gateway does not say."""
         card = self._base_card()
-        return (card["root"], str(card.get("id") or "")) if card else None
+        return _model_and_name(card) if card else None
 
     def _base_card(self) -> dict[str, Any] | None:
         """The base model's card of the gateway's `/v1/models` (the one with a `root`), or None."""
@@ -301,7 +304,7 @@ class Client:
             log.warning("the gateway at %s does not say which model it serves; cannot check base_model %r",
                         self.settings.gateway_url, spec.base_model)
             return
-        model, served_name = card["root"], str(card.get("id") or "")
+        model, served_name = _model_and_name(card)
         if not same_base_model(spec.base_model, model, served_name):
             raise ValidationFailed(
                 f"run {spec.name!r} asks for base_model {spec.base_model!r}, but the engine behind "
@@ -314,7 +317,8 @@ class Client:
 
     def _check_lora(self, spec: RunSpec, limits: Any) -> None:
         """Refuse a run whose adapters the engine would refuse to load (after their first step):
-        a rank above its max_lora_rank, or modules it prepares no LoRA for (SGLang)."""
+        a rank above its max_lora_rank, or modules outside its target modules ("all": any; SGLang's
+        fused names stand for their parts)."""
         if not isinstance(limits, dict):
             return
         max_rank = limits.get("max_rank")
@@ -326,8 +330,10 @@ class Client:
                 field="lora.r",
             )
         modules = limits.get("target_modules")
-        if isinstance(modules, list):
-            missing = sorted(set(spec.lora.target_modules) - {str(m) for m in modules})
+        if isinstance(modules, list) and "all" not in modules:
+            allowed = {str(m) for m in modules}
+            allowed |= {part for fused, parts in FUSED_MODULES.items() if fused in allowed for part in parts}
+            missing = sorted(set(spec.lora.target_modules) - allowed)
             if missing:
                 raise ValidationFailed(
                     f"run {spec.name!r} targets {missing}, but the engine behind {self.settings.gateway_url} "
@@ -389,6 +395,11 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _model_and_name(card: dict[str, Any]) -> tuple[str, str]:
+    """The engine's model (a card's `root`) and the name it is served under (the card's `id`)."""
+    return str(card["root"]), str(card.get("id") or "")
 
 
 def _message(payload: object) -> str | None:

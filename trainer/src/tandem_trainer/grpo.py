@@ -186,21 +186,32 @@ class LossStats:
         return out
 
 
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and population std, computed on the values divided by the largest magnitude: finite
+    for any finite values (the sum of two 1e308 is not)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    scale = float(t.abs().max()) if t.numel() else 0.0
+    if scale == 0.0:
+        return 0.0, 0.0
+    unit = t / scale
+    return float(unit.mean()) * scale, float(unit.std(unbiased=False)) * scale
+
+
 def reward_stats(rewards: list[float]) -> dict[str, float]:
     """Mean and (population) std of the job's rewards."""
-    t = torch.tensor(rewards, dtype=torch.float64)
-    return {"reward_mean": float(t.mean()), "reward_std": float(t.std(unbiased=False))}
+    mean, std = mean_std(rewards)
+    return {"reward_mean": mean, "reward_std": std}
 
 
 def rollout_stats(groups: Sequence[TrajectoryGroup], parent: int) -> dict[str, float]:
     """What a step's rollouts were: the mean of the groups' reward stds (the signal GRPO sees; 0
     when every group is flat), and the versions that sampled them, against `parent`, the version
     the step trains from (staleness: how many versions older a rollout is)."""
-    stds = [float(torch.tensor(g.rewards, dtype=torch.float64).std(unbiased=False)) for g in groups]
+    stds = [mean_std(g.rewards)[1] for g in groups]
     versions = [t.version for g in groups for t in g.trajectories]
     staleness = [parent - v for v in versions]
     return {
-        "reward_group_std": sum(stds) / len(stds),
+        "reward_group_std": mean_std(stds)[0],
         "rollout_version_min": float(min(versions)), "rollout_version_max": float(max(versions)),
         "staleness_mean": sum(staleness) / len(staleness), "staleness_max": float(max(staleness)),
     }

@@ -14,6 +14,7 @@ validates it once, with pydantic. A caller that holds a `TrainJob` passes it as 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -126,6 +127,7 @@ class Trainer:
                 spec = self._run(job.run)
                 info = self.backend.model_info(spec.base_model)
                 self._check_tokens(job, info)
+                self._check_rewards(job, spec)
                 lock = RunLock(self.conn, job.run, self.owner, self.holder_alive)
                 lock.acquire(ttl_ms=job.timeout_s * 1000, wait_s=job.timeout_s)
                 failpoints.hit("lock_taken")
@@ -229,6 +231,21 @@ class Trainer:
                               field="groups")
 
     @staticmethod
+    def _check_rewards(job: TrainJob, spec: RunSpec) -> None:
+        """Advantages the loss can hold: any finite rewards normalise, but without normalize_std they
+        are the rewards' own scale. Checked before the run's lock and the GPU are taken."""
+        if spec.loss.normalize_std:
+            return
+        for g, group in enumerate(job.groups):
+            adv = group_advantages(torch.tensor(group.rewards, dtype=torch.float64), normalize_std=False)
+            if not bool(torch.isfinite(adv).all()):
+                raise JobRejected(
+                    f"groups.{g}: rewards {group.rewards} give advantages beyond float32 (|a| > 3.4e38) with "
+                    f"run {spec.name!r}'s loss.normalize_std off; scale the rewards down, or create the run "
+                    "with normalize_std on", field=f"groups.{g}.trajectories",
+                )
+
+    @staticmethod
     def _check_versions(job: TrainJob, spec: RunSpec, parent: int) -> None:
         for g, group in enumerate(job.groups):
             for t, traj in enumerate(group.trajectories):
@@ -288,15 +305,9 @@ class Trainer:
         samples: list[Sample] = []
         rewards: list[float] = []
         flat_groups = 0
-        for g, group in enumerate(job.groups):
+        for group in job.groups:
             adv = group_advantages(torch.tensor(group.rewards, dtype=torch.float64),
                                    normalize_std=spec.loss.normalize_std)
-            if not bool(torch.isfinite(adv).all()):
-                raise JobRejected(
-                    f"groups.{g}: rewards {group.rewards} give advantages beyond float32 (|a| > 3.4e38) with "
-                    f"run {spec.name!r}'s loss.normalize_std off; scale the rewards down, or create the run "
-                    "with normalize_std on", field=f"groups.{g}.trajectories",
-                )
             flat_groups += int(not adv.any())
             rewards += group.rewards
             samples += [
@@ -331,6 +342,10 @@ class Trainer:
         if gpu_wait_s is not None:
             metrics["gpu_wait_s"] = gpu_wait_s
         metrics.update(clock.metrics())
+        unwritable = sorted(k for k, v in metrics.items() if not math.isfinite(v))
+        if unwritable:  # JSON has no inf or NaN: the manifest would not read back
+            log.warning("train.metrics run=%s job_id=%s not finite, left out of the manifest: %s",
+                        job.run, job.job_id, {k: metrics.pop(k) for k in unwritable})
         manifest = Manifest(
             run=job.run, version=latest + 1, parent=parent, step=job.step, job_id=job.job_id,
             job_digest=digest, base_model=spec.base_model, lora_rank=spec.lora.r, metrics=metrics,

@@ -125,9 +125,10 @@ async def model_cards(gw: Gateway) -> list[dict[str, Any]]:
 def lora_limits(engine: EngineSettings) -> dict[str, Any]:
     """What adapters the engine takes, on the base model's card, so that a client refuses a run whose
     adapters would be refused only after their first training step: the largest rank, and the
-    modules an adapter may target where the engine prepares LoRA for a fixed set (SGLang)."""
+    modules an adapter may target where the engine holds to a list (SGLang's --lora-target-modules
+    and the transformers engine; vLLM takes any module)."""
     limits: dict[str, Any] = {"max_rank": engine.max_lora_rank}
-    if engine.kind == "sglang":
+    if engine.kind != "vllm":
         limits["target_modules"] = list(engine.lora_target_modules)
     return limits
 

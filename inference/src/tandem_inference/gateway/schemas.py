@@ -229,7 +229,7 @@ class SamplingRequest(Body):
     @field_validator("stream_options")
     @classmethod
     def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
-        if value is not None and info.data.get("stream") is not True:
+        if value is not None and "stream" in info.data and info.data["stream"] is not True:  # (absent: refused itself)
             raise ValueError("stream_options is only allowed with stream: true (as OpenAI's API has it); "
                              "send stream: true, or leave stream_options out")
         return value
