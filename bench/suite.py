@@ -77,6 +77,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--trainer-gpus", default="[1]")
     p.add_argument("--mem-fraction", type=float, default=None,
                    help="SGLang's --mem-fraction-static (vLLM's --gpu-memory-utilization); default 0.7 split, 0.6 shared")
+    p.add_argument("--engine-args", default="[]",
+                   help="more engine flags as a JSON list, after the suite's own (a lever to measure, e.g. "
+                        "'[\"--enable-lora-overlap-loading\"]')")
     p.add_argument("--release-tags", default=None,
                    help="shared mode: gpus.release_tags as JSON (default the settings' [\"kv_cache\"]; [] frees nothing)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=64,
@@ -113,7 +116,8 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
         "TANDEM_ENGINE__VLLM_PYTHON": args.vllm_python,
         "TANDEM_ENGINE__MAX_LORA_RANK": "16", "TANDEM_ENGINE__CUDA_GRAPH_MAX_BS": str(args.cuda_graph_max_bs),
         # SGLang's kernels as the GPU runs measured them; vLLM runs with tandem's flags alone
-        "TANDEM_ENGINE__EXTRA_ARGS": json.dumps(SGLANG_FLAGS if args.engine == "sglang" else []),
+        "TANDEM_ENGINE__EXTRA_ARGS": json.dumps((SGLANG_FLAGS if args.engine == "sglang" else [])
+                                                + engine_args(args.engine_args)),
         "TANDEM_ENGINE__MEM_FRACTION_STATIC": str(mem_fraction(args)),
         "TANDEM_BACKEND__KIND": "auto", "TANDEM_LOG_LEVEL": "INFO",
         "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": str(MAX_LOADED_ADAPTERS),
@@ -122,6 +126,17 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
     if args.release_tags is not None:  # shared mode: what the engine frees for the trainer
         env["TANDEM_GPUS__RELEASE_TAGS"] = args.release_tags
     return env
+
+
+def engine_args(text: str) -> list[str]:
+    """--engine-args: a JSON list of strings, or an exit naming what it got."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise SystemExit(f"--engine-args {text!r} is not JSON ({exc}); give a list such as '[\"--flag\", \"1\"]'") from exc
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SystemExit(f"--engine-args {text!r} is not a JSON list of strings")
+    return value
 
 
 def run_scenario(name: str, ctx: Ctx, results: dict[str, Any]) -> None:
