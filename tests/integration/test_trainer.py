@@ -283,6 +283,42 @@ def test_a_version_deleted_by_hand_is_skipped_by_the_next_job(trainer: Trainer, 
     assert trainer.train(make_job("job-4", seed=3, step=4, version=3)).parent == 3  # back on the chain
 
 
+def test_an_on_policy_run_goes_on_from_the_version_before_a_broken_newest(
+    trainer: Trainer, backend: PeftBackend, store: AdapterStore, redis_conn, tiny_model: Path
+) -> None:
+    """max_staleness_steps=0 (the demo's): once the newest version cannot be trained from, rollouts of
+    the one before it train (counted from the version the step updates, not the newest registered)."""
+    Registry(redis_conn).create_run(RunSpec(name="strict", base_model=str(tiny_model), lora=LoraConfig(r=4, alpha=8.0),
+                                            max_staleness_steps=0))
+
+    def job(job_id: str, step: int, version: int) -> dict[str, Any]:
+        return {**make_job(job_id, seed=step, step=step, version=version), "run": "strict"}
+
+    trainer.train(job("s-1", 1, 0))
+    trainer.train(job("s-2", 2, 1))
+    (store.version_dir("strict", 2) / "adapter" / "adapter_config.json").write_text("{}")  # v2 no longer verifies
+    backend.invalidate()
+    with pytest.raises(JobRejected) as newer:
+        trainer.train(job("s-3-v2", 3, 2))  # rollouts of v2, which this job cannot train from
+    assert "trains from version 1" in str(newer.value) and "'strict@v1'" in str(newer.value)
+    result = trainer.train(job("s-3", 3, 1))  # rollouts of v1, the version it trains from
+    assert (result.version, result.parent) == (3, 1)
+    assert trainer.train(job("s-4", 4, 3)).parent == 3
+
+
+def test_a_stale_rollout_of_a_run_whose_newest_does_not_serve_says_so(trainer: Trainer, run: RunSpec,
+                                                                     redis_conn) -> None:
+    trainer.train(make_job("job-1"))
+    trainer.train(make_job("job-2", seed=1, version=1))
+    redis_conn.set(keys.run_serving(RUN), 1)  # inference refused v2 (e.g. its adapter slots were full)
+    job = make_job("job-3", seed=2, version=0)
+    with pytest.raises(JobRejected) as info:
+        trainer.train(job)
+    message = str(info.value)
+    assert "max_staleness_steps=1" in message and "version 2 does not serve" in message
+    assert "inference serves version 1" in message and "adapter_rejected" in message
+
+
 def test_a_lock_whose_set_went_through_unanswered_is_ours(settings, redis_conn, run) -> None:
     from tandem_trainer.run_lock import RunLock
 

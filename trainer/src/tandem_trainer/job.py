@@ -24,7 +24,7 @@ import torch
 from pydantic import JsonValue
 
 from tandem.adapters import AdapterStore, Manifest
-from tandem.errors import AdapterRejected, RunNotFound, ValidationFailed, VersionExists
+from tandem.errors import AdapterRejected, RunNotFound, TandemError, ValidationFailed, VersionExists
 from tandem.events import Event, EventKind, EventStream
 from tandem.jobs import TrainJob, TrainResult, groups_digest, parse_job
 from tandem.registry import Registry
@@ -136,13 +136,14 @@ class Trainer:
                     if result is None:
                         latest = self.registry.latest_version(job.run)
                         version = latest + 1
-                        self._check_versions(job, spec, latest)
+                        parent = self._resume_point(job.run, latest)
+                        self._check_versions(job, spec, latest, parent)
                         digest = groups_digest(job)  # before the step: not between it and the files
                         if self.gpu is None:
-                            trained = self._train(job, spec, info, latest, digest)
+                            trained = self._train(job, spec, info, latest, parent, digest)
                         else:
                             with self.gpu.held() as waited:
-                                trained = self._train(job, spec, info, latest, digest, gpu_wait_s=waited)
+                                trained = self._train(job, spec, info, latest, parent, digest, gpu_wait_s=waited)
                         # in shared mode the GPU is back with inference while the files are written
                         result = self._publish(job, trained)
                         # off the path to serving: after the announcement
@@ -245,23 +246,50 @@ class Trainer:
                     "with normalize_std on", field=f"groups.{g}.trajectories",
                 )
 
-    @staticmethod
-    def _check_versions(job: TrainJob, spec: RunSpec, parent: int) -> None:
+    def _check_versions(self, job: TrainJob, spec: RunSpec, latest: int, parent: int) -> None:
+        """Each trajectory's version against `parent`, the version this job trains from: the newest
+        registered one (`latest`), or an older one when newer ones cannot be trained from (their
+        files gone or not verifying). Distance is counted from `parent`, the policy the step updates
+        (the importance ratio corrects for the sampling policy either way, within
+        max_staleness_steps), so a run whose newest version is broken goes on from the one before."""
         for g, group in enumerate(job.groups):
             for t, traj in enumerate(group.trajectories):
                 field = f"groups.{g}.trajectories.{t}.version"
-                if traj.version > parent:
+                if traj.version > latest:
                     raise JobRejected(
                         f"{field}: version {traj.version} is newer than run {spec.name!r}'s latest "
-                        f"version {parent}; it cannot have sampled this trajectory", field=field,
+                        f"version {latest}; it cannot have sampled this trajectory", field=field,
+                    )
+                if traj.version - parent > spec.max_staleness_steps:
+                    raise JobRejected(
+                        f"{field}: the trajectory comes from version {traj.version}, but run {spec.name!r} "
+                        f"trains from version {parent}: the files of version(s) {parent + 1}-{latest} are "
+                        "gone from the store or do not verify (the trainer's log says which), and a step "
+                        f"from version {parent} is {traj.version - parent} versions from it, more than "
+                        f"max_staleness_steps={spec.max_staleness_steps}; sample again from version {parent} "
+                        f"(pin model '{spec.name}@v{parent}')", field=field,
                     )
                 if parent - traj.version > spec.max_staleness_steps:
                     raise JobRejected(
                         f"{field}: the trajectory comes from version {traj.version}, "
                         f"{parent - traj.version} versions older than version {parent} this job trains "
-                        f"from; run {spec.name!r} allows max_staleness_steps={spec.max_staleness_steps}",
+                        f"from; run {spec.name!r} allows max_staleness_steps={spec.max_staleness_steps}"
+                        + self._not_serving(spec.name, parent),
                         field=field,
                     )
+
+    def _not_serving(self, run: str, parent: int) -> str:
+        """Why a client may have no newer rollouts: the version the job trains from does not serve."""
+        try:
+            serving = self.registry.serving(run)
+        except TandemError:
+            return ""
+        if serving >= parent:
+            return ""
+        return (f"; version {parent} does not serve (inference serves version {serving}: its adapter_rejected "
+                "event says why, e.g. the engine's adapter slots are full), so no rollout of it can exist; "
+                "fix that and restart the inference service, which loads the newest version, or allow "
+                "staler rollouts with a new run")
 
     # training -----------------------------------------------------------------
     def _resume_point(self, run: str, latest: int) -> int:
@@ -275,7 +303,7 @@ class Trainer:
             if missing is None:
                 if version != latest:
                     log.warning("train.resumed run=%s from_version=%d newest=%d: the newer versions' files "
-                                "are gone from the store", run, version, latest)
+                                "are gone from the store or do not verify", run, version, latest)
                 return version
             log.warning("train.skip run=%s version=%d: %s", run, version, missing)
         return 0
@@ -290,9 +318,9 @@ class Trainer:
             return str(exc)
         return None
 
-    def _train(self, job: TrainJob, spec: RunSpec, info: ModelInfo, latest: int, digest: str,
+    def _train(self, job: TrainJob, spec: RunSpec, info: ModelInfo, latest: int, parent: int, digest: str,
                gpu_wait_s: float | None = None) -> Trained:
-        """One step from the run's newest intact version, staged in host memory as version
+        """One step from `parent` (the run's newest intact version), staged in host memory as version
         `latest + 1`: everything of the job that needs the device. `digest` is the job's
         `groups_digest`, for the manifest.
 
@@ -301,7 +329,6 @@ class Trainer:
         from the event, before rq has the job's, sees the same metrics.
         """
         started = time.perf_counter()
-        parent = self._resume_point(job.run, latest)
         samples: list[Sample] = []
         rewards: list[float] = []
         flat_groups = 0
