@@ -147,3 +147,44 @@ def test_an_rq_result_that_is_not_a_train_result_falls_back_to_the_event(redis_c
 
     result = handle.result(timeout_s=10)
     assert (result.job_id, result.version, result.metrics["loss"]) == (handle.job_id, 1, 0.5)
+
+
+def test_threads_sharing_a_run_each_get_results_and_nothing_else(redis_conn: redis.Redis) -> None:
+    """Several threads waiting on one Run's pending jobs: each job's outcome goes to one of them (the
+    one that takes it off), none sees an IndexError from another thread's wait."""
+    Registry(redis_conn).create_run(RunSpec(name="shared", base_model="tiny", max_staleness_steps=64))
+    run = Client("http://127.0.0.1:9", conn=redis_conn).run("shared")
+    handles = [run.train([group()], wait=False) for _ in range(24)]
+    events = EventStream(redis_conn)
+    for version, handle in enumerate(handles, 1):
+        if version == 24:
+            events.append(Event(kind=EventKind.TRAIN_FAILED, run="shared", version=version, job_id=handle.job_id,
+                                data={"message": "boom", "field": None, "retries_left": 0}))
+            continue
+        events.append(Event(kind=EventKind.ADAPTER_READY, run="shared", version=version, job_id=handle.job_id,
+                            data={"path": f"shared/v{version:06d}/adapter", "step": version, "parent": version - 1,
+                                  "metrics": {}, "published_at": 1.0, "stepped_at": 0.5}))
+        events.append(Event(kind=EventKind.ADAPTER_LOADED, run="shared", version=version, job_id=handle.job_id,
+                            data={"adapter": f"shared-v{version}", "load_ms": 1.0}))
+    outcomes: list[Any] = []
+    start = threading.Barrier(8)
+
+    def wait() -> None:
+        start.wait()
+        try:
+            outcomes.append(sorted(r.version for r in run.wait_all(timeout_s=20)))
+        except Exception as exc:  # noqa: BLE001 - what each thread saw is the assertion
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=wait) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    errors = [o for o in outcomes if isinstance(o, Exception)]
+    assert len(outcomes) == 8 and len(errors) == 1 and type(errors[0]).__name__ == "TrainFailed", outcomes
+    assert "boom" in str(errors[0])
+    seen = sorted(v for o in outcomes if isinstance(o, list) for v in o)
+    assert seen == list(range(1, 24)) or (len(seen) == len(set(seen)) and set(seen) <= set(range(1, 24))), seen
+    assert run.status()["pending_jobs"] == []
+    assert [h.result(timeout_s=1).version for h in handles[:23]] == list(range(1, 24))

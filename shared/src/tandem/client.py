@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -67,6 +68,7 @@ class Run:
         self.spec = spec
         self.name = spec.name
         self._pending: deque[TrainHandle] = deque()
+        self._pending_lock = threading.Lock()  # threads may share a Run: each takes off only what it waited on
 
     # rollouts -------------------------------------------------------------
     def chat(
@@ -173,7 +175,8 @@ class Run:
         after = self.client.events.last_id()
         jobs.enqueue(conn, job)
         handle = TrainHandle(run=self, job_id=job.job_id, step=job.step, after=after)
-        self._pending.append(handle)
+        with self._pending_lock:
+            self._pending.append(handle)
         if wait:
             self._drain(0, timeout_s)  # earlier async jobs, then this one (its result is kept)
             return handle.result(timeout_s)
@@ -184,26 +187,44 @@ class Run:
         """Wait on the oldest pending jobs until at most `keep` remain; return the last result."""
         last = None
         while len(self._pending) > keep:
-            last = self._wait_oldest(timeout_s)
+            result = self._wait_oldest(timeout_s)
+            if result is None:  # another thread took the last ones off
+                break
+            last = result
         return last
 
-    def _wait_oldest(self, timeout_s: float | None) -> jobs.TrainResult:
-        """The oldest pending job's result. It stays pending unless it served, failed or timed out:
-        after a Redis outage longer than the timeout the next wait picks it up where it was."""
-        handle = self._pending[0]
-        try:
-            result = handle.result(timeout_s)
-        except (TrainFailed, TrainTimeout):
-            self._pending.popleft()
-            raise
-        self._pending.popleft()
-        return result
+    def _wait_oldest(self, timeout_s: float | None) -> jobs.TrainResult | None:
+        """The oldest pending job's result (None: none is pending). It stays pending unless it
+        served, failed or timed out: after a Redis outage longer than the timeout the next wait
+        picks it up where it was. Threads sharing the Run may wait on the same job: its outcome
+        goes to the one that takes it off, and the others go on to the next."""
+        while True:
+            with self._pending_lock:
+                if not self._pending:
+                    return None
+                handle = self._pending[0]
+            try:
+                result = handle.result(timeout_s)
+            except (TrainFailed, TrainTimeout):
+                if self._take_off(handle):
+                    raise
+                continue
+            if self._take_off(handle):
+                return result
+
+    def _take_off(self, handle: TrainHandle) -> bool:
+        """Remove `handle` from the pending jobs; False when another thread already did."""
+        with self._pending_lock:
+            kept = deque(h for h in self._pending if h is not handle)
+            taken = len(kept) < len(self._pending)
+            self._pending = kept
+        return taken
 
     def wait_all(self, timeout_s: float | None = None) -> list[jobs.TrainResult]:
         """Wait for every pending job to serve."""
         results = []
-        while self._pending:
-            results.append(self._wait_oldest(timeout_s))
+        while (result := self._wait_oldest(timeout_s)) is not None:
+            results.append(result)
         return results
 
     # status ---------------------------------------------------------------
@@ -213,7 +234,7 @@ class Run:
             "run": self.name,
             "latest_version": reg.latest_version(self.name),
             "serving_version": reg.serving(self.name),
-            "pending_jobs": [h.job_id for h in self._pending],
+            "pending_jobs": [h.job_id for h in list(self._pending)],
         }
 
     def history(self) -> list[Event]:
@@ -222,7 +243,7 @@ class Run:
 
 
 class Client:
-    """Entry point of the SDK; one per process."""
+    """Entry point of the SDK; one per process, shared by its threads (a Run's pending jobs are taken off by one thread each)."""
 
     def __init__(
         self,

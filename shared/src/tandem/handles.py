@@ -13,6 +13,7 @@ rq's record of the job.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -54,16 +55,36 @@ class TrainHandle:
     """Replicas that said they hold the version (`adapter_held`): they take part."""
     _first_served: float | None = None
     """Monotonic time the first replica was seen serving the version."""
+    _failure: TrainFailed | None = None
+    """The job's failure, once seen: raised again to every later waiter."""
+    _waiting: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    """One thread reads the stream for this job at a time (threads may share a Run)."""
 
     def done(self) -> bool:
         return self._result is not None
 
     def result(self, timeout_s: float | None = None) -> TrainResult:
         """Block until the version this job published serves; raise TrainFailed if it failed."""
-        if self._result is not None:
-            return self._result
         timeout = timeout_s if timeout_s is not None else self.run.client.settings.train_timeout_s
         deadline = time.monotonic() + timeout
+        if not self._waiting.acquire(timeout=timeout):
+            raise TrainTimeout(
+                f"job {self.job_id} (run {self.run.name!r}, step {self.step}) did not serve within "
+                f"{timeout:.0f} s while another thread waited on it; check the trainer and inference logs, "
+                "or raise train_timeout_s")
+        try:
+            return self._wait(timeout, deadline)
+        except TrainFailed as exc:
+            self._failure = exc
+            raise
+        finally:
+            self._waiting.release()
+
+    def _wait(self, timeout: float, deadline: float) -> TrainResult:
+        if self._result is not None:
+            return self._result
+        if self._failure is not None:
+            raise self._failure
         while time.monotonic() < deadline:
             page = self._read(deadline, timeout)
             for event in page:
