@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -109,6 +110,34 @@ def test_a_gateway_port_in_use_is_named_before_anything_starts(tmp_path: Path) -
         with pytest.raises(ConfigError, match=f"gateway port {port} is in use.*--gateway-port 0"):
             stack.start()
         assert stack.services == []
+
+
+def test_a_second_stack_on_a_state_directory_in_use_is_refused_and_touches_nothing(tmp_path: Path) -> None:
+    """Two stacks on one directory would share its Redis config and client.env: the second rewrote
+    them, and the first's Redis, restarted, came back on the second's port."""
+    with RedisOnly(StackConfig(state_dir=tmp_path, gateway_port=0)) as first:
+        conf, env = (tmp_path / "redis" / "redis.conf").read_text(), (tmp_path / "client.env").read_text()
+        second = RedisOnly(StackConfig(state_dir=tmp_path, gateway_port=0))
+        with pytest.raises(ConfigError) as info:
+            second.start()
+        message = str(info.value)
+        assert str(tmp_path) in message and f"pid {os.getpid()}" in message and "--state-dir" in message
+        assert second.services == []
+        assert (tmp_path / "redis" / "redis.conf").read_text() == conf and (tmp_path / "client.env").read_text() == env
+        assert redis.Redis.from_url(first.redis_url).ping()
+    with RedisOnly(StackConfig(state_dir=tmp_path, gateway_port=0)) as again:  # stopped: the directory is free
+        assert redis.Redis.from_url(again.redis_url).ping()
+
+
+def test_a_stack_that_fails_to_start_frees_its_state_directory(tmp_path: Path) -> None:
+    class Failing(Stack):
+        def plan(self) -> list[Service]:
+            return [Service("dies", [sys.executable, "-c", "raise SystemExit(3)"], ready=lambda: False)]
+
+    with pytest.raises(StackError, match="dies exited with code 3"):
+        Failing(StackConfig(state_dir=tmp_path, gateway_port=0)).start()
+    with Sleepers(StackConfig(state_dir=tmp_path, gateway_port=0)) as stack:
+        assert len(stack.services) == 2
 
 
 def test_a_dead_service_is_started_again_after_a_growing_pause(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ read when run from the same directory (see tandem.settings.LOCAL_STACK_ENV).
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import os
@@ -157,6 +158,8 @@ class Stack:
                 ports.append(port)
             self.replicas.append((ports[0], ports[1]))
         self.services: list[Service] = []
+        self._lock_fd: int | None = None
+        """The state directory's lock (`stack.lock`), held while the stack runs."""
 
     # environment shared by every tandem service ----------------------------
     def env(self) -> dict[str, str]:
@@ -321,21 +324,39 @@ class Stack:
         except OSError as exc:
             raise ConfigError(f"cannot make the log directory {self.logs} ({exc}); give the stack a state "
                               "directory it can write (`tandem up --state-dir DIR`)") from exc
-        env = self.env()
-        for svc in self.plan():
-            svc.log_path = self.logs / f"{svc.name}.log"
-            t0 = time.monotonic()
-            log.info("starting %s (log: %s)", svc.name, svc.log_path)
-            try:
+        self._lock_state()
+        try:
+            env = self.env()
+            for svc in self.plan():
+                svc.log_path = self.logs / f"{svc.name}.log"
+                t0 = time.monotonic()
+                log.info("starting %s (log: %s)", svc.name, svc.log_path)
                 self._spawn(svc, env)
-            except StackError:
-                self.stop()  # the ones already started
-                raise
-            self.services.append(svc)
-            self._wait_ready(svc)
-            log.info("%s ready in %.1f s", svc.name, time.monotonic() - t0)
-        self.write_client_env()
+                self.services.append(svc)
+                self._wait_ready(svc)
+                log.info("%s ready in %.1f s", svc.name, time.monotonic() - t0)
+            self.write_client_env()
+        except BaseException:
+            self.stop()  # the ones already started, and the state directory's lock
+            raise
         return self
+
+    def _lock_state(self) -> None:
+        """Hold the state directory for this stack: a second stack on it would rewrite its Redis
+        config and client.env under it (and its Redis, restarted, would come back on another port)."""
+        path = self.state / "stack.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(
+                f"the state directory {self.state} is in use by another stack (pid {holder}); stop that "
+                "one, or give this one its own directory (`tandem up --state-dir DIR`)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
 
     def _spawn(self, svc: Service, env: dict[str, str]) -> None:
         assert svc.log_path is not None
@@ -433,6 +454,9 @@ class Stack:
             except ProcessLookupError:
                 pass
         self.services.clear()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # the lock goes with it
+            self._lock_fd = None
 
     def __enter__(self) -> Stack:
         return self.start()
