@@ -270,3 +270,18 @@ def test_every_bad_job_fails_once_with_an_event_naming_it(case: str, hostile: Ho
     if run:
         assert hostile.registry.latest_version(run) == 0
     hostile.assert_serves_next(case.replace("_", "-"))
+
+
+def test_a_job_that_runs_out_of_its_time_is_not_retried(hostile: Hostile) -> None:
+    """The same job would run out of its time again, and its client has given up on it by then: one
+    attempt, a train_failed event with no retries left, and the worker takes the next job."""
+    run = hostile.create_run("slow")
+    job = make_job("slow-1", run=run, groups=16, size=16, prompt=200, completion=400)  # seconds on the CPU
+    job_id = enqueue(hostile.conn, job.model_copy(update={"timeout_s": 1}))
+    assert hostile.wait_ended(job_id) == "failed"
+    time.sleep(2)  # a retry would have been queued by now
+    assert hostile.status(job_id) == "failed"
+    [event] = hostile.failed_events(job_id)
+    assert event.data["retries_left"] == 0 and "timeout_s" in event.data["message"], event.data
+    assert hostile.worker.log().count("job.timed_out job_id=slow-1") == 1
+    hostile.assert_serves_next("after-timeout")

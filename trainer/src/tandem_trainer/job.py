@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import redis
 import torch
 from pydantic import JsonValue
+from rq.timeouts import JobTimeoutException
 
 from tandem.adapters import AdapterStore, Manifest
 from tandem.errors import AdapterRejected, RunNotFound, TandemError, ValidationFailed, VersionExists
@@ -165,7 +166,7 @@ class Trainer:
             self.events.append(Event(
                 kind=EventKind.TRAIN_FAILED, run=run, version=version, job_id=job_id,
                 data={"message": str(failure), "field": field,
-                      "retries_left": 0 if isinstance(failure, JobRejected) else retries_left},
+                      "retries_left": 0 if not_retried(exc) else retries_left},
             ))
             if failure is exc:
                 raise
@@ -188,6 +189,10 @@ class Trainer:
             return TrainStepFailed(
                 f"out of memory while training ({exc}); lower TANDEM_BACKEND__MICRO_BATCH_TOKENS"
             )
+        if isinstance(exc, JobTimeoutException):
+            return TrainStepFailed(f"{exc}: the job ran out of its time and is not retried; submit it again with "
+                                   "a larger timeout_s (run.train(..., timeout_s=...) or the client's "
+                                   "train_timeout_s)")
         return exc
 
     # validation ---------------------------------------------------------------
@@ -434,3 +439,9 @@ class Trainer:
                         job.run, version, exc, exc_info=unexpected)
             if unexpected:
                 self._invalidate()  # e.g. a device error: reload from the store next time
+
+
+def not_retried(exc: BaseException) -> bool:
+    """A failure that a retry would meet again: bad input, or the job running out of its time (rq's
+    timeout; the client has given up on the job by then)."""
+    return isinstance(exc, JobRejected | JobTimeoutException) or isinstance(exc.__cause__, JobTimeoutException)

@@ -25,6 +25,7 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
+from rq.timeouts import JobTimeoutException
 
 from tandem.adapters import AdapterStore
 from tandem.connection import translated
@@ -33,9 +34,9 @@ from tandem.jobs import GuardedJob, train_queue
 from tandem.settings import TrainerSettings
 from tandem_trainer import failpoints
 from tandem_trainer.backends.select import select_backend
-from tandem_trainer.errors import JobRejected, TrainerConfigError
+from tandem_trainer.errors import TrainerConfigError
 from tandem_trainer.gpu_sharing import SharedGpu
-from tandem_trainer.job import Trainer
+from tandem_trainer.job import Trainer, not_retried
 from tandem_trainer.metrics import TrainerMetrics, serve_metrics
 from tandem_trainer.outage import ride_out_outages
 from tandem_trainer.parallel import Group
@@ -148,10 +149,14 @@ def run_train_job(payload: JsonValue) -> dict[str, JsonValue]:
     except Exception as exc:
         if isinstance(job, GuardedJob):
             job.failure_reported = True  # train() appended the failure's event
-        if isinstance(exc, JobRejected) and job is not None:
-            # Bad input fails the same way every time: no retries. The worker's failure
-            # handling reads the in-memory job (the same object in a SimpleWorker), and the
-            # stored hash is updated too for anyone who fetches the job.
+        if isinstance(exc.__cause__, JobTimeoutException):  # what the trainer made of rq's timeout
+            log.warning("job.timed_out job_id=%s timeout_s=%s: not retried (raise the job's timeout_s)",
+                        job.id if job else None, job.timeout if job else None)
+        if not_retried(exc) and job is not None:
+            # Bad input fails the same way every time, and a job out of its time would run out of
+            # it again: no retries. The worker's failure handling reads the in-memory job (the
+            # same object in a SimpleWorker), and the stored hash is updated too for anyone who
+            # fetches the job.
             job.retries_left = 0
             with translated(job.connection, f"mark job {job.id} as not to be retried"):
                 job.connection.hset(job.key, "retries_left", 0)
