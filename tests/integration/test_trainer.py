@@ -319,6 +319,23 @@ def test_a_stale_rollout_of_a_run_whose_newest_does_not_serve_says_so(trainer: T
     assert "inference serves version 1" in message and "adapter_rejected" in message
 
 
+def test_a_run_whose_directory_is_not_in_the_store_is_not_started_over_from_the_base_model(
+    trainer: Trainer, backend: PeftBackend, run: RunSpec, store: AdapterStore, redis_conn, tmp_path: Path
+) -> None:
+    """One version deleted by hand is skipped; the whole run missing (a volume not mounted) is an error
+    that names the directory, and nothing is published until the store is back."""
+    trainer.train(make_job("job-1"))
+    away = tmp_path / "unmounted"
+    shutil.move(store.run_dir(RUN), away)
+    backend.invalidate()
+    with pytest.raises(CheckpointError) as info:
+        trainer.train(make_job("job-2", seed=1, version=1))
+    assert str(store.run_dir(RUN)) in str(info.value) and "not mounted" in str(info.value)
+    assert Registry(redis_conn).latest_version(RUN) == 1 and not store.run_dir(RUN).exists()
+    shutil.move(away, store.run_dir(RUN))
+    assert trainer.train(make_job("job-2", seed=1, version=1)).parent == 1
+
+
 def test_a_lock_whose_set_went_through_unanswered_is_ours(settings, redis_conn, run) -> None:
     from tandem_trainer.run_lock import RunLock
 

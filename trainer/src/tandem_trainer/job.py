@@ -303,6 +303,14 @@ class Trainer:
         are all there (0: a fresh adapter). The new version's manifest names it as parent."""
         if latest == 0 or self.backend.active == (run, latest):
             return latest
+        if not self.store.run_dir(run).is_dir():
+            # not one version deleted by hand: the run's whole directory (or the store) is not there,
+            # as when a volume failed to mount; starting over from the base model would throw the
+            # run's training away without a word
+            raise CheckpointError(
+                f"run {run!r} has {latest} registered version(s) but its directory {self.store.run_dir(run)} "
+                f"is not in the adapter store {self.store.root} (a volume not mounted?); mount the store the "
+                "run was trained in, or create a new run to start over from the base model")
         for version in range(latest, 0, -1):
             missing = self._missing(run, version)
             if missing is None:
