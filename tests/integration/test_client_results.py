@@ -17,6 +17,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from tandem import Client
+from tandem.errors import TrainTimeout
 from tandem.events import Event, EventKind, EventStream
 from tandem.registry import Registry
 from tandem.runs import RunSpec
@@ -188,3 +189,33 @@ def test_threads_sharing_a_run_each_get_results_and_nothing_else(redis_conn: red
     assert seen == list(range(1, 24)) or (len(seen) == len(set(seen)) and set(seen) <= set(range(1, 24))), seen
     assert run.status()["pending_jobs"] == []
     assert [h.result(timeout_s=1).version for h in handles[:23]] == list(range(1, 24))
+
+
+def test_a_timeout_cancels_a_job_the_trainer_has_not_started(redis_conn: redis.Redis) -> None:
+    """So that submitting the same groups again trains them once (the first job ran later and
+    published too)."""
+    run = open_run(redis_conn, "late")
+    handle = run.train([group()], wait=False)
+    with pytest.raises(TrainTimeout) as info:
+        run.wait_all(timeout_s=1)
+    assert "not started and is cancelled" in str(info.value) and not info.value.running
+    assert Job.fetch(handle.job_id, connection=redis_conn, serializer=JSONSerializer).get_status() == "canceled"
+    assert run.status()["pending_jobs"] == []
+
+
+def test_a_timeout_of_a_job_the_trainer_runs_keeps_it_to_wait_on(redis_conn: redis.Redis) -> None:
+    run = open_run(redis_conn, "slow")
+    handle = run.train([group()], wait=False)
+    job = Job.fetch(handle.job_id, connection=redis_conn, serializer=JSONSerializer)
+    job.set_status("started")  # as a worker marks the job it runs
+    with pytest.raises(TrainTimeout) as info:
+        run.wait_all(timeout_s=1)
+    assert info.value.running and "wait on it again" in str(info.value)
+    assert run.status()["pending_jobs"] == [handle.job_id]  # still pending, in its place
+    events = EventStream(redis_conn)
+    events.append(Event(kind=EventKind.ADAPTER_READY, run="slow", version=1, job_id=handle.job_id,
+                        data={"path": "slow/v000001/adapter", "step": 1, "parent": 0, "metrics": {},
+                              "published_at": 1.0, "stepped_at": 0.5}))
+    events.append(Event(kind=EventKind.ADAPTER_LOADED, run="slow", version=1, job_id=handle.job_id,
+                        data={"adapter": "slow-v1", "load_ms": 1.0}))
+    assert [r.version for r in run.wait_all(timeout_s=10)] == [1]

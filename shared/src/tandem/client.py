@@ -195,8 +195,9 @@ class Run:
 
     def _wait_oldest(self, timeout_s: float | None) -> jobs.TrainResult | None:
         """The oldest pending job's result (None: none is pending). It stays pending unless it
-        served, failed or timed out: after a Redis outage longer than the timeout the next wait
-        picks it up where it was. Threads sharing the Run may wait on the same job: its outcome
+        served, failed or timed out before the trainer started it (then it is cancelled): after a
+        Redis outage longer than the timeout, or a step longer than it, the next wait picks it up
+        where it was. Threads sharing the Run may wait on the same job: its outcome
         goes to the one that takes it off, and the others go on to the next."""
         while True:
             with self._pending_lock:
@@ -205,7 +206,13 @@ class Run:
                 handle = self._pending[0]
             try:
                 result = handle.result(timeout_s)
-            except (TrainFailed, TrainTimeout):
+            except TrainTimeout as exc:
+                if exc.running:  # it may still publish: it stays pending, in its place
+                    raise
+                if self._take_off(handle):
+                    raise
+                continue
+            except TrainFailed:
                 if self._take_off(handle):
                     raise
                 continue

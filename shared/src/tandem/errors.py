@@ -83,7 +83,13 @@ class TrainFailed(TandemError):
 
 
 class TrainTimeout(TandemError):
-    """A train job did not reach the server in the allowed time."""
+    """A train job did not reach the server in the allowed time. `running`: the trainer had started
+    it, so it may still publish a version (wait on it again rather than submitting it again); a job
+    that had not started is cancelled."""
+
+    def __init__(self, message: str, *, running: bool = False) -> None:
+        super().__init__(message)
+        self.running = running
 
 
 class GatewayError(TandemError):

@@ -95,10 +95,31 @@ class TrainHandle:
                 assert self._result is not None
                 return self._result
             self._check_rq()
+        running, what = self._give_up()
         raise TrainTimeout(
             f"job {self.job_id} (run {self.run.name!r}, step {self.step}) did not serve within "
-            f"{timeout:.0f} s; check the trainer and inference logs, or raise train_timeout_s"
+            f"{timeout:.0f} s; {what}; check the trainer and inference logs, or raise train_timeout_s",
+            running=running,
         )
+
+    def _give_up(self) -> tuple[bool, str]:
+        """After a timeout: cancel the job if the trainer has not started it (so that submitting the
+        same groups again trains them once); (whether it runs on, what was done)."""
+        if self._version is not None:
+            return True, (f"its version {self._version} is published and not yet served everywhere: wait on it "
+                          "again (handle.result() or run.wait_all())")
+        try:
+            job = Job.fetch(self.job_id, connection=self.run.client.conn, serializer=JSONSerializer)
+            status = job.get_status()
+            if status in (JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED):
+                job.cancel()
+                return False, "it had not started and is cancelled, so the same groups may be submitted again"
+        except Exception as exc:  # noqa: BLE001 - a missing job or Redis away: say what is known
+            return False, f"its state could not be read ({type(exc).__name__}: {exc}); it may still run"
+        if status is JobStatus.STARTED:
+            return True, ("the trainer is running it and it may still publish: wait on it again "
+                          "(handle.result() or run.wait_all()) instead of submitting the same groups again")
+        return False, f"rq has it as {status.value if status else 'unknown'}"
 
     def _read(self, deadline: float, timeout: float) -> EventPage:
         """The next page of the stream after `self.after`, riding out a Redis outage until `deadline`."""
