@@ -180,6 +180,16 @@ def test_status_without_a_stack_is_one_line_that_says_what_to_do(
     assert "does not answer" in err and "tandem up" in err and "sekrit" not in err
 
 
+@pytest.mark.parametrize("args", [["--gateway-port", "99999"], ["--gateway-port", "-1"], ["--redis-port", "70000"],
+                                  ["--redis-port", "x"]])
+def test_a_port_out_of_range_is_one_line_naming_it(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        tandem(["up", *args])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert args[0] in err and repr(args[1]) in err and "0 for a free one" in err and "Traceback" not in err
+
+
 def test_status_and_client_find_the_stack_that_tandem_up_started(
     no_tandem_env: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

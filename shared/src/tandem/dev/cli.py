@@ -56,6 +56,17 @@ def _replicas(raw: str) -> int:
     return n
 
 
+def _port(raw: str) -> int:
+    """--gateway-port, --redis-port: 0 (a free one) to 65535."""
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{raw!r}: give a port from 1 to 65535, or 0 for a free one")
+    return n
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from tandem.dev.stack import Stack, StackConfig
 
@@ -153,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="start the stack as local processes")
     up.add_argument("--model", default=TINY_MODEL, help="base model (default: the tiny model, built if missing)")
     up.add_argument("--state-dir", default=".tandem/stack", help="logs, adapters and Redis data")
-    up.add_argument("--gateway-port", type=int, default=8000)
-    up.add_argument("--redis-port", type=int, default=0, help="0 = a free port")
+    up.add_argument("--gateway-port", type=_port, default=8000, help="0 = a free port")
+    up.add_argument("--redis-port", type=_port, default=0, help="0 = a free port")
     up.add_argument("--replicas", type=_replicas, default=1,
                     help="inference replicas, each with its own engine, behind the router (HAProxy) on the gateway port")
     up.set_defaults(func=cmd_up)
