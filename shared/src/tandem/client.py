@@ -206,13 +206,9 @@ class Run:
                 handle = self._pending[0]
             try:
                 result = handle.result(timeout_s)
-            except TrainTimeout as exc:
-                if exc.running:  # it may still publish: it stays pending, in its place
+            except (TrainFailed, TrainTimeout) as exc:
+                if isinstance(exc, TrainTimeout) and exc.running:  # it may still publish: it stays pending
                     raise
-                if self._take_off(handle):
-                    raise
-                continue
-            except TrainFailed:
                 if self._take_off(handle):
                     raise
                 continue
@@ -222,10 +218,11 @@ class Run:
     def _take_off(self, handle: TrainHandle) -> bool:
         """Remove `handle` from the pending jobs; False when another thread already did."""
         with self._pending_lock:
-            kept = deque(h for h in self._pending if h is not handle)
-            taken = len(kept) < len(self._pending)
-            self._pending = kept
-        return taken
+            try:
+                self._pending.remove(handle)
+            except ValueError:
+                return False
+        return True
 
     def wait_all(self, timeout_s: float | None = None) -> list[jobs.TrainResult]:
         """Wait for every pending job to serve."""

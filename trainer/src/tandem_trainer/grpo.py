@@ -41,11 +41,9 @@ def group_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: 
     `normalize_std` the advantages are the rewards' own scale, so ones beyond float32 come back as
     inf (the job refuses them, naming the group).
     """
-    rewards = rewards.to(torch.float64)
-    scale = float(rewards.abs().max()) if rewards.numel() else 0.0
+    unit, scale = _unit(rewards)
     if scale == 0.0:
         return torch.zeros_like(rewards, dtype=torch.float32)
-    unit = rewards / scale
     centered = unit - unit.mean()
     std = float(unit.std(unbiased=False))
     if std < eps / scale:
@@ -186,14 +184,20 @@ class LossStats:
         return out
 
 
+def _unit(values: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """`values` in float64 divided by their largest magnitude, and that magnitude (0: all zero or
+    none, and the values as they are): sums and squares of them cannot overflow."""
+    values = values.to(torch.float64)
+    scale = float(values.abs().max()) if values.numel() else 0.0
+    return (values / scale if scale else values), scale
+
+
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and population std, computed on the values divided by the largest magnitude: finite
     for any finite values (the sum of two 1e308 is not)."""
-    t = torch.tensor(values, dtype=torch.float64)
-    scale = float(t.abs().max()) if t.numel() else 0.0
+    unit, scale = _unit(torch.tensor(values, dtype=torch.float64))
     if scale == 0.0:
         return 0.0, 0.0
-    unit = t / scale
     return float(unit.mean()) * scale, float(unit.std(unbiased=False)) * scale
 
 
