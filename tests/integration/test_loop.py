@@ -41,56 +41,53 @@ def play(run, digits: frozenset[int], steps: int, *, wait: bool) -> list[dict]:
 
 
 def test_sync_loop_learns_and_serves_each_new_version(stack: Stack, tiny_model: Path) -> None:
-    client = Client(stack.gateway_url, stack.redis_url)
-    run = client.create_run("digits-sync", base_model=str(tiny_model), lora=LoraConfig(r=8, alpha=16),
-                            optimizer=OptimizerConfig(lr=5e-3), max_staleness_steps=0)
-    rows = play(run, toy.digit_token_ids(tiny_model), 22, wait=True)
-    first = statistics.fmean(r["reward"] for r in rows[:5])
-    last = statistics.fmean(r["reward"] for r in rows[-5:])
-    assert last >= first + 0.3, [round(r["reward"], 3) for r in rows]
-    # synchronous: step k's rollouts were all served by version k-1, the newest one
-    for r in rows:
-        assert set(r["versions"]) == {r["step"] - 1}
-        # the result is whole even when train() returns before the job wrote its optimizer state
-        result = r["result"]
-        assert (result.version, result.step, result.parent) == (r["step"], r["step"], r["step"] - 1)
-        assert 0 < result.published_at <= result.metrics["served_at"] and result.train_s > 0
-    assert run.status()["serving_version"] == 22
-    loaded = [e for e in run.history() if e.kind == "adapter_loaded"]
-    assert [e.version for e in loaded] == list(range(1, 23))
-    assert all(e.data["load_ms"] > 0 for e in loaded)
-    client.close()
+    with Client(stack.gateway_url, stack.redis_url) as client:
+        run = client.create_run("digits-sync", base_model=str(tiny_model), lora=LoraConfig(r=8, alpha=16),
+                                optimizer=OptimizerConfig(lr=5e-3), max_staleness_steps=0)
+        rows = play(run, toy.digit_token_ids(tiny_model), 22, wait=True)
+        first = statistics.fmean(r["reward"] for r in rows[:5])
+        last = statistics.fmean(r["reward"] for r in rows[-5:])
+        assert last >= first + 0.3, [round(r["reward"], 3) for r in rows]
+        # synchronous: step k's rollouts were all served by version k-1, the newest one
+        for r in rows:
+            assert set(r["versions"]) == {r["step"] - 1}
+            # the result is whole even when train() returns before the job wrote its optimizer state
+            result = r["result"]
+            assert (result.version, result.step, result.parent) == (r["step"], r["step"], r["step"] - 1)
+            assert 0 < result.published_at <= result.metrics["served_at"] and result.train_s > 0
+        assert run.status()["serving_version"] == 22
+        loaded = [e for e in run.history() if e.kind == "adapter_loaded"]
+        assert [e.version for e in loaded] == list(range(1, 23))
+        assert all(e.data["load_ms"] > 0 for e in loaded)
 
 
 def test_async_loop_never_serves_rollouts_older_than_max_staleness(stack: Stack, tiny_model: Path) -> None:
-    client = Client(stack.gateway_url, stack.redis_url)
-    run = client.create_run("digits-async", base_model=str(tiny_model), lora=LoraConfig(r=8, alpha=16),
-                            optimizer=OptimizerConfig(lr=5e-3), max_staleness_steps=1)
-    rows = play(run, toy.digit_token_ids(tiny_model), 14, wait=False)
-    for r in rows:
-        parent = r["step"] - 1  # the job of step k trains on version k-1
-        assert all(parent - v <= 1 for v in r["versions"]), (r["step"], sorted(set(r["versions"])))
-    assert not [e for e in run.history() if e.kind in ("train_failed", "adapter_rejected")]
-    assert run.status()["serving_version"] == 14
-    client.close()
+    with Client(stack.gateway_url, stack.redis_url) as client:
+        run = client.create_run("digits-async", base_model=str(tiny_model), lora=LoraConfig(r=8, alpha=16),
+                                optimizer=OptimizerConfig(lr=5e-3), max_staleness_steps=1)
+        rows = play(run, toy.digit_token_ids(tiny_model), 14, wait=False)
+        for r in rows:
+            parent = r["step"] - 1  # the job of step k trains on version k-1
+            assert all(parent - v <= 1 for v in r["versions"]), (r["step"], sorted(set(r["versions"])))
+        assert not [e for e in run.history() if e.kind in ("train_failed", "adapter_rejected")]
+        assert run.status()["serving_version"] == 14
 
 
 def test_the_inference_service_reports_itself_as_a_replica(stack: Stack, tiny_model: Path) -> None:
-    client = Client(stack.gateway_url, stack.redis_url)
-    run = client.create_run("replica-seen", base_model=str(tiny_model), lora=LoraConfig(r=4))
-    play(run, toy.digit_token_ids(tiny_model), 1, wait=True)
+    with Client(stack.gateway_url, stack.redis_url) as client:
+        run = client.create_run("replica-seen", base_model=str(tiny_model), lora=LoraConfig(r=4))
+        play(run, toy.digit_token_ids(tiny_model), 1, wait=True)
 
-    def heartbeat_serves_v1() -> list[ReplicaState]:
-        live = Replicas(client.conn).live()
-        return live if live and live[0].runs.get(run.name, RunHolding()).serving == 1 else []
+        def heartbeat_serves_v1() -> list[ReplicaState]:
+            live = Replicas(client.conn).live()
+            return live if live and live[0].runs.get(run.name, RunHolding()).serving == 1 else []
 
-    wait_until(heartbeat_serves_v1, 30, "the replica's heartbeat to show v1 serving")
-    [replica] = Replicas(client.conn).live()
-    assert replica.ready and replica.runs[run.name].loaded == [1]
-    assert replica.url.endswith(":" + stack.gateway_url.rsplit(":", 1)[1])
-    [loaded] = [e for e in run.history() if e.kind == "adapter_loaded"]
-    assert loaded.data["replica"] == replica.id
-    reply = httpx.post(f"{stack.gateway_url}/v1/completions", json={"model": run.name, "prompt": "1", "max_tokens": 1},
-                       timeout=30)
-    assert reply.headers["x-tandem-replica"] == replica.id and reply.headers["x-tandem-version"] == "1"
-    client.close()
+        wait_until(heartbeat_serves_v1, 30, "the replica's heartbeat to show v1 serving")
+        [replica] = Replicas(client.conn).live()
+        assert replica.ready and replica.runs[run.name].loaded == [1]
+        assert replica.url.endswith(":" + stack.gateway_url.rsplit(":", 1)[1])
+        [loaded] = [e for e in run.history() if e.kind == "adapter_loaded"]
+        assert loaded.data["replica"] == replica.id
+        reply = httpx.post(f"{stack.gateway_url}/v1/completions", json={"model": run.name, "prompt": "1", "max_tokens": 1},
+                           timeout=30)
+        assert reply.headers["x-tandem-replica"] == replica.id and reply.headers["x-tandem-version"] == "1"

@@ -190,6 +190,36 @@ def test_a_port_out_of_range_is_one_line_naming_it(args: list[str], capsys: pyte
     assert args[0] in err and repr(args[1]) in err and "0 for a free one" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("name", ["", "a/b", "run name"])
+def test_status_of_an_invalid_run_name_is_a_usage_error_naming_it(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        tandem(["status", name])
+    assert info.value.code == 2  # before Redis is asked: '' is not "every run"
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"run name {name!r} is invalid" in err
+
+
+def test_a_model_directory_that_is_not_there_is_one_line_before_anything_starts(
+    no_tandem_env: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = no_tandem_env / "state"
+    assert tandem(["up", "--model", str(no_tandem_env / "no-such-model"), "--state-dir", str(state)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "no-such-model: no such directory" in err and "hub id" in err
+    assert not state.exists()  # nothing started, nothing written
+
+
+@pytest.mark.parametrize("under", ["", "sub"])
+def test_a_state_dir_that_is_a_file_is_one_line_before_anything_starts(
+    no_tandem_env: Path, capsys: pytest.CaptureFixture[str], under: str
+) -> None:
+    afile = no_tandem_env / "afile"
+    afile.write_text("not a directory")
+    assert tandem(["up", "--model", "unused", "--state-dir", str(afile / under)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and f"{afile} is a file, not a directory" in err
+
+
 def test_status_and_client_find_the_stack_that_tandem_up_started(
     no_tandem_env: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

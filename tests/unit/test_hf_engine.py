@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandem_inference.engines.transformers.model import Model
 from tandem_inference.engines.transformers.runtime import HFEngine
 from tandem_inference.engines.transformers.sampling import SamplingParams
 from tandem_inference.errors import (
     AdapterLoadFailed,
     AdapterNotLoaded,
     EngineBusy,
+    EngineError,
     EngineUnavailable,
     InvalidRequest,
 )
@@ -307,3 +309,9 @@ def test_identical_unseeded_requests_waiting_for_the_model_run_as_one_batch(load
             expected = teacher_forced(loaded, prompt, seq.output_ids)
         assert max(abs(a - b) for a, b in zip(seq.logprobs, expected, strict=False)) < 1e-4
     assert loaded.coalescer.waiting() == 0 and params.n == 1
+
+
+@pytest.mark.parametrize("model", ["/no/such/model", "./no-such-model"])
+def test_a_model_directory_that_is_not_there_is_named_as_such(model: str) -> None:
+    with pytest.raises(EngineError, match=r"no such directory; give a model directory .* or a hub id"):
+        Model(model, device="cpu")

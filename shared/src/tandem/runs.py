@@ -34,6 +34,11 @@ def check_run_name(name: str) -> str:
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def names_a_directory(model: str) -> bool:
+    """Whether `model` can only be a local directory: neither a hub id (`org/name`) nor a bare name."""
+    return not (HUB_ID.fullmatch(model) or re.fullmatch(r"[A-Za-z0-9][\w.-]*", model))
+
+
 def _forms(model: str) -> set[str]:
     """What a model reference can be compared by: itself normalised, and its real path when it
     is a path that exists here."""

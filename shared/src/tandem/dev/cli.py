@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from tandem.dev.settings_reference import settings_markdown
 from tandem.errors import BackendUnavailable, ConfigError, TandemError, ValidationFailed
+from tandem.runs import check_run_name, names_a_directory
 from tandem.settings import LOCAL_STACK_ENV, SERVICES, ClientSettings, redact_url
 
 TINY_MODEL = ".tandem/models/tiny"
@@ -56,6 +57,14 @@ def _replicas(raw: str) -> int:
     return n
 
 
+def _run_name(raw: str) -> str:
+    """tandem status RUN: a valid run name (an empty one is not "every run")."""
+    try:
+        return check_run_name(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def _port(raw: str) -> int:
     """--gateway-port, --redis-port: 0 (a free one) to 65535."""
     try:
@@ -70,6 +79,7 @@ def _port(raw: str) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from tandem.dev.stack import Stack, StackConfig
 
+    _check_paths(args)
     if args.model == TINY_MODEL:
         ensure_tiny_model(args.model)
     stack = Stack(StackConfig(state_dir=Path(args.state_dir), model=args.model, gateway_port=args.gateway_port,
@@ -102,6 +112,18 @@ def cmd_up(args: argparse.Namespace) -> int:
             print("stopping ...", file=sys.stderr)
         stack.stop()
     return 0
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """Refuse, before anything starts, a --state-dir that is a file and a --model directory that is not there."""
+    state = Path(args.state_dir)
+    blocking = next((p for p in (state, *state.parents) if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise ConfigError(f"--state-dir {args.state_dir}: {blocking} is a file, not a directory; "
+                          "give a directory (it is made if missing)")
+    if args.model != TINY_MODEL and names_a_directory(args.model) and not Path(args.model).expanduser().is_dir():
+        raise ConfigError(f"--model {args.model}: no such directory; give a model directory (config.json, "
+                          "tokenizer and weights), a hub id, or leave --model out for the tiny model")
 
 
 def _interrupt(*_: object) -> None:
@@ -174,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--markdown", action="store_true", help="print the configuration reference of every service")
     st.set_defaults(func=cmd_settings)
     status = sub.add_parser("status", help="runs, their newest and serving versions")
-    status.add_argument("run", nargs="?")
+    status.add_argument("run", nargs="?", type=_run_name, help="one run (default: every run)")
     status.set_defaults(func=cmd_status)
     args = parser.parse_args(argv)
     try:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tandem.runs import names_a_directory
 from tandem_inference.engines.transformers.sampling import SamplingParams
 from tandem_inference.errors import EngineError, InvalidRequest
 
@@ -41,6 +43,11 @@ class Model:
             self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.path)
             self.hf: PreTrainedModel = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype)
         except (OSError, ValueError) as exc:
+            if names_a_directory(self.path) and not Path(self.path).expanduser().is_dir():  # not the hub's "repo id" complaint
+                raise EngineError(
+                    f"cannot load base model {self.path!r}: no such directory; give a model directory "
+                    "(config.json, tokenizer and weights) or a hub id such as Qwen/Qwen2.5-0.5B-Instruct"
+                ) from exc
             raise EngineError(f"cannot load base model {self.path!r}: {exc}") from exc
         # peft injects its layers into this very object: calling it runs the active adapter
         _move(self.hf, self.device).eval()
@@ -161,3 +168,4 @@ def _eos_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> set[
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
     return ids
+
