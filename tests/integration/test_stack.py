@@ -101,13 +101,14 @@ def test_every_service_gets_the_engine_admin_key(tmp_path: Path) -> None:
     assert len(key) >= 32 and stack.env()["TANDEM_ENGINE__ADMIN_API_KEY"] == key
 
 
-def test_a_gateway_port_in_use_is_named_before_anything_starts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("what", ["gateway", "redis"])
+def test_a_port_in_use_is_named_before_anything_starts(tmp_path: Path, what: str) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        stack = RedisOnly(StackConfig(state_dir=tmp_path, gateway_port=port))
-        with pytest.raises(ConfigError, match=f"gateway port {port} is in use.*--gateway-port 0"):
+        stack = RedisOnly(StackConfig(state_dir=tmp_path, **{"gateway_port": 0, f"{what}_port": port}))
+        with pytest.raises(ConfigError, match=f"{what} port {port} is in use.*--{what}-port 0"):
             stack.start()
         assert stack.services == []
 

@@ -314,11 +314,12 @@ class Stack:
 
     # lifecycle ----------------------------------------------------------------
     def start(self) -> Stack:
-        if self.config.gateway_port and not port_free(self.config.gateway_port):
-            raise ConfigError(
-                f"gateway port {self.config.gateway_port} is in use (another `tandem up`?); stop that, "
-                "or pick another port (`tandem up --gateway-port 0` takes a free one)"
-            )
+        for what, port in (("gateway", self.config.gateway_port), ("redis", self.config.redis_port)):
+            if port and not port_free(port):
+                raise ConfigError(
+                    f"{what} port {port} is in use (another `tandem up`?); stop that, "
+                    f"or pick another port (`tandem up --{what}-port 0` takes a free one)"
+                )
         try:
             self.logs.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
