@@ -99,3 +99,27 @@ def test_a_trainer_killed_at_any_point_leaves_one_served_version(point: str, sid
         assert registry.serving(run.name) == 1
     finally:
         stop_workers(started)
+
+
+def test_a_job_requeued_after_its_trainer_died_publishes_before_the_steps_sent_after_it(
+    side: Side, tmp_path: Path, tiny_model: Path
+) -> None:
+    """Three pipelined steps; the trainer dies inside the first and comes back under its name (as
+    compose and `tandem up` restart it). rq requeues the job, and it must not go behind the other
+    two: the steps publish as versions 1, 2, 3 in the order they were sent."""
+    run = side.client.create_run("kill-pipelined", base_model=str(tiny_model), lora=LoraConfig(r=4),
+                                 max_staleness_steps=3)
+    start, started = start_workers(side.redis.url, side.root, tmp_path)
+    try:
+        named = {"TANDEM_WORKER_NAME": "trainer-pipelined"}
+        armed = start({**named, "TANDEM_TRAINER_FAILPOINTS": "mid_training"})
+        handles = [run.train(groups(seed=s), wait=False, timeout_s=300) for s in (1, 2, 3)]
+        assert armed.wait_dead() == -signal.SIGKILL
+        start(named)
+        results = [h.result(timeout_s=120) for h in handles]
+        assert [(r.job_id, r.version, r.parent) for r in results] == [
+            (h.job_id, v, v - 1) for h, v in zip(handles, (1, 2, 3), strict=True)
+        ]
+        assert not [e for e in run.history() if e.kind == EventKind.TRAIN_FAILED]
+    finally:
+        stop_workers(started)

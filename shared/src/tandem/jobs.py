@@ -222,7 +222,9 @@ def enqueue(conn: redis.Redis, job: TrainJob) -> str:
             job_timeout=job.timeout_s,
             result_ttl=7 * 24 * 3600,
             failure_ttl=7 * 24 * 3600,
-            retry=Retry(max=JOB_RETRIES),
+            # a retried job goes back to the head of the queue: behind the steps pipelined after it,
+            # it would publish after them and its rollouts could be refused as stale
+            retry=Retry(max=JOB_RETRIES, enqueue_at_front=True),
             description=f"train {job.run} step {job.step}",
         )
     return job.job_id

@@ -217,7 +217,11 @@ class Stack:
         if self.replicas:
             services.append(Service("router", [haproxy_binary(), "-db", "-f", str(self._router_conf())],
                                     ready=lambda: self._http_ok(f"{self.gateway_url}/ready")))
-        services.append(Service("trainer", [py, "-m", "tandem_trainer.main"], ready=self._trainer_ready))
+        # one name across restarts, as compose gives it: a restarted trainer then hands back the job
+        # its previous process died in before it takes another (a new name waits for the old
+        # name's liveness key to lapse, and would run the steps pipelined after that job first)
+        named = {"TANDEM_WORKER_NAME": "trainer"} if self.config.redis_url is None else {}
+        services.append(Service("trainer", [py, "-m", "tandem_trainer.main"], env=named, ready=self._trainer_ready))
         return services
 
     def _router_conf(self) -> Path:
