@@ -17,7 +17,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from tandem import Client
-from tandem.errors import TrainTimeout
+from tandem.errors import TrainFailed, TrainTimeout
 from tandem.events import Event, EventKind, EventStream
 from tandem.registry import Registry
 from tandem.runs import RunSpec
@@ -219,3 +219,19 @@ def test_a_timeout_of_a_job_the_trainer_runs_keeps_it_to_wait_on(redis_conn: red
     events.append(Event(kind=EventKind.ADAPTER_LOADED, run="slow", version=1, job_id=handle.job_id,
                         data={"adapter": "slow-v1", "load_ms": 1.0}))
     assert [r.version for r in run.wait_all(timeout_s=10)] == [1]
+
+
+FIELD = "groups.0.trajectories.1.completion_ids"
+
+
+@pytest.mark.parametrize(("field", "expected"), [(FIELD, FIELD), (None, None), (7, None)])
+def test_a_failed_step_names_the_field_the_trainer_refused(redis_conn: redis.Redis, field: Any, expected: str | None) -> None:
+    run = open_run(redis_conn, "refused")
+    handle = run.train([group()], wait=False)
+    EventStream(redis_conn).append(Event(
+        kind=EventKind.TRAIN_FAILED, run="refused", job_id=handle.job_id,
+        data={"message": "token id 99999 is outside the vocabulary", "field": field, "retries_left": 0},
+    ))
+    with pytest.raises(TrainFailed, match="step 1 failed: token id 99999") as info:
+        handle.result(timeout_s=10)
+    assert info.value.field == expected

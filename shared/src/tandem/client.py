@@ -306,7 +306,7 @@ class Client:
             )
         except ValidationError as exc:
             raise invalid(f"invalid run {name!r}", exc) from exc
-        self._check_base_model(spec)
+        spec = self._check_base_model(spec)
         return Run(self, self.registry.create_run(spec))
 
     def engine_model(self) -> tuple[str, str] | None:
@@ -323,12 +323,14 @@ class Client:
                 return card
         return None
 
-    def _check_base_model(self, spec: RunSpec) -> None:
+    def _check_base_model(self, spec: RunSpec) -> RunSpec:
+        """The spec to register: refused unless its base model is the engine's; the engine's served
+        name (`base`) is replaced by the model itself, which is what the trainer loads."""
         card = self._base_card()
         if card is None:
             log.warning("the gateway at %s does not say which model it serves; cannot check base_model %r",
                         self.settings.gateway_url, spec.base_model)
-            return
+            return spec
         model, served_name = _model_and_name(card)
         if not same_base_model(spec.base_model, model, served_name):
             raise ValidationFailed(
@@ -339,6 +341,9 @@ class Client:
                 field="base_model",
             )
         self._check_lora(spec, card.get("lora"))
+        if spec.base_model == served_name != model and not same_base_model(spec.base_model, model):
+            return spec.model_copy(update={"base_model": model})  # a name no trainer could load
+        return spec
 
     def _check_lora(self, spec: RunSpec, limits: Any) -> None:
         """Refuse a run whose adapters the engine would refuse to load (after their first step):

@@ -79,7 +79,12 @@ class VersionExists(AdapterError):
 
 
 class TrainFailed(TandemError):
-    """A train job ended with `train_failed`; the message is the trainer's."""
+    """A train job ended with `train_failed`; the message is the trainer's, and `field` names the
+    part of the job it refused (`groups.0.trajectories.3.completion_ids`), None when no one part."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class TrainTimeout(TandemError):

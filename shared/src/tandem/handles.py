@@ -147,7 +147,9 @@ class TrainHandle:
             and event.job_id == self.job_id
             and not event.data.get("retries_left")  # rq retries it: wait for the retry
         ):
-            raise TrainFailed(f"step {self.step} failed: {event.data.get('message', 'no message')}")
+            field = event.data.get("field")
+            raise TrainFailed(f"step {self.step} failed: {event.data.get('message', 'no message')}",
+                              field=field if isinstance(field, str) else None)
         if event.kind is EventKind.ADAPTER_READY and event.job_id == self.job_id:
             self._version = event.version
             self._ready = event
