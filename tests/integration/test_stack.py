@@ -21,6 +21,7 @@ from tandem.dev.stack import Service, Stack, StackConfig
 from tandem.errors import ConfigError, StackError
 from tandem.registry import Registry
 from tandem.runs import RunSpec
+from tandem.settings import RedisSettings
 
 pytestmark = pytest.mark.integration
 
@@ -70,6 +71,17 @@ def test_the_stacks_redis_has_a_password_that_stays_private(tmp_path: Path) -> N
         assert f"TANDEM_GATEWAY_URL={stack.gateway_url}" in (state / "client.env").read_text()
     again = RedisOnly(StackConfig(state_dir=state, gateway_port=0))
     assert again.secrets == stack.secrets  # kept across runs: the URL only changes with the port
+
+
+@pytest.mark.parametrize("credentials", [":wrong-secret@", ""])
+def test_a_wrong_or_missing_redis_password_is_config_error_not_redis_is_down(tmp_path: Path, credentials: str) -> None:
+    with RedisOnly(StackConfig(state_dir=tmp_path / "stack", gateway_port=0)) as stack:
+        url = f"redis://{credentials}127.0.0.1:{stack.redis_port}/0"
+        with pytest.raises(ConfigError) as info:
+            RedisSettings(url=url).connect()
+    message = str(info.value)
+    assert "answers but refuses these credentials" in message and "TANDEM_REDIS__PASSWORD" in message
+    assert "wrong-secret" not in message and "does not answer" not in message
 
 
 class RedisUp(RedisOnly):

@@ -69,6 +69,11 @@ class RedisSettings(BaseModel):
             ) from exc
         try:
             client.ping()
+        except redis.AuthenticationError as exc:  # it answered: the password is what is wrong
+            raise ConfigError(
+                f"Redis at {redact_url(self.url)!r} answers but refuses these credentials ({exc}); put that "
+                "Redis's password in TANDEM_REDIS__URL (redis://:PASSWORD@host:port/db) or TANDEM_REDIS__PASSWORD"
+            ) from exc
         except redis.RedisError as exc:
             raise BackendUnavailable(
                 f"Redis at {redact_url(self.url)!r} does not answer ({exc}); start it or set TANDEM_REDIS__URL"

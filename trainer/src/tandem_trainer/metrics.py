@@ -69,7 +69,9 @@ class TrainerMetrics:
         self.steps = Counter("tandem_trainer_steps", "Optimizer steps published (one per job that trained).",
                              ["run"], registry=r)
         self.last_step = Gauge("tandem_trainer_last_step_timestamp_seconds",
-                               "Unix time the last job of this trainer published its version.", registry=r)
+                               "Unix time the last job of this trainer published its version (the trainer's "
+                               "start until then).", registry=r)
+        self.last_step.set(time.time())  # "no step for 15 min" counts from the start, not from 1970
         self.stage_seconds = Histogram("tandem_trainer_stage_seconds",
                                        "Time of one stage of a job: `train` (the step on the device), `publish` "
                                        "(write, register, announce, fsync), `state` (the optimizer state).",

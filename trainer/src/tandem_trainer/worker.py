@@ -54,6 +54,10 @@ from tandem_trainer.trackers import open_tracker
 
 log = logging.getLogger(__name__)
 
+#: Timeout of the Redis command a /metrics scrape makes (the queue's depth), below Prometheus'
+#: default scrape timeout of 10 s.
+SCRAPE_REDIS_TIMEOUT_S = 2.0
+
 
 class TrainWorker(SimpleWorker):
     """rq's SimpleWorker on `GuardedJob`s: refused jobs fail at once, every failure is announced."""
@@ -203,7 +207,10 @@ def serve(settings: TrainerSettings, conn: redis.Redis, name: str, *, burst: boo
     metrics_server = None
     try:
         trainer = setup(settings, conn, liveness, group)
-        scrape_queue = train_queue(settings.redis.connect())  # a scrape never waits out an outage
+        # a scrape reads the queue on a connection of its own that neither rides out an outage nor waits
+        # longer than Prometheus' scrape timeout (10 s): a hung Redis reads NaN, the trainer stays up
+        scrape_queue = train_queue(settings.redis.model_copy(update={"socket_timeout_s": SCRAPE_REDIS_TIMEOUT_S})
+                                   .connect())
         trainer.metrics.watch_queue(lambda: scrape_queue.count)
         metrics_server = serve_metrics(trainer.metrics, settings.metrics)
         worker = TrainWorker([train_queue(conn)], connection=conn, name=name, serializer=JSONSerializer)
