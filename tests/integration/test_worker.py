@@ -40,6 +40,10 @@ def test_bad_job_fails_once_and_the_worker_serves_the_next(workers, redis_conn, 
     assert [(e.job_id, e.data["field"]) for e in train_failed] == [
         ("bad-job", "groups.0.trajectories.0.completion_ids")
     ]  # one attempt only
+    logged = worker.log()
+    assert [line for line in logged.splitlines() if "train.failed" in line and "job_id=bad-job" in line
+            and "field=groups.0.trajectories.0.completion_ids" in line], logged[-3000:]
+    assert "Traceback" not in logged, logged[-3000:]  # an explained failure is its line, not rq's traceback
 
     good = TrainResult.model_validate(Job.fetch("good-job", connection=redis_conn,
                                                 serializer=JSONSerializer).return_value())

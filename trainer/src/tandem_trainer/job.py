@@ -161,7 +161,8 @@ class Trainer:
             field = failure.field if isinstance(failure, ValidationFailed) else None
             log.warning(
                 "train.failed run=%s job_id=%s duration_s=%.3f field=%s error=%s message=%s",
-                run, job_id, time.perf_counter() - started, field, type(failure).__name__, failure,
+                run, job_id, time.perf_counter() - started, field, type(failure).__name__,
+                " ".join(str(failure).splitlines()),  # one event, one line (a hub error spans several)
             )
             self.events.append(Event(
                 kind=EventKind.TRAIN_FAILED, run=run, version=version, job_id=job_id,

@@ -16,12 +16,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 from pydantic import JsonValue
 from rq import SimpleWorker, get_current_job
 from rq.executions import Execution
 from rq.job import Job
+from rq.job_lifecycle import call_exception_handlers
 from rq.queue import Queue
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
@@ -29,6 +31,7 @@ from rq.timeouts import JobTimeoutException
 
 from tandem.adapters import AdapterStore
 from tandem.connection import translated
+from tandem.errors import TandemError
 from tandem.events import EventStream
 from tandem.jobs import GuardedJob, train_queue
 from tandem.settings import TrainerSettings
@@ -73,6 +76,15 @@ class TrainWorker(SimpleWorker):
             log.error("worker.stop: the trainer's ranks lost each other during job %s; the worker stops "
                       "so that torchrun starts every rank again", job.id)
             self._stop_requested = True
+
+    def handle_exception(self, job: Job, *exc_info: Any) -> None:
+        """rq logs every failure with its traceback. A failure tandem explains (a TandemError: a bad
+        job, a missing checkpoint, out of memory) has had its `train.failed` line, naming the job, the
+        field and the message; only an unexpected exception keeps rq's traceback."""
+        if len(exc_info) > 1 and isinstance(exc_info[1], TandemError):
+            call_exception_handlers(self._exc_handlers, job, *exc_info)
+            return
+        super().handle_exception(job, *exc_info)
 
     def handle_job_success(self, job: Job, queue: Queue, started_job_registry: StartedJobRegistry,
                            execution: Execution) -> None:
