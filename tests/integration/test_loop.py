@@ -91,3 +91,17 @@ def test_the_inference_service_reports_itself_as_a_replica(stack: Stack, tiny_mo
         reply = httpx.post(f"{stack.gateway_url}/v1/completions", json={"model": run.name, "prompt": "1", "max_tokens": 1},
                            timeout=30)
         assert reply.headers["x-tandem-replica"] == replica.id and reply.headers["x-tandem-version"] == "1"
+
+
+def test_service_logs_are_one_format_without_the_polls(stack: Stack, tiny_model: Path) -> None:
+    """Access lines carry the time like every other line; the controller's health polls of the
+    engine and its model checks are not logged, the requests are."""
+    with Client(stack.gateway_url, stack.redis_url) as client:
+        run = client.create_run("logged", base_model=str(tiny_model), lora=LoraConfig(r=4))
+        run.chat([{"role": "user", "content": "hi"}], max_tokens=2)
+    for service in ("engine", "inference"):
+        lines = (stack.logs / f"{service}.log").read_text().splitlines()
+        assert not [line for line in lines if line.startswith("INFO:")], (service, lines[:5])
+        assert not [line for line in lines if '"GET /health HTTP/1.1" 200' in line], service
+        posts = [line for line in lines if '"POST /' in line and " INFO uvicorn.access " in line]
+        assert posts and all(line[:4].isdigit() for line in posts), (service, lines[-5:])

@@ -29,6 +29,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from tandem import logs
 from tandem.errors import ConfigError, TandemError
 from tandem.settings import GatewaySettings, InferenceSettings
 from tandem_inference.bodies import is_loopback
@@ -112,7 +113,7 @@ async def serve(settings: InferenceSettings) -> None:
                                      registry=Registry(conn), controller=controller,
                                      metrics=controller.metrics.registry, admission=admission)
             config = uvicorn.Config(app, host=settings.gateway.host, port=settings.gateway.port,
-                                    log_level="info", lifespan="on")
+                                    log_config=None, lifespan="on")  # tandem.logs' format and level
             await uvicorn.Server(config).serve()
     finally:
         conn.close()
@@ -171,7 +172,7 @@ def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.configure()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
     settings = InferenceSettings()
     log.info("settings: %s", json.dumps(settings.redacted(), sort_keys=True))

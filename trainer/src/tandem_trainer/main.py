@@ -39,14 +39,12 @@ def main(argv: list[str] | None = None) -> None:
     """Run the trainer worker until it is asked to stop; `--burst` exits when the queue is empty."""
     from pydantic import ValidationError
 
+    from tandem import logs
     from tandem.errors import ConfigError, TandemError
     from tandem.settings import TrainerSettings
 
     args = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(
-        level=os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+    logs.configure()
     try:
         settings = TrainerSettings()
     except ValidationError as exc:

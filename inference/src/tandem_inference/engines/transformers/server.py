@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
+from tandem import logs
 from tandem.settings import EngineSettings
 from tandem_inference.bodies import error_response, invalid_request
 from tandem_inference.engines.transformers import routes_admin, routes_generate, routes_info, routes_openai
@@ -97,7 +98,7 @@ def main() -> None:
     from tandem.settings import InferenceSettings
 
     settings = InferenceSettings()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.configure()
     log.info("engine_settings %s", json.dumps(settings.redacted()["engine"], default=str))
     import uvicorn
     from transformers.utils import logging as hf_logging
@@ -107,5 +108,5 @@ def main() -> None:
         create_engine_app(settings.engine),
         host=settings.engine.host,
         port=settings.engine.port,
-        log_level="info",
+        log_config=None,  # tandem.logs' format and level
     )
