@@ -797,3 +797,20 @@ async def test_a_full_engine_makes_room_from_older_versions_and_says_which_setti
                 assert out.token_ids
             finally:
                 await controller.stop()
+
+
+async def test_a_run_created_after_start_gets_its_gauges_at_the_next_reconcile(
+    start, settings: InferenceSettings, redis_conn: redis.Redis, tiny_model: Path
+) -> None:
+    """So every replica reports the same runs (`count by (run) (tandem_serving_version)`), at v0
+    until a version loads, whether it restarted before or after the run was created."""
+    settings.controller.reconcile_s = 0.2
+    controller = await start()
+    Registry(redis_conn).create_run(RunSpec(name="late-run", base_model=str(tiny_model)))
+
+    def gauges() -> str:
+        return generate_latest(controller.metrics.registry).decode()
+
+    await wait_until(lambda: 'tandem_serving_version{run="late-run"} 0.0' in gauges(), timeout_s=10,
+                     what="the new run's serving gauge")
+    assert 'tandem_loaded_versions{run="late-run"} 0.0' in gauges()

@@ -73,8 +73,12 @@ class Announcer:
 
     def write_status(self, run: str) -> None:
         """Record the run's serving and loaded versions, in Redis and in the gauges."""
-        serving, loaded = self.table.serving(run), self.table.loaded(run)
-        self.registry.set_serving(run, serving)
-        self.registry.set_loaded(run, loaded)
-        self.metrics.serving.labels(run).set(serving)
-        self.metrics.loaded.labels(run).set(len(loaded))
+        self.registry.set_serving(run, self.table.serving(run))
+        self.registry.set_loaded(run, self.table.loaded(run))
+        self.show(run)
+
+    def show(self, run: str) -> None:
+        """Set the run's gauges from the table (no Redis write): every run the table knows has a
+        series, version 0 before its first version loads."""
+        self.metrics.serving.labels(run).set(self.table.serving(run))
+        self.metrics.loaded.labels(run).set(len(self.table.loaded(run)))

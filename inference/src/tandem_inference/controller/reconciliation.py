@@ -94,6 +94,8 @@ class Reconciler:
             self.unloader.retire_old(run, self.settings.controller.keep_versions)
             if adopt or before[run] != (self.table.serving(run), self.table.loaded(run)):
                 await asyncio.to_thread(self.announcer.write_status, run)
+            else:
+                self.announcer.show(run)  # a run created since, with no version yet, gets its series
         return runs, bool(lost)
 
     async def registered_runs(self) -> list[str]:
