@@ -6,6 +6,7 @@ gateway) and the trainer worker, started by `tandem.dev.stack.Stack` exactly as 
 
 from __future__ import annotations
 
+import signal
 import statistics
 from pathlib import Path
 
@@ -105,3 +106,21 @@ def test_service_logs_are_one_format_without_the_polls(stack: Stack, tiny_model:
         assert not [line for line in lines if '"GET /health HTTP/1.1" 200' in line], service
         posts = [line for line in lines if '"POST /' in line and " INFO uvicorn.access " in line]
         assert posts and all(line[:4].isdigit() for line in posts), (service, lines[-5:])
+
+
+def test_while_redis_hangs_the_gateway_and_the_trainers_metrics_answer_within_a_scrape(stack: Stack) -> None:
+    """A hung Redis (SIGSTOP: connections open, no answers) must not hold a gateway request or a
+    Prometheus scrape (10 s timeout) for the 30 s of a Redis command's timeout. Last in the module."""
+    redis_proc = stack.service("redis").proc
+    assert redis_proc is not None
+    trainer_metrics = f"http://127.0.0.1:{stack.trainer_metrics_port}/metrics"
+    redis_proc.send_signal(signal.SIGSTOP)
+    try:
+        with httpx.Client(timeout=10) as http:  # an answer after 10 s is a ReadTimeout here
+            unknown = http.get(f"{stack.gateway_url}/v1/runs/no-such-run")
+            assert unknown.status_code in (404, 503), unknown.text
+            scraped = http.get(trainer_metrics)
+            assert scraped.status_code == 200 and "tandem_trainer_queue_depth NaN" in scraped.text
+    finally:
+        redis_proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: httpx.get(f"{stack.gateway_url}/ready", timeout=5).status_code == 200, 60, "ready again")

@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem_inference.main")  # not __name__: that is "__main__" under python -m
 
+#: Timeout of one Redis command of the gateway (runs, versions, episodes), in seconds.
+GATEWAY_REDIS_TIMEOUT_S = 5.0
+
 Job = Callable[[], Coroutine[Any, Any, None]]
 """A loop that runs for the service's lifetime (engine supervision, GPU sharing)."""
 
@@ -68,6 +71,11 @@ async def serve(settings: InferenceSettings) -> None:
     tokenizer = load_tokenizer(settings.engine.model)
     log.info("tokenizer of %s loaded in %.1f s", settings.engine.model, time.monotonic() - t0)
     conn = settings.redis.connect()
+    # the gateway's reads (runs, versions, episodes) on a connection of their own with a short
+    # timeout: while Redis hangs a request waits seconds for its answer, not the controller's 30
+    quick = settings.redis.model_copy(
+        update={"socket_timeout_s": min(settings.redis.socket_timeout_s, GATEWAY_REDIS_TIMEOUT_S)})
+    gateway_conn = quick.connect()
     # Rollouts and admin calls (loads, unloads, health) in pools of their own: the controller's
     # calls never wait behind rollouts. The rollout pool has a connection for every engine call
     # the gateway admits (n calls per request with gateway.fan_out_n, one without).
@@ -110,13 +118,14 @@ async def serve(settings: InferenceSettings) -> None:
             for job in jobs:
                 running.push_async_callback(_cancelled, asyncio.create_task(job()))
             app = create_gateway_app(settings, engine=engine, table=table, tokenizer=tokenizer,
-                                     registry=Registry(conn), controller=controller,
+                                     registry=Registry(gateway_conn), controller=controller,
                                      metrics=controller.metrics.registry, admission=admission)
             config = uvicorn.Config(app, host=settings.gateway.host, port=settings.gateway.port,
                                     log_config=None, lifespan="on")  # tandem.logs' format and level
             await uvicorn.Server(config).serve()
     finally:
         conn.close()
+        gateway_conn.close()
 
 
 async def _ready(engine: Engine, controller: Controller) -> bool:
