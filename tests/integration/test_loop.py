@@ -100,6 +100,11 @@ def test_service_logs_are_one_format_without_the_polls(stack: Stack, tiny_model:
     with Client(stack.gateway_url, stack.redis_url) as client:
         run = client.create_run("logged", base_model=str(tiny_model), lora=LoraConfig(r=4))
         run.chat([{"role": "user", "content": "hi"}], max_tokens=2)
+    bad = httpx.post(f"{stack.gateway_url}/v1/chat/completions", timeout=30,
+                     json={"model": "logged", "messages": [{"role": "user", "content": "x"}], "temperature": "hot\nline"})
+    assert bad.status_code == 422
+    refused = [line for line in (stack.logs / "inference.log").read_text().splitlines() if "request.refused" in line]
+    assert [line for line in refused if "status=422 path=/v1/chat/completions param=temperature" in line], refused
     for service in ("engine", "inference"):
         lines = (stack.logs / f"{service}.log").read_text().splitlines()
         assert not [line for line in lines if line.startswith("INFO:")], (service, lines[:5])

@@ -56,16 +56,25 @@ def _refused_as_invalid(exc: EngineResponseError) -> bool:
     return exc.status_code in (400, 413, 422) and not isinstance(exc, AdapterMissing)
 
 
+def refused(request: Request, status: int, message: str, param: str | None = None) -> None:
+    """One log line for a request the gateway refuses (the access line says only its status): where
+    it went, what was wrong, the message cut to 300 characters, as one line whatever the client sent."""
+    log.info("request.refused status=%d path=%s param=%s message=%s", status, request.url.path, param,
+             " ".join(message[:300].split()))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every tandem and HTTP error of `app` in OpenAI's error shape."""
 
     @app.exception_handler(ModelNotFound)
-    async def _not_found(_: Request, exc: ModelNotFound) -> JSONResponse:
+    async def _not_found(request: Request, exc: ModelNotFound) -> JSONResponse:
+        refused(request, 404, str(exc), "model")
         return error_reply(404, str(exc), "model_not_found", param="model", known=exc.known)
 
     @app.exception_handler(RequestRefused)
-    async def _refused(_: Request, exc: RequestRefused) -> JSONResponse:
+    async def _refused(request: Request, exc: RequestRefused) -> JSONResponse:
         kind = {404: "not_found", 409: "conflict"}.get(exc.status_code, "invalid_request_error")
+        refused(request, exc.status_code, str(exc), exc.param)
         return error_reply(exc.status_code, str(exc), kind, param=exc.param)
 
     @app.exception_handler(BackendUnavailable)
@@ -73,11 +82,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_reply(503, f"the episode store is unavailable: {exc}", "backend_unavailable")
 
     @app.exception_handler(EngineClientError)
-    async def _engine(_: Request, exc: EngineClientError) -> JSONResponse:
+    async def _engine(request: Request, exc: EngineClientError) -> JSONResponse:
         if isinstance(exc, EngineUnreachable):
             log.warning("engine unavailable: %s", exc)
             return error_reply(503, for_clients(exc), "engine_unavailable")
         if isinstance(exc, EngineResponseError) and _refused_as_invalid(exc):
+            refused(request, 400, f"refused by the engine: {exc.engine_message}")
             return error_reply(400, f"invalid request, refused by the engine: {exc.engine_message}",
                                "invalid_request_error")
         log.warning("engine error: %s", exc)
@@ -86,6 +96,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param, problems = invalid_request(exc, request.headers.get("content-type"))
+        refused(request, 422, message, param)
         return error_reply(422, message, "invalid_request_error", param=param, detail=problems)
 
     @app.exception_handler(StarletteHTTPException)
