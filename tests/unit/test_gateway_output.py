@@ -100,3 +100,20 @@ def test_cached_prompt_tokens_reach_the_usage() -> None:
     assert both["prompt_tokens_details"] == {"cached_tokens": 7}
     assert (both["prompt_tokens"], both["completion_tokens"]) == (8, 2)
     assert usage([1, 2], [Output()])["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_logprob_bytes_are_the_tokens_own_even_where_a_token_is_part_of_a_character(tiny_model) -> None:
+    """OpenAI's `bytes` let a client join tokens back into characters: a byte-level token that is
+    one byte of a character (the tiny model's id 100 is the byte 0xA4) must give that byte, not
+    the encoding of U+FFFD that its text alone decodes to."""
+    from transformers import AutoTokenizer
+
+    from tandem_inference.gateway.responses import ResponseFormat
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    assert tokenizer.decode([100]) == "\ufffd"
+    out = Output(token_ids=[300, 100], logprobs=[-0.5, -1.5], token_texts=[None, None],
+                 top_logprobs=[None, [(-1.5, 100, None), (-2.0, 300, None)]])
+    entries = ResponseFormat(tokenizer, "base").chat_logprobs(out, 0)
+    assert [e["bytes"] for e in entries] == [list(b"user"), [0xA4]]
+    assert [t["bytes"] for t in entries[1]["top_logprobs"]] == [[0xA4], list(b"user")]

@@ -11,10 +11,13 @@ carry the model's text as it comes.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
+
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from tandem_inference.bodies import by_text
 from tandem_inference.gateway import tool_calls
@@ -24,6 +27,12 @@ from tandem_inference.routing import Route
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+#: A byte-level BPE token's characters back to its bytes (GPT-2's table, Qwen's and Llama 3's too).
+BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}  # type: ignore[no-untyped-call]
+#: A sentencepiece byte-fallback token.
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
 
 class ResponseFormat:
     """Builds the OpenAI-shaped parts of replies, whole or streamed."""
@@ -82,10 +91,25 @@ class ResponseFormat:
         entries = []
         for i in range(start, len(out.logprobs)):
             token = self._token_text(out, i)
-            top = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in self._alternatives(out, i)]
-            entries.append({"token": token, "logprob": out.logprobs[i], "bytes": list(token.encode()),
+            tops = out.top_logprobs[i] if i < len(out.top_logprobs) else None
+            top = [{"token": t, "logprob": lp, "bytes": self._bytes(tid, t)}
+                   for (t, lp), (_, tid, _) in zip(self._alternatives(out, i), tops or (), strict=True)]
+            entries.append({"token": token, "logprob": out.logprobs[i], "bytes": self._bytes(out.token_ids[i], token),
                             "top_logprobs": top})
         return entries
+
+    def _bytes(self, token_id: int, text: str) -> list[int]:
+        """The token's own bytes (OpenAI's `bytes`): a byte-level token that is part of a character
+        decodes to U+FFFD alone, so its bytes come from the token itself, not from that text."""
+        if "\ufffd" not in text:
+            return list(text.encode())
+        raw = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(raw, str):
+            if (hex_byte := BYTE_TOKEN.fullmatch(raw)) is not None:  # sentencepiece's <0xA4>
+                return [int(hex_byte[1], 16)]
+            if raw and all(ch in BYTE_OF_CHAR for ch in raw):  # GPT-2's byte-level alphabet
+                return [BYTE_OF_CHAR[ch] for ch in raw]
+        return list(text.encode())
 
     def text_logprobs(self, out: Output, start: int) -> dict[str, Any]:
         tokens = [self._token_text(out, i) for i in range(start, len(out.logprobs))]
