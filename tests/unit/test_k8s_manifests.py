@@ -166,7 +166,20 @@ def test_gpu_containers_have_gpu_limits_and_cpu_ones_none(rendered: tuple[str, l
         assert limits.get("nvidia.com/gpu") == (1 if overlay == "gpu" else None), (overlay, name, limits)
 
 
-def test_a_data_parallel_trainer_has_a_rank_per_gpu_it_sees(tmp_path: Path) -> None:
+def trainer_settings_accept(env: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's settings, read from this environment (its plain values), pass their checks:
+    as in the container, where a failing check stops the trainer and its probes before anything runs."""
+    from tandem.settings import TrainerSettings
+
+    for name in [n for n in os.environ if n.startswith("TANDEM_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        if isinstance(value, str) and name.startswith("TANDEM_"):
+            monkeypatch.setenv(name, value)
+    TrainerSettings()
+
+
+def test_a_data_parallel_trainer_has_a_rank_per_gpu_it_sees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     docs = render("gpu-trainer-gpus")
     path = tmp_path / "gpu-trainer-gpus.yaml"
     path.write_text(yaml.safe_dump_all(docs))
@@ -190,6 +203,8 @@ def test_a_data_parallel_trainer_has_a_rank_per_gpu_it_sees(tmp_path: Path) -> N
     differing = {k: (v, env.get(k)) for k, v in expected.items()
                  if k not in KUBERNETES_ONLY and not isinstance(env.get(k), dict) and env.get(k) != compose_default(v)}
     assert not differing
+    trainer_settings_accept(env, monkeypatch)  # ranks=4 with one trainer GPU listed stopped the trainer
+    trainer_settings_accept({k: compose_default(v) for k, v in expected.items()}, monkeypatch)
 
 
 def test_the_vllm_overlay_is_the_gpu_one_with_vllms_image_and_kind(tmp_path: Path) -> None:
@@ -534,6 +549,17 @@ def test_a_trainer_of_several_nodes_is_a_stateful_set_that_meets_at_its_headless
         d for d in gpu if (d["kind"], d["metadata"]["name"]) != ("Deployment", "trainer")]
     for check in (test_nothing_runs_as_root, test_no_secret_is_inline, test_every_container_requests_and_limits_memory):
         check(("gpu", docs))
+
+
+@pytest.mark.parametrize("overlay", sorted(p.name for p in (ROOT / "deploy" / "k8s" / "overlays").iterdir()))
+def test_every_object_of_every_overlay_lies_in_tandems_namespace(overlay: str) -> None:
+    """Not in whatever namespace kubectl happens to use: there `trainer-0.trainer-ranks` would not
+    resolve and the namespace's policies would not let the ranks meet."""
+    cluster_wide = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PersistentVolume", "StorageClass"}
+    for docs in (render(overlay), *([render(overlay, components=True)] if overlay in OVERLAYS else [])):
+        astray = [(d["kind"], d["metadata"]["name"], d["metadata"].get("namespace")) for d in docs
+                  if d["kind"] not in cluster_wide and d["metadata"].get("namespace") != "tandem"]
+        assert not astray, (overlay, astray)
 
 
 # the Prometheus Operator component ----------------------------------------------------------------
