@@ -347,6 +347,22 @@ def test_long_running_containers_have_probes(rendered: tuple[str, list[dict[str,
     assert inference["readinessProbe"]["httpGet"]["path"] == "/ready"
     startup = inference["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # CUDA-graph capture takes minutes
+    from tandem.settings import TrainerSettings
+
+    [trainer] = find(docs, "Deployment", "trainer")["spec"]["template"]["spec"]["containers"]
+    live = trainer["livenessProbe"]
+    # not killed while it rides out a Redis outage (its probe needs Redis)
+    assert live["periodSeconds"] * live["failureThreshold"] > TrainerSettings.model_fields["redis_outage_s"].default
+
+
+def test_trainer_nodes_are_not_restarted_while_they_wait_for_each_other() -> None:
+    from tandem.settings import ParallelSettings
+
+    [container] = find(render("gpu-trainer-nodes"), "StatefulSet", "trainer")["spec"]["template"]["spec"]["containers"]
+    startup = container["startupProbe"]
+    assert startup["exec"]["command"]  # the base's probe, its threshold raised
+    wait = ParallelSettings.model_fields["rendezvous_timeout_s"].default
+    assert startup["periodSeconds"] * startup["failureThreshold"] > wait
 
 
 def test_the_trainer_is_healthy_exactly_while_its_liveness_key_is_in_redis(
