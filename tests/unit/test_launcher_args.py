@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import pytest
+
+from tandem.errors import ConfigError
 from tandem.settings import EngineSettings, GpuSettings, InferenceSettings
 from tandem_inference.engines.sglang_launcher import sglang_argv, sglang_env
 
@@ -49,3 +52,15 @@ def test_engine_sees_only_its_gpus() -> None:
     env = sglang_env(settings(), base={"PATH": "/bin"})
     assert env["CUDA_VISIBLE_DEVICES"] == "0"
     assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
+
+
+@pytest.mark.parametrize("url", ["http://0.0.0.0:31000", "http://10.0.0.5:31000", "http://sglang:31000"])
+def test_sglang_off_loopback_is_refused_naming_the_url(url: str) -> None:
+    with pytest.raises(ConfigError, match=f"engine.url '{url}' makes SGLang listen on .*TANDEM_ENGINE__URL"):
+        sglang_argv(settings().model_copy(update={"engine": EngineSettings(kind="sglang", model="/m", url=url)}))
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:31000", "http://localhost:31000", "http://[::1]:31000"])
+def test_sglang_on_loopback_listens_there(url: str) -> None:
+    argv = sglang_argv(settings().model_copy(update={"engine": EngineSettings(kind="sglang", model="/m", url=url)}))
+    assert flag(argv, "--host") == url.split("//")[1].rsplit(":", 1)[0].strip("[]")

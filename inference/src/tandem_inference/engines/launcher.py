@@ -18,6 +18,7 @@ that a previous run left behind (named by the pid file) is killed before a new o
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ from urllib.parse import urlparse
 
 import httpx
 
+from tandem.errors import ConfigError
 from tandem.settings import InferenceSettings
 from tandem_inference.errors import EngineBootError
 
@@ -51,6 +53,21 @@ _GUARD = (
     "    sys.exit('engine guard: the service that started this engine is gone')\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
+
+
+def loopback_host(url: str, engine: str, why: str) -> str:
+    """The host an engine is to listen on, from engine.url; ConfigError unless it is a loopback address."""
+    host = urlparse(url).hostname or "127.0.0.1"
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ConfigError(
+            f"engine.url {url!r} makes {engine} listen on {host}: {why}, so tandem runs it on loopback only; "
+            "set TANDEM_ENGINE__URL to http://127.0.0.1:<port>"
+        )
+    return host
 
 
 def engine_env(settings: InferenceSettings, base: dict[str, str] | None = None) -> dict[str, str]:

@@ -5,18 +5,20 @@ from __future__ import annotations
 from urllib.parse import urlparse
 
 from tandem.settings import InferenceSettings
-from tandem_inference.engines.launcher import engine_env
+from tandem_inference.engines.launcher import engine_env, loopback_host
 
 
 def sglang_argv(settings: InferenceSettings) -> list[str]:
     """The `sglang.launch_server` command line for these settings."""
     eng = settings.engine
     url = urlparse(eng.url)
+    host = loopback_host(eng.url, "SGLang", "tandem does not expose SGLang's own HTTP server (0.5.12 ran "
+                         "pickled objects from an unauthenticated route, CVE-2026-15969)")
     argv = [
         eng.sglang_python, "-m", "sglang.launch_server",
         "--model-path", eng.model,
         "--served-model-name", eng.served_model_name,
-        "--host", url.hostname or "127.0.0.1",
+        "--host", host,
         "--port", str(url.port or 30000),
         "--enable-lora",
         "--max-lora-rank", str(eng.max_lora_rank),

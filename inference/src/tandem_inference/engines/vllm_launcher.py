@@ -24,36 +24,20 @@ Flags and variables as vLLM 0.33.0 reads them (vllm/engine/arg_utils.py, vllm/en
 
 from __future__ import annotations
 
-import ipaddress
 from urllib.parse import urlparse
 
-from tandem.errors import ConfigError
 from tandem.settings import InferenceSettings
-from tandem_inference.engines.launcher import engine_env
+from tandem_inference.engines.launcher import engine_env, loopback_host
 
 #: What vLLM's logprobs are: tandem's convention, the temperature-scaled distribution.
 LOGPROBS_MODE = "processed_logprobs"
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def vllm_argv(settings: InferenceSettings) -> list[str]:
     """The `vllm serve` command line for these settings."""
     eng = settings.engine
     url = urlparse(eng.url)
-    host = url.hostname or "127.0.0.1"
-    if not _loopback(host):
-        raise ConfigError(
-            f"engine.url {eng.url!r} makes vLLM listen on {host}: vLLM's sleep, pause and RPC routes have no "
-            "key, so tandem runs it on loopback only; set TANDEM_ENGINE__URL to http://127.0.0.1:<port>"
-        )
+    host = loopback_host(eng.url, "vLLM", "vLLM's sleep, pause and RPC routes have no key")
     argv = [
         eng.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", eng.model,
         "--served-model-name", eng.served_model_name,
