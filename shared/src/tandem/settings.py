@@ -52,9 +52,10 @@ class RedisSettings(BaseModel):
     socket_timeout_s: float = Field(30.0, gt=0, le=3600)
     """Timeout of one Redis command, in seconds (blocking reads add their own block time)."""
 
-    def connect(self) -> redis.Redis:
+    def connect(self, *, ping: bool = True) -> redis.Redis:
         """Open a client; raises BackendUnavailable naming the URL when Redis does not answer, and
-        ConfigError naming it when it is not a Redis URL."""
+        ConfigError naming it when it is not a Redis URL or Redis refuses its credentials (both
+        found by a PING; `ping=False` leaves it out, for a client whose every use copes with failure)."""
         try:
             client = redis.Redis.from_url(
                 self.url,
@@ -67,12 +68,15 @@ class RedisSettings(BaseModel):
                 f"Redis URL {redact_url(self.url)!r} cannot work ({exc}); set TANDEM_REDIS__URL to "
                 "redis://[:password@]host:port/db (rediss:// for TLS, unix:///path.sock?db=0)"
             ) from exc
+        if not ping:
+            return client
         try:
             client.ping()
         except redis.AuthenticationError as exc:  # it answered: the password is what is wrong
             raise ConfigError(
-                f"Redis at {redact_url(self.url)!r} answers but refuses these credentials ({exc}); put that "
-                "Redis's password in TANDEM_REDIS__URL (redis://:PASSWORD@host:port/db) or TANDEM_REDIS__PASSWORD"
+                f"Redis at {redact_url(self.url)!r} answers but refuses these credentials ({exc}); make the "
+                "password in TANDEM_REDIS__URL (redis://:PASSWORD@host:port/db) or TANDEM_REDIS__PASSWORD that "
+                "Redis's own, or none where it has none"
             ) from exc
         except redis.RedisError as exc:
             raise BackendUnavailable(

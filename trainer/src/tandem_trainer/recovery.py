@@ -13,7 +13,8 @@ tick, so a live worker also rescues the jobs of a dead neighbour:
 - a started job whose worker's key is gone is handed to rq's own cleanup at once, which
   requeues it (one of its retries) or fails it, exactly as rq would have done later; a failed
   one gets its `train_failed` event. A requeued job goes to the head of the queue
-  (`Retry(enqueue_at_front=True)`), so steps pipelined after it still publish after it. A job
+  (`Retry(enqueue_at_front=True)`), so the steps pipelined after the job a trainer died in still
+  publish after it (when several trainers die at once, their jobs come back in any order). A job
   whose version is already published is requeued even with no retries left: its rerun returns
   that version, so rq never calls a job failed whose version serves;
 - a job on the intermediate list that no worker started goes back to the front of the queue

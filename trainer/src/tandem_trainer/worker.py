@@ -23,7 +23,7 @@ from pydantic import JsonValue
 from rq import SimpleWorker, get_current_job
 from rq.executions import Execution
 from rq.job import Job
-from rq.job_lifecycle import call_exception_handlers
+from rq.job_lifecycle import call_exception_handlers, format_exc_info
 from rq.queue import Queue
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
@@ -80,8 +80,10 @@ class TrainWorker(SimpleWorker):
     def handle_exception(self, job: Job, *exc_info: Any) -> None:
         """rq logs every failure with its traceback. A failure tandem explains (a TandemError: a bad
         job, a missing checkpoint, out of memory) has had its `train.failed` line, naming the job, the
-        field and the message; only an unexpected exception keeps rq's traceback."""
+        field and the message; its traceback is logged at DEBUG (TANDEM_LOG_LEVEL=DEBUG shows it).
+        An unexpected exception keeps rq's traceback."""
         if len(exc_info) > 1 and isinstance(exc_info[1], TandemError):
+            log.debug("job %s: the traceback of its failure\n%s", job.id, format_exc_info(exc_info))
             call_exception_handlers(self._exc_handlers, job, *exc_info)
             return
         super().handle_exception(job, *exc_info)
@@ -217,12 +219,12 @@ def serve(settings: TrainerSettings, conn: redis.Redis, name: str, *, burst: boo
              len(recovered), time.perf_counter() - started, recovered)
     liveness.start()
     metrics_server = None
+    # a scrape reads the queue on a connection of its own that neither rides out an outage nor waits
+    # longer than Prometheus' scrape timeout (10 s): a hung Redis reads NaN, the trainer stays up
+    scrape_conn = settings.redis.model_copy(update={"socket_timeout_s": SCRAPE_REDIS_TIMEOUT_S}).connect(ping=False)
     try:
         trainer = setup(settings, conn, liveness, group)
-        # a scrape reads the queue on a connection of its own that neither rides out an outage nor waits
-        # longer than Prometheus' scrape timeout (10 s): a hung Redis reads NaN, the trainer stays up
-        scrape_queue = train_queue(settings.redis.model_copy(update={"socket_timeout_s": SCRAPE_REDIS_TIMEOUT_S})
-                                   .connect())
+        scrape_queue = train_queue(scrape_conn)
         trainer.metrics.watch_queue(lambda: scrape_queue.count)
         metrics_server = serve_metrics(trainer.metrics, settings.metrics)
         worker = TrainWorker([train_queue(conn)], connection=conn, name=name, serializer=JSONSerializer)
@@ -232,6 +234,7 @@ def serve(settings: TrainerSettings, conn: redis.Redis, name: str, *, burst: boo
         liveness.stop()
         if metrics_server is not None:
             metrics_server.shutdown()
+        scrape_conn.close()
         if _context is not None and _context.trainer.tracker is not None:
             _context.trainer.tracker.close()
         if group is not None:

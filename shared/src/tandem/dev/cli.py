@@ -159,6 +159,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise BackendUnavailable(
             f"{exc} (`tandem up` writes its Redis URL to {LOCAL_STACK_ENV}, read from this directory)"
         ) from exc
+    except ConfigError as exc:  # a password from an older stack's client.env, say
+        raise ConfigError(f"{exc} (`tandem up` writes its Redis URL to {LOCAL_STACK_ENV}, read from this directory)") from exc
     names = [args.run] if args.run else reg.list_runs()
     if not names:
         print(f"no runs yet in Redis at {redact_url(settings.redis.url)}")

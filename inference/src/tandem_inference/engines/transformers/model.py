@@ -168,4 +168,3 @@ def _eos_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> set[
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
     return ids
-
