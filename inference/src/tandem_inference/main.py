@@ -73,9 +73,8 @@ async def serve(settings: InferenceSettings) -> None:
     conn = settings.redis.connect()
     # the gateway's reads (runs, versions, episodes) on a connection of their own with a short
     # timeout: while Redis hangs a request waits seconds for its answer, not the controller's 30
-    quick = settings.redis.model_copy(
-        update={"socket_timeout_s": min(settings.redis.socket_timeout_s, GATEWAY_REDIS_TIMEOUT_S)})
-    gateway_conn = quick.connect(ping=False)  # `conn` has just answered: a ping here could only fail on timing
+    # (`conn` has just answered: a ping here could only fail on timing)
+    gateway_conn = settings.redis.connect(ping=False, timeout_s=GATEWAY_REDIS_TIMEOUT_S)
     # Rollouts and admin calls (loads, unloads, health) in pools of their own: the controller's
     # calls never wait behind rollouts. The rollout pool has a connection for every engine call
     # the gateway admits (n calls per request with gateway.fan_out_n, one without).

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -34,9 +34,11 @@ def check_run_name(name: str) -> str:
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def names_a_directory(model: str) -> bool:
-    """Whether `model` can only be a local directory: neither a hub id (`org/name`) nor a bare name."""
-    return not (HUB_ID.fullmatch(model) or re.fullmatch(r"[A-Za-z0-9][\w.-]*", model))
+def missing_model_directory(model: str) -> bool:
+    """Whether `model` can only be a local directory (neither a hub id, `org/name`, nor a bare name)
+    and there is none: a hub client would answer with its complaint about repo ids."""
+    local = not (HUB_ID.fullmatch(model) or re.fullmatch(r"[A-Za-z0-9][\w.-]*", model))
+    return local and not Path(model).expanduser().is_dir()
 
 
 def _forms(model: str) -> set[str]:

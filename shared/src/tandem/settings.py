@@ -52,16 +52,18 @@ class RedisSettings(BaseModel):
     socket_timeout_s: float = Field(30.0, gt=0, le=3600)
     """Timeout of one Redis command, in seconds (blocking reads add their own block time)."""
 
-    def connect(self, *, ping: bool = True) -> redis.Redis:
+    def connect(self, *, ping: bool = True, timeout_s: float | None = None) -> redis.Redis:
         """Open a client; raises BackendUnavailable naming the URL when Redis does not answer, and
         ConfigError naming it when it is not a Redis URL or Redis refuses its credentials (both
-        found by a PING; `ping=False` leaves it out, for a client whose every use copes with failure)."""
+        found by a PING; `ping=False` leaves it out, for a client whose every use copes with failure).
+        `timeout_s` bounds its commands below socket_timeout_s (a scrape, a request's read)."""
+        timeout = self.socket_timeout_s if timeout_s is None else min(self.socket_timeout_s, timeout_s)
         try:
             client = redis.Redis.from_url(
                 self.url,
                 password=self.password.get_secret_value() if self.password else None,
-                socket_timeout=self.socket_timeout_s,
-                socket_connect_timeout=min(self.socket_timeout_s, 10.0),
+                socket_timeout=timeout,
+                socket_connect_timeout=min(timeout, 10.0),
             )
         except ValueError as exc:  # redis-py's answer to a URL it cannot read
             raise ConfigError(

@@ -221,7 +221,7 @@ def serve(settings: TrainerSettings, conn: redis.Redis, name: str, *, burst: boo
     metrics_server = None
     # a scrape reads the queue on a connection of its own that neither rides out an outage nor waits
     # longer than Prometheus' scrape timeout (10 s): a hung Redis reads NaN, the trainer stays up
-    scrape_conn = settings.redis.model_copy(update={"socket_timeout_s": SCRAPE_REDIS_TIMEOUT_S}).connect(ping=False)
+    scrape_conn = settings.redis.connect(ping=False, timeout_s=SCRAPE_REDIS_TIMEOUT_S)
     try:
         trainer = setup(settings, conn, liveness, group)
         scrape_queue = train_queue(scrape_conn)

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from tandem.dev.settings_reference import settings_markdown
 from tandem.errors import BackendUnavailable, ConfigError, TandemError, ValidationFailed
-from tandem.runs import check_run_name, names_a_directory
+from tandem.runs import check_run_name, missing_model_directory
 from tandem.settings import LOCAL_STACK_ENV, SERVICES, ClientSettings, redact_url
 
 TINY_MODEL = ".tandem/models/tiny"
@@ -121,7 +121,7 @@ def _check_paths(args: argparse.Namespace) -> None:
     if blocking is not None and not blocking.is_dir():
         raise ConfigError(f"--state-dir {args.state_dir}: {blocking} is a file, not a directory; "
                           "give a directory (it is made if missing)")
-    if args.model != TINY_MODEL and names_a_directory(args.model) and not Path(args.model).expanduser().is_dir():
+    if args.model != TINY_MODEL and missing_model_directory(args.model):
         raise ConfigError(f"--model {args.model}: no such directory; give a model directory (config.json, "
                           "tokenizer and weights), a hub id, or leave --model out for the tiny model")
 
@@ -155,12 +155,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     settings = ClientSettings()
     try:
         reg = Registry(settings.redis.connect())
-    except BackendUnavailable as exc:
-        raise BackendUnavailable(
-            f"{exc} (`tandem up` writes its Redis URL to {LOCAL_STACK_ENV}, read from this directory)"
-        ) from exc
-    except ConfigError as exc:  # a password from an older stack's client.env, say
-        raise ConfigError(f"{exc} (`tandem up` writes its Redis URL to {LOCAL_STACK_ENV}, read from this directory)") from exc
+    except (BackendUnavailable, ConfigError) as exc:  # Redis away, or a password from an older client.env
+        raise type(exc)(f"{exc} (`tandem up` writes its Redis URL to {LOCAL_STACK_ENV}, read from this directory)") from exc
     names = [args.run] if args.run else reg.list_runs()
     if not names:
         print(f"no runs yet in Redis at {redact_url(settings.redis.url)}")

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tandem.runs import names_a_directory
+from tandem.runs import missing_model_directory
 from tandem_inference.engines.transformers.sampling import SamplingParams
 from tandem_inference.errors import EngineError, InvalidRequest
 
@@ -43,7 +42,7 @@ class Model:
             self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.path)
             self.hf: PreTrainedModel = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype)
         except (OSError, ValueError) as exc:
-            if names_a_directory(self.path) and not Path(self.path).expanduser().is_dir():  # not the hub's "repo id" complaint
+            if missing_model_directory(self.path):
                 raise EngineError(
                     f"cannot load base model {self.path!r}: no such directory; give a model directory "
                     "(config.json, tokenizer and weights) or a hub id such as Qwen/Qwen2.5-0.5B-Instruct"
