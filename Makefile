@@ -34,8 +34,9 @@ CLIENT ?=
 # inference replicas behind the router.
 REPLICAS ?=
 # compose.override.yaml (local, git-ignored) comes last when it exists, as plain `docker compose` reads it.
+REPLICA_FILES = -f compose.replicas.yaml $(if $(filter cpu,$(STACK)),-f compose.replicas-cpu.yaml)
 COMPOSE_FILES = -f compose.yaml $(if $(filter cpu,$(STACK)),-f compose.cpu.yaml) $(if $(filter 1,$(CLIENT)),-f compose.client.yaml) \
-	$(if $(filter-out 1,$(REPLICAS)),-f compose.replicas.yaml $(if $(filter cpu,$(STACK)),-f compose.replicas-cpu.yaml)) \
+	$(if $(filter-out 1,$(REPLICAS)),$(REPLICA_FILES)) \
 	$(if $(wildcard compose.override.yaml),-f compose.override.yaml)
 # IMAGES_ENV=FILE (an images.env from `make publish` or images.yml): every image it names runs by
 # its digest (TANDEM_<IMAGE>_IMAGE=REF@sha256:..., which the compose files read); `make up` pulls
@@ -148,11 +149,23 @@ bench: install ## the benchmark suite on the local CPU stack (7 min on 2 cores);
 bench-quick: install ## every benchmark scenario, small (2 min 51 s on 2 cores; CI keeps the suite working with it)
 	HF_HUB_OFFLINE=1 $(PY) bench/suite.py --quick $(BENCH_ARGS)
 
-.env: | .env.example ## write .env from .env.example with a random REDIS_PASSWORD and ENGINE_ADMIN_KEY (an existing .env is kept)
-	@umask 077 && sed -e "s/^REDIS_PASSWORD=.*/REDIS_PASSWORD=$$(python3 -c 'import secrets; print(secrets.token_hex(16))')/" \
-	  -e "s/^ENGINE_ADMIN_KEY=.*/ENGINE_ADMIN_KEY=$$(python3 -c 'import secrets; print(secrets.token_hex(16))')/" .env.example > $@
-	@chmod 600 $@
-	@echo "wrote $@ from .env.example (random REDIS_PASSWORD and ENGINE_ADMIN_KEY, readable by you only); edit it for your GPUs and model"
+# The secrets of .env, each random where it is empty or missing: Redis's admin password, one per Redis
+# role (docs/operations.md, "Redis roles and what each may do"), the engine's admin key.
+ENV_SECRETS := REDIS_PASSWORD REDIS_CLIENT_PASSWORD REDIS_INFERENCE_PASSWORD REDIS_TRAINER_PASSWORD ENGINE_ADMIN_KEY
+
+.env: .env.example FORCE ## write .env from .env.example with random secrets; an existing .env is kept, with the secrets it lacks added
+	@umask 077; if [ -f $@ ]; then cp $@ $@.tmp; else cp .env.example $@.tmp; fi; made=""; \
+	for name in $(ENV_SECRETS); do \
+	  grep -q "^$$name=." $@.tmp && continue; \
+	  value="$$(python3 -c 'import secrets; print(secrets.token_hex(16))')"; \
+	  if grep -q "^$$name=$$" $@.tmp; then sed "s/^$$name=$$/$$name=$$value/" $@.tmp > $@.new && mv $@.new $@.tmp; \
+	  else printf '%s=%s\n' "$$name" "$$value" >> $@.tmp; fi; made="$$made $$name"; \
+	done; \
+	if [ ! -f $@ ]; then mv $@.tmp $@ && echo "wrote $@ from .env.example (random$$made; readable by you only); edit it for your GPUs and model"; \
+	elif [ -n "$$made" ]; then mv $@.tmp $@ && echo "added to $@ what it lacked (random):$$made"; \
+	else rm -f $@.tmp; fi; chmod 600 $@
+
+FORCE:
 
 compose-v2:
 	@v="$$($(COMPOSE) version --short 2>/dev/null)"; v="$${v#v}"; \
@@ -175,9 +188,14 @@ define BUILD_IMAGES
 $(if $(filter cpu,$(STACK)),images/build-base.sh,SUITE=noble images/build-base.sh tandem-base:noble)
 $(DC)$(PROFILE_FLAGS) build $(LABEL_ARGS)
 endef
-# The images `make images` builds for each stack, the ones `make publish` pushes.
-STACK_IMAGES_cpu := tandem-redis tandem-inference-cpu tandem-trainer-cpu
-STACK_IMAGES_gpu = tandem-inference$(if $(ENGINE_IMAGE),-$(ENGINE_IMAGE)) tandem-trainer
+# Every image a stack runs, the ones `make publish` builds and pushes: its services' (`make images`
+# builds those), the router of REPLICAS=N, rq-dashboard (PROFILES=monitoring) and Prometheus
+# (PROFILES=metrics). tandem-redis on the GPU stack is its Kubernetes overlay's Redis: compose.yaml
+# keeps the upstream Redis 7.2 (REDIS_IMAGE), whose files Debian's 7.0 could not read.
+STACK_IMAGES_cpu := tandem-redis tandem-inference-cpu tandem-trainer-cpu tandem-router tandem-rq-dashboard tandem-prometheus
+STACK_IMAGES_gpu = tandem-inference$(if $(ENGINE_IMAGE),-$(ENGINE_IMAGE)) tandem-trainer tandem-redis tandem-router tandem-rq-dashboard tandem-prometheus
+# The Kubernetes overlay of each stack, which `make publish` pins by digest.
+K8S_OVERLAY = $(if $(filter cpu,$(STACK)),cpu,$(if $(filter vllm,$(ENGINE)),gpu-vllm,gpu))
 # Published GPU images (TANDEM_IMAGE_PREFIX given or in .env) are pulled by `make up`, not built.
 PUBLISHED = $(and $(filter gpu,$(STACK)),$(or $(TANDEM_IMAGE_PREFIX),$(call dotenv,TANDEM_IMAGE_PREFIX)))
 
@@ -187,9 +205,9 @@ images: compose-v2 | .env ## build the images (STACK=cpu: Debian base + local to
 # With IMAGES_ENV: every tandem image of the stack must be pinned there (no tag is looked up),
 # and compose pulls and runs exactly those digests (--no-build, --pull never after the pull).
 define DIGEST_IMAGES
-@unpinned="$$($(DC) config --images | grep 'tandem-' | grep -v '@sha256:' | sort -u | paste -sd' ' -)"; \
+@unpinned="$$($(DC)$(PROFILE_FLAGS) config --images | grep 'tandem-' | grep -v '@sha256:' | sort -u | paste -sd' ' -)"; \
 if [ -n "$$unpinned" ]; then echo "make up: IMAGES_ENV=$(IMAGES_ENV) pins no digest for $$unpinned; publish the $(STACK) stack (make publish STACK=$(STACK)) or leave IMAGES_ENV out to build" >&2; exit 1; fi
-$(DC) pull --quiet
+$(DC)$(PROFILE_FLAGS) pull --quiet
 endef
 
 up: compose-v2 .env ## start the stack (GPU_MODE split/shared/cpu from nvidia-smi unless given); gateway on 127.0.0.1:8000 (CLIENT=1: + Redis on loopback; IMAGES_ENV=images.env: those digests; PROFILES=metrics: + Prometheus)
@@ -206,18 +224,25 @@ $(TOOLS_VENV)/.installed: images/locks/tools.txt
 
 tools: $(TOOLS_VENV)/.installed ## the release tools in .venv-tools (cyclonedx-py, from the hash-checked images/locks/tools.txt)
 
-# REGISTRY=host[:port][/prefix]; PUBLISH_DIR gets images.env and sbom/; PUBLISH_TAGS: the tags
-# pushed (default sha-<12 hex of HEAD>).
+# REGISTRY=host[:port][/prefix]; PUBLISH_DIR gets images.env, sbom/ and k8s/ (the stack's Kubernetes
+# overlay by digest); PUBLISH_TAGS: the tags pushed (default sha-<12 hex of HEAD>). The router and
+# Redis build FROM the Debian base on every stack (the GPU stack needs no torch wheel for it); the
+# stack is built with the router's compose file and every profile, so that each image is there.
 REGISTRY ?=
 PUBLISH_DIR ?= .tandem/publish
 PUBLISH_TAGS ?=
-publish: compose-v2 tools | .env ## build, check (tandem-doctor), push a stack's images to REGISTRY=host[:port][/prefix]; digests in .tandem/publish/images.env, SBOMs beside
+LOCAL_TAG = $(or $(TANDEM_TAG),$(call dotenv,TANDEM_TAG),dev)
+publish: compose-v2 tools | .env ## build, check (tandem-doctor), push every image a stack runs to REGISTRY=host[:port][/prefix]; digests in .tandem/publish/images.env, SBOMs and the pinned k8s overlay beside
 	@test -n "$(REGISTRY)" || { echo "make publish: give REGISTRY=host[:port][/prefix], e.g. REGISTRY=ghcr.io/acme or REGISTRY=127.0.0.1:5000" >&2; exit 1; }
 	@test -n "$(IMAGE_SOURCE)" || { echo "make publish: no git remote 'origin' to name the images' source: give IMAGE_SOURCE=<the repository's URL>" >&2; exit 1; }
-	$(if $(filter cpu,$(STACK)),images/build-base.sh,SUITE=noble images/build-base.sh tandem-base:noble)
-	TANDEM_IMAGE_PREFIX= $(DC) build $(LABEL_ARGS)
-	images/publish.sh push --registry $(REGISTRY) --out $(PUBLISH_DIR) --local-tag $(or $(TANDEM_TAG),$(call dotenv,TANDEM_TAG),dev) \
+	$(if $(filter gpu,$(STACK)),TORCH_SPEC= )images/build-base.sh
+	$(if $(filter gpu,$(STACK)),SUITE=noble images/build-base.sh tandem-base:noble)
+	TANDEM_IMAGE_PREFIX= $(DC) $(if $(filter-out 1,$(REPLICAS)),,$(REPLICA_FILES)) --profile monitoring --profile metrics build $(LABEL_ARGS)
+	$(if $(filter gpu,$(STACK)),docker build -q -f images/redis.Dockerfile -t tandem-redis:$(LOCAL_TAG) \
+	  --build-arg BASE_IMAGE=$(or $(BASE_IMAGE),$(call dotenv,BASE_IMAGE),tandem-base:bookworm) $(LABEL_ARGS) .)
+	images/publish.sh push --registry $(REGISTRY) --out $(PUBLISH_DIR) --local-tag $(LOCAL_TAG) \
 	  $(foreach t,$(PUBLISH_TAGS),--tag $(t)) $(STACK_IMAGES_$(STACK))
+	images/publish.sh kustomize $(PUBLISH_DIR)/images.env deploy/k8s/overlays/$(K8S_OVERLAY) $(PUBLISH_DIR)/k8s
 
 # The lock files, compiled by uv from images/locks/<env>.in (+ <env>.overrides) and the pyprojects
 # they name, wheels only, with every file's sha256. GPU images (sglang, vllm, trainer, tandem): Linux x86-64,

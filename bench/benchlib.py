@@ -26,7 +26,11 @@ from typing import Any
 import httpx
 
 from tandem import Client, LoraConfig, OptimizerConfig
-from tandem.dev.stack import Service, Stack, StackConfig
+from tandem.acl import Role
+from tandem.dev import probes
+from tandem.dev.composition import StackConfig
+from tandem.dev.stack import Stack
+from tandem.dev.supervisor import Service
 
 #: Model shapes for GPU runs: the tiny model, and transformer bodies of Qwen2.5 models with
 #: random weights (the vocabulary stays the tiny BPE's 512 tokens, so embeddings are small).
@@ -62,11 +66,13 @@ class BenchStack(Stack):
         services = [s for s in super().plan() if s.name == "redis"]
         if self.engine_kind == "transformers":
             services.append(Service("engine", [self.tandem_python, "-m", "tandem_inference.engines.transformers"],
-                                    ready=lambda: self._http_ok(f"{self.engine_url}/health")))
+                                    ready=lambda: probes.http_ok(f"{self.engine_url}/health")))
         services.append(Service("inference", [self.tandem_python, "-m", "tandem_inference.main"],
-                                ready=lambda: self._http_ok(f"{self.gateway_url}/ready")))
+                                env=self.redis_env(Role.INFERENCE),
+                                ready=lambda: probes.http_ok(f"{self.gateway_url}/ready")))
         services.append(Service("trainer", [self.trainer_python, "-m", "tandem_trainer.main"],
-                                ready=self._trainer_ready))
+                                env=self.redis_env(Role.TRAINER),
+                                ready=lambda: probes.trainer_ready(self.admin_redis_url)))
         return services
 
 
@@ -95,6 +101,9 @@ class Ctx:
     notes: list[str] = field(default_factory=list)
     vllm_python: str = "python3"
     """Interpreter of vLLM's environment (--engine vllm)."""
+    call: str = field(default_factory=lambda: time.strftime("%Y%m%dt%H%M%S"))
+    """This call of the suite: the runs a scenario starts afresh carry it in their names, so that a state
+    directory of an earlier call (`--state`) does not continue them."""
 
     def progress(self, msg: str) -> None:
         print(f"  {msg}", flush=True)

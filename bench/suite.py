@@ -40,14 +40,17 @@ import time
 import traceback
 from datetime import UTC, datetime
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-import engine_log
-from benchlib import SGLANG_FLAGS, SHAPES, BenchStack, Ctx, bench_run, machine, md_table, package_versions, python_versions
-
 from tandem import Client
-from tandem.dev.stack import StackConfig
+from tandem.dev.composition import StackConfig
 from tandem.errors import StackError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `bench` when run as a script
+
+from bench.benchlib import SGLANG_FLAGS, SHAPES, BenchStack, Ctx, bench_run, machine, md_table, package_versions, python_versions
+from bench.report import engine_log
 
 ON_STACK = ["sync", "swaps", "gateway_overhead", "prefix_cache", "pipeline", "load", "agreement", "throughput",
             "memory"]
@@ -56,6 +59,10 @@ AFTER_STACK = ["hotload", "replicas"]
 #: scenario's 16 runs one each, and room for the versions that load before older ones unload.
 MAX_LOADED_ADAPTERS = 32
 ALIASES = {"gateway": "gateway_overhead", "prefix": "prefix_cache", "async": "pipeline"}
+#: gateway.queue_timeout_s of the suite's stack (30 s by default): short enough that the head of the
+#: load scenario's queue, which waits about max_queued_requests / served per s (10 s on 2 CPU
+#: cores), turns overdue (half of it) within the scenario. No other scenario fills the budget.
+QUEUE_TIMEOUT_S = 8
 
 
 def parse() -> argparse.Namespace:
@@ -108,7 +115,8 @@ def selected(only: str) -> list[str]:
 def engine_env(args: argparse.Namespace) -> dict[str, str]:
     if args.engine == "transformers":
         return {"TANDEM_ENGINE__KIND": "transformers", "TANDEM_GPUS__MODE": "cpu", "TANDEM_LOG_LEVEL": "INFO",
-                "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": str(MAX_LOADED_ADAPTERS)}
+                "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": str(MAX_LOADED_ADAPTERS),
+                "TANDEM_GATEWAY__QUEUE_TIMEOUT_S": str(QUEUE_TIMEOUT_S)}
     env = {
         "TANDEM_GPUS__MODE": args.mode, "TANDEM_GPUS__INFERENCE": args.inference_gpus,
         "TANDEM_GPUS__TRAINER": args.trainer_gpus if args.mode == "split" else "[7]",
@@ -122,6 +130,7 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
         "TANDEM_BACKEND__KIND": "auto", "TANDEM_LOG_LEVEL": "INFO",
         "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": str(MAX_LOADED_ADAPTERS),
         "TANDEM_GATEWAY__MAX_IN_FLIGHT_TOKENS": "524288",  # as compose.yaml: a GPU takes far more than a CPU
+        "TANDEM_GATEWAY__QUEUE_TIMEOUT_S": str(QUEUE_TIMEOUT_S),
     }
     if args.release_tags is not None:  # shared mode: what the engine frees for the trainer
         env["TANDEM_GPUS__RELEASE_TAGS"] = args.release_tags
@@ -139,11 +148,16 @@ def engine_args(text: str) -> list[str]:
     return value
 
 
+def scenario_module(name: str) -> ModuleType:
+    """A scenario's module: bench/scenarios/<name>.py, or the hot-load study's bench/hotload/hotload.py."""
+    return importlib.import_module(f"bench.hotload.{name}" if name == "hotload" else f"bench.scenarios.{name}")
+
+
 def run_scenario(name: str, ctx: Ctx, results: dict[str, Any]) -> None:
     print(f"\n== {name} ==", flush=True)
     t0 = time.time()
     try:
-        module = importlib.import_module(name)
+        module = scenario_module(name)
         res = module.run(ctx)
     except Exception as exc:  # noqa: BLE001 - one broken scenario must not hide the others
         traceback.print_exc()
@@ -163,7 +177,7 @@ def replot(out: Path) -> int:
     """Redraw the plots a scenario can rebuild from its rows (e.g. when a remote run's came back without them)."""
     data = json.loads((out / "results.json").read_text())
     for name, result in data["scenarios"].items():
-        module = importlib.import_module(name)
+        module = scenario_module(name)
         if hasattr(module, "replot") and not result.get("error"):
             module.replot(result, out)
             print(f"{name}: plots redrawn in {out}")

@@ -24,7 +24,8 @@ With --gateway and --redis it starts nothing and trains against a running stack,
 containers (`docker compose -f compose.yaml -f compose.client.yaml up -d`):
 
     python examples/agent.py --gateway http://127.0.0.1:8000 \
-        --redis "redis://:$REDIS_PASSWORD@127.0.0.1:6379/0" --model /models/tiny --tokenizer .tandem/models/tiny
+        --redis "redis://tandem-client:$REDIS_CLIENT_PASSWORD@127.0.0.1:6379/0" \
+        --model /models/tiny --tokenizer .tandem/models/tiny
 """
 
 from __future__ import annotations

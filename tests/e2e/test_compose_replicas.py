@@ -40,7 +40,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 def ready_replicas(client: Client, run: str) -> dict[str, int]:
     """Ready replica -> the version of `run` it serves."""
-    return {r.id: r.runs[run].serving for r in Replicas(client.conn).live() if r.ready and run in r.runs}
+    return {r.id: r.runs[run].serving for r in Replicas(client.conn, prune=False).live() if r.ready and run in r.runs}
 
 
 def test_two_replicas_learn_through_the_router_and_agree_on_every_version(
@@ -115,9 +115,9 @@ def test_a_replica_that_cannot_load_the_versions_stays_out_of_rotation_and_stall
         return any(e.kind == "adapter_rejected" and e.data.get("replica") == "refuser" and e.version == newest
                    for e in run.history())
 
-    wait_for(lambda: refused_the_newest() and any(r.id == "refuser" for r in Replicas(client.conn).live()), 180,
+    wait_for(lambda: refused_the_newest() and any(r.id == "refuser" for r in Replicas(client.conn, prune=False).live()), 180,
              "the third replica up, refusing the newest version")
-    [refuser] = [r for r in Replicas(client.conn).live() if r.id == "refuser"]
+    [refuser] = [r for r in Replicas(client.conn, prune=False).live() if r.id == "refuser"]
     assert not refuser.ready  # reconciling, then behind: never in rotation
     assert run.name not in refuser.runs or refuser.runs[run.name].serving == 0
     rejected = [e for e in run.history() if e.kind == "adapter_rejected" and e.data.get("replica") == "refuser"]

@@ -284,9 +284,18 @@ def process_of(stack: ComposeStack, container: str) -> tuple[str, str]:
 
 
 def test_nothing_is_open_by_default(stack: ComposeStack) -> None:
-    # Redis runs as the redis user, its password on no command line (`ps` on the host shows those).
+    # Redis runs as the redis user, its passwords on no command line (`ps` on the host shows those).
     uid, cmdline = process_of(stack, stack.container("redis"))
     assert uid != "0" and "redis-server" in cmdline and stack.redis_password not in cmdline, (uid, cmdline)
+    assert not [name for name, password in stack.role_passwords.items() if password in cmdline], cmdline
+    # each role's user has its rules, and the client's may not read what Redis keeps secret
+    assert "+@connection" in stack.docker("exec", stack.container("redis"), "redis-cli", "ACL", "GETUSER", "tandem-client")
+    refused = stack.docker("exec", "-e", f"REDISCLI_AUTH={stack.role_passwords['REDIS_CLIENT_PASSWORD']}",
+                           stack.container("redis"), "sh", "-c",
+                           "redis-cli --user tandem-client CONFIG GET requirepass 2>&1 || true")
+    assert "NOPERM" in refused and stack.redis_password not in refused, refused
+    # the engine holds no Redis credential at all
+    assert "TANDEM_REDIS__" not in stack.docker("exec", stack.container("engine"), "env")
     # An image that starts as root, as the official one does, drops to redis the same way.
     root_run = stack.compose("run", "-d", "--no-deps", "-u", "0", "redis", "--dir", "/tmp", "--appendonly", "no")
     one_off = root_run.stdout.strip().splitlines()[-1]

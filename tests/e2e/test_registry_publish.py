@@ -17,7 +17,9 @@ import json
 import os
 import re
 import secrets
+import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from compose_stack import MODEL, ROOT, ComposeStack, compose_command, docker_answers, wait_for
+from compose_stack import MODEL, ROOT, ComposeStack, compose_command, docker_answers, role_passwords, wait_for
 from helpers.loopback import free_port
 from local_registry import LocalRegistry, available, local_registry
 
@@ -34,7 +36,9 @@ from tandem.dev import toy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-IMAGES = ("tandem-inference-cpu", "tandem-redis", "tandem-trainer-cpu")
+# Every image the CPU stack runs: its services', the router's (REPLICAS=N), rq-dashboard's and Prometheus'.
+IMAGES = ("tandem-inference-cpu", "tandem-prometheus", "tandem-redis", "tandem-router", "tandem-rq-dashboard",
+          "tandem-trainer-cpu")
 # The image each service of the CPU stack runs.
 SERVICE_IMAGES = {"redis": "tandem-redis", "engine": "tandem-inference-cpu", "inference": "tandem-inference-cpu",
                   "trainer": "tandem-trainer-cpu", "model": "tandem-trainer-cpu"}
@@ -91,7 +95,7 @@ def published(registry: LocalRegistry, tmp_path_factory: pytest.TempPathFactory)
     workdir = tmp_path_factory.mktemp("publish")
     project, tag = f"tandem-e2e-{os.getpid()}-registry", f"e2e-publish-{os.getpid()}"
     ports = {name: free_port() for name in ("GATEWAY_PORT", "REDIS_PORT", "RQ_DASHBOARD_PORT")}
-    keys = {"REDIS_PASSWORD": secrets.token_hex(16), "ENGINE_ADMIN_KEY": secrets.token_hex(16)}
+    keys = {"REDIS_PASSWORD": secrets.token_hex(16), "ENGINE_ADMIN_KEY": secrets.token_hex(16), **role_passwords()}
     env_file = workdir / ".env"
     env_file.write_text("".join(f"{k}={v}\n" for k, v in {**keys, **ports, "TANDEM_TAG": tag}.items()))
     p = Published(registry=registry, out=workdir / "out", refs={}, local_tag=tag, env_file=env_file, project=project,
@@ -139,14 +143,26 @@ def test_publish_records_each_digest_with_labels_and_an_sbom(published: Publishe
         purls = {c["purl"].split("@")[0] for c in sbom["components"]}
         assert {"pkg:deb/debian/base-files", "pkg:deb/debian/libc6"} <= purls, sorted(purls)[:20]
         wanted = {"tandem-redis": "pkg:deb/debian/redis-server", "tandem-inference-cpu": "pkg:pypi/transformers",
-                  "tandem-trainer-cpu": "pkg:pypi/peft"}[image]
+                  "tandem-trainer-cpu": "pkg:pypi/peft", "tandem-router": "pkg:deb/debian/haproxy",
+                  "tandem-rq-dashboard": "pkg:pypi/rq-dashboard", "tandem-prometheus": "pkg:deb/debian/prometheus"}[image]
         assert wanted in purls, sorted(purls)[:20]
-    for image, lock in (("tandem-trainer-cpu", "cpu-trainer"), ("tandem-inference-cpu", "cpu-inference")):
+    for image, lock in (("tandem-trainer-cpu", "cpu-trainer"), ("tandem-inference-cpu", "cpu-inference"),
+                        ("tandem-rq-dashboard", "rq-dashboard")):
         sbom = json.loads((published.out / "sbom" / f"{image}.cdx.json").read_text())
         locked = {line.split("==")[0].lower(): line.split("==")[1].split()[0]
                   for line in (ROOT / f"images/locks/{lock}.txt").read_text().splitlines() if "==" in line}
         listed = {c["name"].lower(): c["version"] for c in sbom["components"] if c["purl"].startswith("pkg:pypi/")}
         assert listed == locked, image  # every pin of the lock the image was built from, at its version
+
+
+def test_publish_pins_the_cpu_overlay_by_digest(published: Published) -> None:
+    """`make publish` writes k8s/, the cpu overlay with every image it runs set to its digest."""
+    kubectl = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or "kubectl"  # the dev extra's
+    out = subprocess.run([kubectl, "kustomize", str(published.out / "k8s")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    images = set(re.findall(r"^\s+image: (\S+)$", out.stdout, re.M))
+    assert images and images <= set(published.refs.values()), images
 
 
 def test_an_image_whose_check_fails_is_not_published(published: Published, tmp_path: Path) -> None:
@@ -180,8 +196,10 @@ def stack(published: Published, request: pytest.FixtureRequest) -> Iterator[Comp
     s = ComposeStack(
         project=published.project, env_file=published.env_file,
         gateway_url=f"http://127.0.0.1:{published.ports['GATEWAY_PORT']}",
-        redis_url=f"redis://:{published.secrets['REDIS_PASSWORD']}@127.0.0.1:{published.ports['REDIS_PORT']}/0",
+        redis_url=(f"redis://tandem-client:{published.secrets['REDIS_CLIENT_PASSWORD']}"
+                   f"@127.0.0.1:{published.ports['REDIS_PORT']}/0"),
         redis_password=published.secrets["REDIS_PASSWORD"], engine_admin_key=published.secrets["ENGINE_ADMIN_KEY"],
+        role_passwords={k: v for k, v in published.secrets.items() if k.startswith("REDIS_") and k != "REDIS_PASSWORD"},
         dashboard_url=f"http://127.0.0.1:{published.ports['RQ_DASHBOARD_PORT']}",
     )
     failed_before = request.session.testsfailed

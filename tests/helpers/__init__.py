@@ -7,7 +7,7 @@
 - `workers`: trainer worker processes (`python -m tandem_trainer.main`) with their logs.
 - `servers`: the engine and the gateway on loopback, wired as the inference service wires them.
 - `adapters`: LoRA versions published and announced the way the trainer does it.
-- `bench`: the benchmark scenarios of bench/, imported the way the suite imports them.
+- `bench`: the modules of bench/ (scenarios, hot-load study, GPU harness, reports), imported as the `bench` package.
 
 Random LoRA adapters come from `tandem_trainer.tiny_model.build_random_adapter`, which the
 benchmarks use too.

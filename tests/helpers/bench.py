@@ -1,4 +1,4 @@
-"""The benchmark scenarios (bench/*.py), imported the way `python bench/suite.py` imports them."""
+"""The benchmark modules of bench/, imported as the `bench` package the way its scripts import it."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def bench_module(name: str) -> ModuleType:
-    """bench/<name>.py, with bench/ on sys.path as the suite has it (scenarios import their siblings)."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    return importlib.import_module(name)
+    """bench/<name>.py by its dotted path under bench (`"scenarios.agreement"`, `"hotload.hotload_report"`),
+    with the repo root on sys.path as each bench script puts it."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module(f"bench.{name}")

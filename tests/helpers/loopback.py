@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers.waiting import wait_until
-from tandem.dev.stack import free_port
+from tandem.dev.ports import free_port
 
 __all__ = ["free_port", "held_stream_proxy", "serve_app", "served_process"]
 

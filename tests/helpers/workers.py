@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.dev.stack import free_port
+from tandem.dev.ports import free_port
 
 
 class WorkerProcess:
@@ -39,6 +39,15 @@ class WorkerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def listening_on(self) -> set[str]:
+        """The addresses this trainer's processes (with several ranks: torchrun's and the ranks')
+        listen on."""
+        import psutil
+
+        main = psutil.Process(self.proc.pid)
+        return {conn.laddr.ip for proc in [main, *main.children(recursive=True)]
+                for conn in proc.net_connections(kind="tcp") if conn.status == psutil.CONN_LISTEN}
 
     def wait_listening(self, timeout_s: float = 90) -> None:
         """Until rq listens on the queue (recovery at start-up is done by then)."""

@@ -19,6 +19,7 @@ import redis
 import torch
 
 from tandem import Client, Run
+from tandem.acl import Role
 from tandem.adapters import AdapterStore
 from tandem.errors import GatewayError
 from tandem.registry import Registry
@@ -27,7 +28,7 @@ from tandem.settings import TrainerSettings
 from tandem_trainer.backends.peft import PeftBackend
 from tandem_trainer.errors import JobRejected
 from tandem_trainer.grpo import grpo_loss
-from tandem_trainer.job import Trainer
+from tandem_trainer.jobs.runner import Trainer
 from tandem_trainer.microbatch import Sample, build_microbatches
 from tandem_trainer.turns import turn_start
 
@@ -43,14 +44,17 @@ def backend() -> PeftBackend:
 
 
 @pytest.fixture
-def trainer(redis_url: str, redis_conn: redis.Redis, backend: PeftBackend, tmp_path: Path,
-            tiny_model: Path) -> Trainer:
-    settings = TrainerSettings(redis={"url": redis_url}, store={"root": tmp_path / "adapters"},
+def trainer(role_urls: dict[Role, str], redis_conn: redis.Redis, backend: PeftBackend, tmp_path: Path,
+            tiny_model: Path) -> Iterator[Trainer]:
+    """The trainer's job runner, as the trainer's Redis user."""
+    settings = TrainerSettings(redis={"url": role_urls[Role.TRAINER]}, store={"root": tmp_path / "adapters"},
                                backend={"micro_batch_tokens": 256})
     settings.store.root.mkdir(parents=True)
     Registry(redis_conn).create_run(RunSpec(name=RUN, base_model=str(tiny_model), lora=LoraConfig(r=4, alpha=8.0),
                                             optimizer=OptimizerConfig(lr=1e-2)))
-    return Trainer(settings, redis_conn, backend, AdapterStore(settings.store.root))
+    conn = settings.redis.connect()
+    yield Trainer(settings, conn, backend, AdapterStore(settings.store.root))
+    conn.close()
 
 
 def episode(rng: random.Random, turns: int = 3) -> dict[str, Any]:
@@ -181,11 +185,11 @@ def test_a_single_turn_completion_without_a_mask_is_trained_whatever_it_sampled(
 
 
 @pytest.fixture
-def base_run(servers: Any, redis_url: str, tiny_model: Path) -> Iterator[Run]:
-    """The base model behind a real gateway and engine, as a run the client samples from."""
+def base_run(servers: Any, client_conn: redis.Redis, tiny_model: Path) -> Iterator[Run]:
+    """The base model behind a real gateway and engine, as a run the client (its Redis user) samples from."""
     from helpers.servers import BASE
 
-    client = Client(servers.gateway, redis_url)
+    client = Client(servers.gateway, conn=client_conn)
     yield Run(client, RunSpec(name=BASE, base_model=str(tiny_model)))
     client.close()
 

@@ -33,13 +33,16 @@ def group() -> TrajectoryGroup:
 
 
 def open_run(conn: redis.Redis, name: str):
-    """A run registered in Redis, opened by a client with no gateway behind it (none is needed to train)."""
+    """A run registered in Redis, opened by a client with no gateway behind it (none is needed to train);
+    `conn` is the client's user's (the tests append the events as the admin)."""
     Registry(conn).create_run(RunSpec(name=name, base_model="tiny"))
     return Client("http://127.0.0.1:9", conn=conn).run(name)
 
 
-def test_a_version_that_serves_before_its_job_ends_returns_a_whole_result(redis_conn: redis.Redis) -> None:
-    run = open_run(redis_conn, "early")
+def test_a_version_that_serves_before_its_job_ends_returns_a_whole_result(
+    redis_conn: redis.Redis, client_conn: redis.Redis
+) -> None:
+    run = open_run(client_conn, "early")
     handle = run.train([group()], wait=False)  # queued; no worker: rq has no return value for it
     events = EventStream(redis_conn)
     events.append(Event(
@@ -56,8 +59,8 @@ def test_a_version_that_serves_before_its_job_ends_returns_a_whole_result(redis_
     assert result.metrics["loss"] == 0.25 and result.metrics["served_at"] > 0
 
 
-def test_an_adapter_ready_with_unexpected_data_still_gives_the_version(redis_conn: redis.Redis) -> None:
-    run = open_run(redis_conn, "odd")
+def test_an_adapter_ready_with_unexpected_data_still_gives_the_version(redis_conn: redis.Redis, client_conn: redis.Redis) -> None:
+    run = open_run(client_conn, "odd")
     handle = run.train([group()], wait=False)
     events = EventStream(redis_conn)
     events.append(Event(kind=EventKind.ADAPTER_READY, run="odd", version=1, job_id=handle.job_id,
@@ -83,8 +86,8 @@ MALFORMED: list[dict[Any, Any]] = [
 ]
 
 
-def test_malformed_entries_while_train_waits_are_skipped(redis_conn: redis.Redis) -> None:
-    run = open_run(redis_conn, "noisy")
+def test_malformed_entries_while_train_waits_are_skipped(redis_conn: redis.Redis, client_conn: redis.Redis) -> None:
+    run = open_run(client_conn, "noisy")
     handle = run.train([group()], wait=False)
     events = EventStream(redis_conn)
 
@@ -120,9 +123,9 @@ ODD_READY_DATA = {
 
 @pytest.mark.parametrize("data", ODD_READY_DATA.values(), ids=ODD_READY_DATA.keys())
 def test_odd_adapter_ready_data_still_gives_the_version_and_the_metrics_that_are_numbers(
-    redis_conn: redis.Redis, data: dict[str, Any]
+    redis_conn: redis.Redis, client_conn: redis.Redis, data: dict[str, Any]
 ) -> None:
-    run = open_run(redis_conn, "odd")
+    run = open_run(client_conn, "odd")
     handle = run.train([group()], wait=False)
     events = EventStream(redis_conn)
     events.append(Event(kind=EventKind.ADAPTER_READY, run="odd", version=1, job_id=handle.job_id, data=data))
@@ -136,8 +139,10 @@ def test_odd_adapter_ready_data_still_gives_the_version_and_the_metrics_that_are
         assert not {"note", "nested", "flag", "huge", "train_s"} & set(result.metrics)
 
 
-def test_an_rq_result_that_is_not_a_train_result_falls_back_to_the_event(redis_conn: redis.Redis) -> None:
-    run = open_run(redis_conn, "rqodd")
+def test_an_rq_result_that_is_not_a_train_result_falls_back_to_the_event(
+    redis_conn: redis.Redis, client_conn: redis.Redis
+) -> None:
+    run = open_run(client_conn, "rqodd")
     handle = run.train([group()], wait=False)
     job = Job.fetch(handle.job_id, connection=redis_conn, serializer=JSONSerializer)
     Result.create(job, Result.Type.SUCCESSFUL, ttl=60, return_value={"not": "a train result"})
@@ -150,11 +155,11 @@ def test_an_rq_result_that_is_not_a_train_result_falls_back_to_the_event(redis_c
     assert (result.job_id, result.version, result.metrics["loss"]) == (handle.job_id, 1, 0.5)
 
 
-def test_threads_sharing_a_run_each_get_results_and_nothing_else(redis_conn: redis.Redis) -> None:
+def test_threads_sharing_a_run_each_get_results_and_nothing_else(redis_conn: redis.Redis, client_conn: redis.Redis) -> None:
     """Several threads waiting on one Run's pending jobs: each job's outcome goes to one of them (the
     one that takes it off), none sees an IndexError from another thread's wait."""
     Registry(redis_conn).create_run(RunSpec(name="shared", base_model="tiny", max_staleness_steps=64))
-    run = Client("http://127.0.0.1:9", conn=redis_conn).run("shared")
+    run = Client("http://127.0.0.1:9", conn=client_conn).run("shared")
     handles = [run.train([group()], wait=False) for _ in range(24)]
     events = EventStream(redis_conn)
     for version, handle in enumerate(handles, 1):
@@ -191,10 +196,10 @@ def test_threads_sharing_a_run_each_get_results_and_nothing_else(redis_conn: red
     assert [h.result(timeout_s=1).version for h in handles[:23]] == list(range(1, 24))
 
 
-def test_a_timeout_cancels_a_job_the_trainer_has_not_started(redis_conn: redis.Redis) -> None:
+def test_a_timeout_cancels_a_job_the_trainer_has_not_started(redis_conn: redis.Redis, client_conn: redis.Redis) -> None:
     """So that submitting the same groups again trains them once (the first job ran later and
     published too)."""
-    run = open_run(redis_conn, "late")
+    run = open_run(client_conn, "late")
     handle = run.train([group()], wait=False)
     with pytest.raises(TrainTimeout) as info:
         run.wait_all(timeout_s=1)
@@ -203,8 +208,8 @@ def test_a_timeout_cancels_a_job_the_trainer_has_not_started(redis_conn: redis.R
     assert run.status()["pending_jobs"] == []
 
 
-def test_a_timeout_of_a_job_the_trainer_runs_keeps_it_to_wait_on(redis_conn: redis.Redis) -> None:
-    run = open_run(redis_conn, "slow")
+def test_a_timeout_of_a_job_the_trainer_runs_keeps_it_to_wait_on(redis_conn: redis.Redis, client_conn: redis.Redis) -> None:
+    run = open_run(client_conn, "slow")
     handle = run.train([group()], wait=False)
     job = Job.fetch(handle.job_id, connection=redis_conn, serializer=JSONSerializer)
     job.set_status("started")  # as a worker marks the job it runs
@@ -225,8 +230,9 @@ FIELD = "groups.0.trajectories.1.completion_ids"
 
 
 @pytest.mark.parametrize(("field", "expected"), [(FIELD, FIELD), (None, None), (7, None)])
-def test_a_failed_step_names_the_field_the_trainer_refused(redis_conn: redis.Redis, field: Any, expected: str | None) -> None:
-    run = open_run(redis_conn, "refused")
+def test_a_failed_step_names_the_field_the_trainer_refused(redis_conn: redis.Redis, client_conn: redis.Redis, field: Any,
+                                                           expected: str | None) -> None:
+    run = open_run(client_conn, "refused")
     handle = run.train([group()], wait=False)
     EventStream(redis_conn).append(Event(
         kind=EventKind.TRAIN_FAILED, run="refused", job_id=handle.job_id,

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from tandem.adapters import AdapterStore
 from tandem.events import EventKind, EventStream
-from tandem.jobs import TrainResult, enqueue
+from tandem.jobs import TrainJob, TrainResult, enqueue
 from tandem.registry import Registry
 from tandem.runs import LoraConfig, LossConfig, OptimizerConfig, RunSpec
 
@@ -38,9 +38,14 @@ def create_run(conn, name: str, tiny_model: Path) -> None:  # type: ignore[no-un
 
 def train(conn, worker: WorkerProcess, run: str, steps: int) -> list[TrainResult]:  # type: ignore[no-untyped-def]
     """Train `steps` jobs of run `run`, one after the other (each from the version before)."""
+    # several micro-batches of different sizes to share between the ranks
+    return train_jobs(conn, worker, [uneven_job(run, step) for step in range(1, steps + 1)])
+
+
+def train_jobs(conn, worker: WorkerProcess, jobs: list[TrainJob]) -> list[TrainResult]:  # type: ignore[no-untyped-def]
+    """Train `jobs` one after the other."""
     results = []
-    for step in range(1, steps + 1):
-        job = uneven_job(run, step)  # several micro-batches of different sizes to share between the ranks
+    for job in jobs:
         enqueue(conn, job)
         wait_for(lambda job=job: status(conn, job.job_id) == JobStatus.FINISHED, 180, f"job {job.job_id}", worker)
         done = Job.fetch(job.job_id, connection=conn, serializer=JSONSerializer).return_value()
@@ -64,6 +69,8 @@ def test_two_ranks_train_the_adapters_one_process_trains(workers, redis_conn, ti
 
     ranked = workers(TWO_RANKS)
     two = train(redis_conn, ranked, "ranks", steps=3)
+    # the rendezvous, the ranks' store, gloo and /metrics: on loopback only
+    assert ranked.listening_on() == {"127.0.0.1"}
     log = ranked.log()
     assert "parallel.start rank=0 world=2" in log and "parallel.start rank=1 world=2" in log
     assert "rank.follow rank=1 world=2" in log
@@ -88,6 +95,33 @@ def test_two_ranks_train_the_adapters_one_process_trains(workers, redis_conn, ti
     assert ranked.stop() == 0  # SIGTERM: torchrun stops both ranks; rank 0 warm, rank 1 on its order
     log = ranked.log()
     assert "rank.stop rank=1: rank 0 stopped" in log
+
+
+def test_ranks_that_switch_runs_keep_them_in_memory_alike(workers, redis_conn, tiny_model: Path,
+                                                         tmp_path: Path) -> None:
+    """Every rank sets a run aside when another comes and switches back to it from memory (each rank
+    is told the same: the step's order, `published`, `invalidate`), and trains what one process
+    trains that reads every switch from the store."""
+    root = tmp_path / "adapters"
+    for name in ("one-a", "one-b", "two-a", "two-b"):
+        create_run(redis_conn, name, tiny_model)
+
+    def interleaved(a: str, b: str) -> list[TrainJob]:  # b's job differs from a's: b's state is not a's
+        return [uneven_job(a, 1), uneven_job(b, 2), uneven_job(a, 2)]
+
+    single = workers({**ONE_PROCESS, "TANDEM_BACKEND__RESIDENT_RUNS": "1"})
+    one = train_jobs(redis_conn, single, interleaved("one-a", "one-b"))
+    assert "run=one-a version=1 loaded=True resident=miss" in single.log()
+    assert single.stop() == 0
+    ranked = workers(TWO_RANKS)
+    two = train_jobs(redis_conn, ranked, interleaved("two-a", "two-b"))
+    assert ranked.log().count("run=two-a version=1 loaded=True resident=hit") == 2  # on rank 0 and rank 1
+    for a, b in zip(one, two, strict=True):
+        assert (a.version, a.parent) == (b.version, b.parent)
+        wa, wb = weights(root, a.run, a.version), weights(root, b.run, b.version)
+        for k in wa:  # the parity test's tolerance: float32 sums in another order
+            torch.testing.assert_close(wb[k], wa[k], rtol=1e-3, atol=1e-5, msg=k)
+    assert ranked.stop() == 0
 
 
 def test_a_killed_rank_fails_its_job_and_the_ranks_restart(workers, redis_conn, tiny_model: Path) -> None:

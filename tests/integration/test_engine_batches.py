@@ -1,6 +1,6 @@
 """On a GPU with SGLang or vLLM: mixed-adapter batches and logprobs, with the launch flags tandem ships.
 
-bench/gpu_mixed.py's checks as a test, on the engine started with tandem's own command line
+bench/gpu/gpu_mixed.py's checks as a test, on the engine started with tandem's own command line
 (SGLang: `sglang_argv`, the shipped `engine.lora_backend`, CUDA graphs on; vLLM: `vllm_argv`,
 `--logprobs-mode processed_logprobs`, `--generation-config vllm`, CUDA graphs on) and driven
 through its `Engine` client, as the gateway drives it: no request of a batch that mixes adapters
@@ -33,9 +33,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.gpu, pytest.mark.slow]
 PYTHONS = {"sglang": "TANDEM_TEST_SGLANG_PYTHON", "vllm": "TANDEM_TEST_VLLM_PYTHON"}
 PORTS = {"sglang": 30177, "vllm": 30178}
 
-AGREEMENT: dict[str, float] = bench_module("agreement").BF16_AGREEMENT
+AGREEMENT: dict[str, float] = bench_module("scenarios.agreement").BF16_AGREEMENT
 """Engine against trainer in bfloat16 at T >= 0.7: bounds on the per-token mean, maximum and share
-of |Δ logprob| above 0.1 nats, calibrated on H100s (bench/agreement.py says how); the bench's
+of |Δ logprob| above 0.1 nats, calibrated on H100s (bench/scenarios/agreement.py says how); the bench's
 agreement scenario holds the same bound."""
 
 
@@ -50,7 +50,7 @@ def test_mixed_batches_and_logprobs_agree_with_solo_and_the_trainer(engine: str,
         pytest.skip(f"{PYTHONS[engine]} (an interpreter with {engine}) is not set")
     from tandem_trainer.tiny_model import build_random_adapter, build_tiny_model
 
-    mixed = bench_module("gpu_mixed")
+    mixed = bench_module("gpu.gpu_mixed")
     shape = {**bench_module("benchlib").SHAPES["0.5b"], "initializer_range": 0.02}
     model = build_tiny_model(tmp_path / "model", **shape)
     adapters = {name: build_random_adapter(model, tmp_path / name, rank=16, seed=i + 1, scale=0.02)

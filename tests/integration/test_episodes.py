@@ -106,6 +106,7 @@ def test_three_turns_keep_every_sampled_id_and_add_only_the_template_tokens_of_n
         episode = extra["tandem"]["episode"]
     assert episode == httpx.get(f"{url}/v1/episodes/ep-faithful").json()
     assert episode["turns"] == 3 and episode["versions"] == [0, 0, 0]
+    assert episode["runs"] == episode["adapters"] == [None] * 3  # the base model by its own name: no run
     prompt = episode["prompt_ids"]
     assert prompt + episode["completion_ids"] == expected
     mask = [0] * len(episode["completion_ids"])

@@ -1,4 +1,5 @@
-"""The gateway served on loopback with its controller, the real engine, redis and real adapters.
+"""The gateway served on loopback with its controller, the real engine, redis and real adapters
+(the `engine_url`, `settings` and `url` fixtures of conftest.py).
 
 Clients are the `openai` package (what users point at tandem) and plain httpx for the
 error shapes. Versions are published the way the trainer does it (tests/helpers/adapters.py).
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -19,38 +20,21 @@ import pytest
 import redis
 from helpers.adapters import announce, publish
 from helpers.loopback import free_port, held_stream_proxy, serve_app
-from helpers.servers import gateway, inference_settings
+from helpers.servers import BASE, gateway, inference_settings
 from helpers.waiting import wait_until
 
+from tandem import EpisodeState, Origin
+from tandem.acl import Role
 from tandem.adapters import AdapterStore
 from tandem.events import EventStream
 from tandem.registry import Registry
 from tandem.runs import RunSpec
-from tandem.settings import EngineSettings, InferenceSettings
-from tandem_inference.engines.transformers.server import create_engine_app
+from tandem.settings import InferenceSettings
 
 pytestmark = pytest.mark.integration
 
-LIMIT = 64
+LIMIT = 64  # the max_tokens limit of conftest's `settings` (helpers.servers.inference_settings' default)
 CHAT = [{"role": "system", "content": "You count."}, {"role": "user", "content": "What is 2 plus 2?"}]
-
-
-@pytest.fixture(scope="module")
-def engine_url(tiny_model: Path) -> Iterator[str]:
-    settings = EngineSettings(model=str(tiny_model), device="cpu", max_lora_rank=16, max_loaded_adapters=64)
-    with serve_app(create_engine_app(settings)) as url:
-        yield url
-
-
-@pytest.fixture
-def settings(redis_url: str, tmp_path: Path, engine_url: str, tiny_model: Path) -> InferenceSettings:
-    return inference_settings(redis_url, tmp_path / "store", engine_url, tiny_model, limit=LIMIT)
-
-
-@pytest.fixture
-def url(settings: InferenceSettings, tokenizer: Any, redis_conn: redis.Redis) -> Iterator[str]:
-    with gateway(settings, tokenizer) as u:
-        yield u
 
 
 def train(
@@ -113,6 +97,27 @@ def test_chat_reports_the_version_and_switches_after_a_load(
     ext = raw.parse().model_extra["tandem"]
     assert raw.headers["x-tandem-version"] == "1"
     assert ext["version"] == 1 and ext["adapter"] == f"{run}-v1"
+
+
+def test_an_episode_names_the_run_and_adapter_of_each_turn_for_its_trajectory(
+        url: str, client: openai.OpenAI, run: str, settings: InferenceSettings, redis_conn: redis.Redis,
+        tiny_model: Path) -> None:
+    """What an agent on the openai package builds its trajectory from (docs/agents.md): the episode
+    says which run and adapter served each turn, and the trajectory carries its oldest turn's."""
+    messages: list[Any] = list(CHAT)
+    first = client.chat.completions.create(model=run, messages=messages, max_tokens=4,
+                                           extra_body={"episode": "ep-origin"})
+    messages += [first.choices[0].message, {"role": "user", "content": "And 3 plus 3?"}]
+    train(settings, redis_conn, tiny_model, url, run, 1)
+    second = client.chat.completions.create(model=run, messages=messages, max_tokens=4,
+                                            extra_body={"episode": "ep-origin"})
+    ext = (second.model_extra or {})["tandem"]
+    assert (ext["run"], ext["version"], ext["adapter"]) == (run, 1, f"{run}-v1")
+    episode = ext["episode"]
+    assert episode["versions"] == [0, 1] and episode["runs"] == [run, run]
+    assert episode["adapters"] == [None, f"{run}-v1"]
+    trajectory = EpisodeState.model_validate(httpx.get(f"{url}/v1/episodes/ep-origin").json()).to_trajectory(1.0)
+    assert (trajectory.version, trajectory.origin) == (0, Origin(run=run))
 
 
 def test_token_ids_and_logprobs_match_a_direct_generate_call(
@@ -222,10 +227,10 @@ def test_streaming_chat_and_completions(
 
 
 def test_a_stream_holds_its_version_in_flight_until_it_ends(
-    redis_url: str, tmp_path: Path, engine_url: str, tiny_model: Path, tokenizer: Any, run: str
+    role_urls: dict[Role, str], tmp_path: Path, engine_url: str, tiny_model: Path, tokenizer: Any, run: str
 ) -> None:
     with held_stream_proxy(engine_url) as (proxied, release):
-        settings = inference_settings(redis_url, tmp_path / "store", proxied, tiny_model, limit=LIMIT)
+        settings = inference_settings(role_urls[Role.INFERENCE], tmp_path / "store", proxied, tiny_model, limit=LIMIT)
         with gateway(settings, tokenizer) as url:
             body = {"model": run, "prompt": "Count:", "max_tokens": LIMIT, "stream": True}
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
@@ -376,20 +381,58 @@ def test_stream_options_without_stream_is_refused_naming_it(url: str, route: str
     assert resp.status_code == 200, resp.text
 
 
+#: What vLLM's and SGLang's clients send to constrain decoding, each as it would be sent.
+STRUCTURED = [
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}),
+    ("guided_json", {"type": "object", "properties": {"value": {"type": "integer"}}}),
+    ("guided_regex", "[0-9]+"), ("guided_choice", ["yes", "no"]), ("guided_grammar", 'root ::= "yes" | "no"'),
+    ("structured_outputs", {"choice": ["yes", "no"]}), ("json_schema", '{"type": "object"}'), ("regex", "[0-9]+"),
+    ("ebnf", 'root ::= "yes" | "no"'),
+]
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "Count:"}),
+])
+@pytest.mark.parametrize("field, value", STRUCTURED)
+def test_a_structured_output_field_is_refused_naming_it_on_both_routes(
+    url: str, route: str, body: dict[str, Any], field: str, value: Any
+) -> None:
+    """Never a 200 with unconstrained text: the engines do not constrain decoding."""
+    resp = httpx.post(f"{url}{route}", json={"model": "base", "max_tokens": 2, **body, field: value})
+    assert resp.status_code == 422, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == field, error
+    assert "not supported" in error["message"] and "constrain decoding" in error["message"], error
+    assert f"leave {field} out" in error["message"], error
+
+
 def test_structured_outputs_are_refused_naming_the_field_never_ignored(client: openai.OpenAI) -> None:
     import pydantic
 
     class Answer(pydantic.BaseModel):
         value: int
 
-    for ask in (lambda: client.chat.completions.create(model="base", messages=CHAT, max_tokens=4,
-                                                       response_format={"type": "json_object"}),
-                lambda: client.chat.completions.parse(model="base", messages=CHAT, max_tokens=4, response_format=Answer)):
+    def chat(**kw: Any) -> Callable[[], Any]:
+        return lambda: client.chat.completions.create(model="base", messages=CHAT, max_tokens=4, **kw)
+
+    def text(**kw: Any) -> Callable[[], Any]:
+        return lambda: client.completions.create(model="base", prompt="Count:", max_tokens=4, **kw)
+
+    asks = [("response_format", chat(response_format={"type": "json_object"})),
+            ("response_format", lambda: client.chat.completions.parse(model="base", messages=CHAT, max_tokens=4,
+                                                                      response_format=Answer)),
+            ("response_format", text(extra_body={"response_format": {"type": "json_object"}}))]
+    for field, value in STRUCTURED[2:]:  # vLLM's and SGLang's own, as their users send them with this client
+        asks += [(field, chat(extra_body={field: value})), (field, text(extra_body={field: value}))]
+    for field, ask in asks:
         with pytest.raises(openai.UnprocessableEntityError) as info:
             ask()
-        assert "response_format" in str(info.value) and "not supported" in str(info.value)
-    plain = client.chat.completions.create(model="base", messages=CHAT, max_tokens=4, response_format={"type": "text"})
+        assert info.value.body["param"] == field and "not supported" in info.value.message, (field, info.value)
+    plain = chat(response_format={"type": "text"}, extra_body={"guided_json": None, "regex": None})()
     assert plain.choices[0].message.role == "assistant"
+    assert text(extra_body={"response_format": {"type": "text"}, "guided_choice": None})().choices
 
 
 def test_a_body_above_the_limit_is_413_naming_it_declared_or_chunked(url: str) -> None:
@@ -578,6 +621,43 @@ def test_metrics_and_readiness(
     assert 'tandem_gateway_request_seconds_count{route="/v1/completions"} 2.0' in text
     assert f'tandem_adapter_loads_total{{run="{run}"}} 1.0' in text
     assert json.loads(redis_conn.get(f"tandem:run:{run}:loaded")) == [1]
+
+
+@pytest.mark.parametrize("names_for_all", [False, True])
+def test_metrics_name_runs_only_to_a_scrape_with_the_api_key(
+    names_for_all: bool, redis_url: str, tmp_path: Path, engine_url: str, tiny_model: Path, tokenizer: Any,
+    redis_conn: redis.Redis, run: str,
+) -> None:
+    """With an API key set, /metrics without it shows each run as an opaque id (the same one for every
+    label, replica and restart); with the key, or with gateway.metrics_run_names, the names."""
+    from tandem_inference.gateway.metrics import opaque_run
+
+    settings = inference_settings(redis_url, tmp_path / "store", engine_url, tiny_model, limit=LIMIT,
+                                  api_key="s3cret", metrics_run_names=names_for_all)
+    key = {"Authorization": "Bearer s3cret"}
+    with gateway(settings, tokenizer) as url:
+        store = AdapterStore(settings.store.root)
+        announce(EventStream(redis_conn), store, publish(store, Registry(redis_conn), tiny_model, run, 1))
+        wait_until(lambda: httpx.get(f"{url}/v1/runs/{run}", headers=key).json()["serving_version"] == 1,
+                   what=f"{run} v1 serving")
+        for model in (run, BASE):
+            body = {"model": model, "prompt": "x", "max_tokens": 2}
+            assert httpx.post(f"{url}/v1/completions", json=body, headers=key).status_code == 200
+        hidden = opaque_run(run, "s3cret")
+        named = httpx.get(f"{url}/metrics", headers=key).text
+        assert f'tandem_serving_version{{run="{run}"}} 1.0' in named and hidden not in named
+        for text in (httpx.get(f"{url}/metrics").text,
+                     httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer nope"}).text):
+            if names_for_all:
+                assert f'tandem_serving_version{{run="{run}"}} 1.0' in text and hidden not in text
+                continue
+            assert run not in text
+            assert f'tandem_serving_version{{run="{hidden}"}} 1.0' in text
+            assert f'tandem_adapter_loads_total{{run="{hidden}"}} 1.0' in text
+            assert f'tandem_gateway_requests_total{{model="{hidden}",route="/v1/completions",status="200"}} 1.0' in text
+            assert f'tandem_gateway_requests_total{{model="{BASE}",route="/v1/completions",status="200"}} 1.0' in text
+            assert "tandem_gateway_in_flight 0.0" in text  # the rest as it is
+    assert hidden == opaque_run(run, "s3cret") != opaque_run(run, "other") and hidden.startswith("run-")
 
 
 def test_a_forged_ready_for_an_unregistered_run_is_no_model(

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from helpers.loopback import serve_app
+from helpers.loopback import held_stream_proxy, serve_app
 from helpers.servers import gateway, inference_settings
 from helpers.waiting import wait_until
 
@@ -177,6 +177,42 @@ def test_beyond_capacity_requests_are_refused_with_429_and_retry_after(
     assert metric(url, "tandem_gateway_refused_total", 'reason="queue_full"') == len(refused)
     wait_until(lambda: metric(url, "tandem_gateway_in_flight_tokens") == 0, what="admitted work released")
     assert metric(url, "tandem_gateway_queued_requests") == 0 and metric(url, "tandem_gateway_in_flight_sequences") == 0
+
+
+def test_a_small_request_passes_an_overdue_large_one_which_gets_in_after_it(
+    redis_url: str, tmp_path: Path, engine_url: str, tiny_model: Path, tokenizer: Any
+) -> None:
+    """Two streams hold the whole budget (the engine's streams are held after their first chunk); a
+    large request waits past half of queue_timeout_s, then a small one arrives. When one stream's
+    client leaves, the small request gets the room first and the large one the room it gives back."""
+    chunk = {"model": "base", "prompt": "Count:", "max_tokens": 16, "stream": True}  # 16 tokens of budget
+    with held_stream_proxy(engine_url) as (proxied, release):
+        settings = inference_settings(redis_url, tmp_path / "store", proxied, tiny_model, limit=LIMIT,
+                                      max_in_flight_tokens=32, queue_timeout_s=6)
+        with ExitStack() as holders, gateway(settings, tokenizer, with_controller=False) as url:
+            first, _ = (holders.enter_context(httpx.stream("POST", f"{url}/v1/completions", json=chunk, timeout=60))
+                        for _ in range(2))
+            wait_until(lambda: metric(url, "tandem_gateway_in_flight_tokens") == 32, what="the budget held")
+            large: list[int] = []
+
+            def read_large() -> None:  # a stream too: once in, it holds its room until the release
+                with httpx.stream("POST", f"{url}/v1/completions", json=chunk, timeout=60) as resp:
+                    large.append(resp.status_code)
+                    resp.read()
+
+            reader = threading.Thread(target=read_large, daemon=True)
+            reader.start()
+            wait_until(lambda: metric(url, "tandem_gateway_queue_oldest_wait_seconds") >= 3, what="the large one overdue")
+            thread, small = burst(url, [{"model": "base", "prompt": "1", "max_tokens": 4}], timeout_s=30)
+            wait_until(lambda: metric(url, "tandem_gateway_queued_requests") == 2, what="the small one queued")
+            first.close()  # its client leaves: 16 tokens free
+            thread.join(30)
+            assert isinstance(small[0], httpx.Response) and small[0].status_code == 200, small
+            wait_until(lambda: metric(url, "tandem_gateway_queued_requests") == 0, what="the large one admitted")
+            assert metric(url, "tandem_gateway_refused_total", 'reason="queue_timeout"') == 0
+            release.set()
+            reader.join(30)
+            assert large == [200]
 
 
 # clients that leave ----------------------------------------------------------------------------

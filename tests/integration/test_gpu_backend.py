@@ -20,7 +20,7 @@ def test_auto_picks_unsloth_and_publishes_a_plain_lora(redis_conn, redis_url: st
     if importlib.util.find_spec("unsloth") is None:
         pytest.skip("unsloth is not installed in this environment")
     from tandem_trainer.backends.select import select_backend
-    from tandem_trainer.job import Trainer
+    from tandem_trainer.jobs.runner import Trainer
 
     settings = TrainerSettings(redis=RedisSettings(url=redis_url), store=StoreSettings(root=tmp_path),
                                backend=TrainerBackendSettings(kind="auto"))

@@ -1,6 +1,6 @@
 """The GPU checks' own harness, run on the CPU engine: what broke there costs a GPU session to find.
 
-`bench/gpu_mixed.py` starts the engine under test exactly as tandem would launch it and waits for
+`bench/gpu/gpu_mixed.py` starts the engine under test exactly as tandem would launch it and waits for
 its health; the gpu-marked test_engine_batches drives it. Here the same `start` runs the
 transformers engine: it must leave no file of its own open (pytest turns the warning of a dropped
 log file into a failure, as it did on the GPU) and must say which log to read when the engine dies.
@@ -34,7 +34,7 @@ def settings_for(model: Path, monkeypatch: pytest.MonkeyPatch) -> InferenceSetti
 def test_the_engine_starts_with_its_output_in_the_log_and_no_file_left_open(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    mixed = bench_module("gpu_mixed")
+    mixed = bench_module("gpu.gpu_mixed")
     settings = settings_for(tiny_model, monkeypatch)
     log = tmp_path / "engine.log"
     proc = mixed.start(settings, log)
@@ -48,7 +48,7 @@ def test_the_engine_starts_with_its_output_in_the_log_and_no_file_left_open(
 
 
 def test_an_engine_that_dies_while_booting_names_its_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    mixed = bench_module("gpu_mixed")
+    mixed = bench_module("gpu.gpu_mixed")
     settings = settings_for(tmp_path / "no-model-here", monkeypatch)
     log = tmp_path / "engine.log"
     with pytest.raises(SystemExit, match=rf"transformers exited with \d+; see {re.escape(str(log))}$"):

@@ -1,4 +1,4 @@
-"""bench/hotload.py end to end on the tiny model and the transformers engine (quick settings)."""
+"""bench/hotload/hotload.py end to end on the tiny model and the transformers engine (quick settings)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_quick_run_measures_all_three_and_the_merge_changes_the_served_weights(
         tandem_python=sys.executable, sglang_python="python3", vllm_python="python3", engine_env={"TANDEM_LOG_LEVEL": "INFO"},
         store_root=store.root, run_name=RUN, progress=messages.append,
     )
-    result = bench_module("hotload").run(ctx)
+    result = bench_module("hotload.hotload").run(ctx)
 
     assert {"name", "title", "summary", "rows", "goals", "table", "plots"} <= set(result)
     assert result["name"] == "hotload" and result["plots"] == ["hotload.png"]
@@ -64,9 +64,9 @@ def test_without_published_versions_random_adapters_are_made(tiny_model: Path, t
     ctx = SimpleNamespace(out=tmp_path, model=str(tiny_model), tandem_python=sys.executable, sglang_python="python3",
                           vllm_python="python3",
                           store_root=tmp_path / "empty-store", run_name=RUN, progress=messages.append)
-    made = bench_module("hotload_adapters").adapters(ctx, 5)
+    made = bench_module("hotload.hotload_adapters").adapters(ctx, 5)
 
     assert [p.name for p in made] == ["v000001", "v000002"]  # at most two
     assert all((p / "adapter_model.safetensors").is_file() for p in made)
-    assert bench_module("hotload_adapters").rank(made[0]) == 16
+    assert bench_module("hotload.hotload_adapters").rank(made[0]) == 16
     assert any("making 2 random LoRA adapters (r=16)" in m for m in messages)

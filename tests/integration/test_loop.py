@@ -12,11 +12,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers.redis_server import assert_no_refusals
 from helpers.waiting import wait_until
 
-from tandem import Client, LoraConfig, OptimizerConfig
+from tandem import Client, LoraConfig, OptimizerConfig, TrainHandle, TrainJob, TrainResult, jobs
 from tandem.dev import toy
-from tandem.dev.stack import Stack, StackConfig
+from tandem.dev.composition import StackConfig
+from tandem.dev.stack import Stack
+from tandem.errors import TrainFailed, ValidationFailed
 from tandem.replicas import Replicas, ReplicaState, RunHolding
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -28,6 +31,7 @@ PROMPTS = ["Write some numbers.", "Count for me.", "Say something.", "What is th
 def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     with Stack(StackConfig(state_dir=tmp_path_factory.mktemp("stack"), model=str(tiny_model), gateway_port=0)) as s:
         yield s
+        assert_no_refusals(s.admin_redis_url)  # each service's Redis user allowed all it did
 
 
 def play(run, digits: frozenset[int], steps: int, *, wait: bool) -> list[dict]:
@@ -74,17 +78,49 @@ def test_async_loop_never_serves_rollouts_older_than_max_staleness(stack: Stack,
         assert run.status()["serving_version"] == 14
 
 
+def test_one_runs_rollouts_never_train_another_run(stack: Stack, tiny_model: Path) -> None:
+    """Completions of run alpha handed to beta are refused naming both runs: by the client before
+    it enqueues, and by the trainer for a job any client enqueued. Nothing is published for beta,
+    and the worker goes on to train beta on its own rollouts."""
+    digits = toy.digit_token_ids(tiny_model)
+    with Client(stack.gateway_url, stack.redis_url) as client:
+        alpha, beta = (client.create_run(name, base_model=str(tiny_model), lora=LoraConfig(r=4),
+                                         max_staleness_steps=1) for name in ("alpha", "beta"))
+        for run in (alpha, beta):
+            play(run, digits, 1, wait=True)  # each serves its v1: version numbers alone tell nothing
+        foreign = toy.roll_out(alpha, digits, PROMPTS[:2], group_size=4, max_tokens=8)
+        assert set(foreign.versions) == {1}
+        message = "sampled from run 'alpha' (v1); this job trains run 'beta': train each run on its own rollouts"
+        with pytest.raises(ValidationFailed) as refused:
+            beta.train(foreign.groups)
+        assert refused.value.field == "groups.0.trajectories.0.origin.run" and message in str(refused.value)
+
+        job = TrainJob(run="beta", step=2, groups=foreign.groups, timeout_s=120)
+        handle = TrainHandle(run=beta, job_id=job.job_id, step=job.step, after=client.events.last_id())
+        jobs.enqueue(client.conn, job)  # as a client without the check would
+        with pytest.raises(TrainFailed) as failed:
+            handle.result(120)
+        assert failed.value.field == "groups.0.trajectories.0.origin.run" and message in str(failed.value)
+        assert client.registry.latest_version("beta") == 1
+        assert not [e for e in beta.history() if e.kind == "adapter_ready" and e.version > 1]
+        assert [e.job_id for e in beta.history() if e.kind == "train_failed"] == [job.job_id]  # the client sent none
+
+        own = toy.roll_out(beta, digits, PROMPTS[:2], group_size=4, max_tokens=8)
+        result = beta.train(own.groups)
+        assert isinstance(result, TrainResult) and (result.version, result.parent) == (2, 1)
+
+
 def test_the_inference_service_reports_itself_as_a_replica(stack: Stack, tiny_model: Path) -> None:
     with Client(stack.gateway_url, stack.redis_url) as client:
         run = client.create_run("replica-seen", base_model=str(tiny_model), lora=LoraConfig(r=4))
         play(run, toy.digit_token_ids(tiny_model), 1, wait=True)
 
         def heartbeat_serves_v1() -> list[ReplicaState]:
-            live = Replicas(client.conn).live()
+            live = Replicas(client.conn, prune=False).live()
             return live if live and live[0].runs.get(run.name, RunHolding()).serving == 1 else []
 
         wait_until(heartbeat_serves_v1, 30, "the replica's heartbeat to show v1 serving")
-        [replica] = Replicas(client.conn).live()
+        [replica] = Replicas(client.conn, prune=False).live()
         assert replica.ready and replica.runs[run.name].loaded == [1]
         assert replica.url.endswith(":" + stack.gateway_url.rsplit(":", 1)[1])
         [loaded] = [e for e in run.history() if e.kind == "adapter_loaded"]
@@ -111,6 +147,34 @@ def test_service_logs_are_one_format_without_the_polls(stack: Stack, tiny_model:
         assert not [line for line in lines if '"GET /health HTTP/1.1" 200' in line], service
         posts = [line for line in lines if '"POST /' in line and " INFO uvicorn.access " in line]
         assert posts and all(line[:4].isdigit() for line in posts), (service, lines[-5:])
+
+
+def test_a_deleted_run_leaves_the_stack_and_the_other_runs_stay(stack: Stack, tiny_model: Path) -> None:
+    """Deleting a run on the running stack: the gateway answers 404 for it, its adapter leaves the
+    engine, the trainer removes its directory and the name is free again; the other run serves on,
+    its files byte for byte."""
+    store = stack.state / "adapters"
+
+    def files(run: str) -> dict[Path, bytes]:
+        return {p: p.read_bytes() for p in sorted((store / run).rglob("*")) if p.is_file()}
+
+    with Client(stack.gateway_url, stack.redis_url) as client:
+        gone, kept = (client.create_run(name, base_model=str(tiny_model), lora=LoraConfig(r=4))
+                      for name in ("deleted", "kept"))
+        for run in (gone, kept):
+            play(run, toy.digit_token_ids(tiny_model), 1, wait=True)
+        kept_files = files("kept")
+        assert client.delete_run("deleted").versions == [1]
+        reply = httpx.post(f"{stack.gateway_url}/v1/completions", timeout=30,
+                           json={"model": "deleted", "prompt": "1", "max_tokens": 1})
+        assert reply.status_code == 404 and "'deleted'" in reply.text
+        wait_until(lambda: not (store / "deleted").exists() and not client.registry.deleted_runs(), 30,
+                   "the trainer to remove the deleted run's directory")
+        wait_until(lambda: "adapter_unload end run=deleted " in (stack.logs / "inference.log").read_text(), 30,
+                   "the deleted run's adapter to leave the engine")
+        assert files("kept") == kept_files
+        assert [c.version for c in kept.chat([{"role": "user", "content": "hi"}], max_tokens=2)] == [1]
+        assert client.create_run("deleted", base_model=str(tiny_model)).status()["latest_version"] == 0
 
 
 def test_while_redis_hangs_the_gateway_and_the_trainers_metrics_answer_within_a_scrape(stack: Stack) -> None:

@@ -20,6 +20,7 @@ from helpers.adapters import announce, publish
 from helpers.loopback import serve_app
 
 from tandem import Client
+from tandem.acl import Role
 from tandem.adapters import AdapterStore
 from tandem.errors import TrainFailed, TrainTimeout
 from tandem.events import Event, EventKind, EventStream
@@ -93,23 +94,26 @@ def engine_urls(tiny_model: Path) -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture
-async def replicas(redis_url: str, redis_conn: redis.Redis, tmp_path: Path, tiny_model: Path,
+async def replicas(role_urls: dict[Role, str], redis_conn: redis.Redis, tmp_path: Path, tiny_model: Path,
                    engine_urls: dict[str, str]) -> AsyncIterator[Callable[..., Awaitable[dict[str, Replica]]]]:
     started: list[Replica] = []
+    conns: list[redis.Redis] = []
     async with httpx.AsyncClient() as http:
 
         async def start(agree_s: float = 60.0, names: tuple[str, ...] = ("a", "b")) -> dict[str, Replica]:
             out = {}
             for name in names:
                 settings = InferenceSettings(
-                    redis=RedisSettings(url=redis_url),
+                    redis=RedisSettings(url=role_urls[Role.INFERENCE]),  # as the inference's Redis user
                     store=StoreSettings(root=tmp_path / "store"),
                     engine=EngineSettings(url=engine_urls[name], model=str(tiny_model), max_lora_rank=64),
                     controller=ControllerSettings(block_ms=50, reconcile_s=0.5),
                     replica=ReplicaSettings(id=f"replica-{name}", url=f"http://{name}.invalid:8000",
                                             heartbeat_s=0.2, agree_s=agree_s),
                 )
-                replica = Replica(settings, redis_conn, TransformersEngine(http, engine_urls[name]))
+                conn = settings.redis.connect()
+                conns.append(conn)
+                replica = Replica(settings, conn, TransformersEngine(http, engine_urls[name]))
                 replica.start()
                 out[name] = replica
                 started.append(replica)
@@ -120,6 +124,8 @@ async def replicas(redis_url: str, redis_conn: redis.Redis, tmp_path: Path, tiny
         yield start
         for replica in started:
             await replica.stop()
+        for conn in conns:
+            conn.close()
 
 
 def register(conn: redis.Redis, run: str) -> None:
@@ -151,6 +157,7 @@ async def test_a_version_serves_only_once_every_ready_replica_holds_it(
     b_holds = min(e.ts for e in events_of(redis_conn, EventKind.ADAPTER_HELD, "both") if e.data["replica"] == "replica-b")
     a_serves = next(e for e in loaded if e.data["replica"] == "replica-a")
     assert a_serves.ts >= b_holds and a_serves.data["stages_ms"]["agree"] >= 1000
+    assert "without" not in a_serves.data  # it waited for b
 
     # both running: each holds v2, then both serve it
     announce(events, store, publish(store, registry, tiny_model, "both", 2))
@@ -158,6 +165,20 @@ async def test_a_version_serves_only_once_every_ready_replica_holds_it(
     assert {e.data["replica"] for e in events_of(redis_conn, EventKind.ADAPTER_HELD, "both") if e.version == 2} \
         == {"replica-a", "replica-b"}
     assert a.controller.agreement.in_rotation and b.controller.agreement.in_rotation
+
+
+async def test_a_version_served_after_agree_s_names_the_replicas_it_did_not_wait_for(
+    replicas: Callable[..., Awaitable[dict[str, Replica]]], redis_conn: redis.Redis, tmp_path: Path, tiny_model: Path,
+) -> None:
+    register(redis_conn, "late")
+    reps = await replicas(agree_s=1.0)
+    a, b = reps["a"], reps["b"]
+    await b.controller.stop()  # b stays ready by its heartbeat, but loads nothing
+    store = AdapterStore(tmp_path / "store")
+    announce(EventStream(redis_conn), store, publish(store, Registry(redis_conn), tiny_model, "late", 1, rank=4))
+    await wait_until(lambda: a.table.serving("late") == 1, what="a serves v1 without b")
+    [loaded] = events_of(redis_conn, EventKind.ADAPTER_LOADED, "late")
+    assert loaded.data["replica"] == "replica-a" and loaded.data["without"] == ["replica-b"]
 
 
 async def test_a_replica_that_refuses_a_version_leaves_rotation_and_does_not_hold_the_run_back(
@@ -216,9 +237,10 @@ def beat(conn: redis.Redis, replica: str, *, ready: bool = True, serving: int = 
                                      started_at=time.time()), ttl_s=60)
 
 
-def test_train_returns_once_every_ready_replica_serves_its_version(redis_conn: redis.Redis) -> None:
+def test_train_returns_once_every_ready_replica_serves_its_version(redis_conn: redis.Redis,
+                                                                   client_conn: redis.Redis) -> None:
     register(redis_conn, "waits")
-    run = Client("http://127.0.0.1:9", conn=redis_conn).run("waits")
+    run = Client("http://127.0.0.1:9", conn=client_conn).run("waits")
     events = EventStream(redis_conn)
     for replica in ("r1", "r2"):
         beat(redis_conn, replica)
@@ -237,7 +259,7 @@ def test_train_returns_once_every_ready_replica_serves_its_version(redis_conn: r
 
 
 def test_a_ready_replica_that_says_nothing_of_the_version_holds_train_back_only_briefly(
-        redis_conn: redis.Redis) -> None:
+        redis_conn: redis.Redis, client_conn: redis.Redis) -> None:
     """A forged "ready" heartbeat (or a replica stuck before loading) is waited for `silent_replica_s`
     after the first replica serves, not until train()'s timeout; one that holds the version is
     waited for as before."""
@@ -245,7 +267,7 @@ def test_a_ready_replica_that_says_nothing_of_the_version_holds_train_back_only_
 
     register(redis_conn, "waits")
     settings = ClientSettings(gateway_url="http://127.0.0.1:9", silent_replica_s=1.0)
-    run = Client(conn=redis_conn, settings=settings).run("waits")
+    run = Client(conn=client_conn, settings=settings).run("waits")
     events = EventStream(redis_conn)
     for replica in ("r1", "ghost", "slow"):
         beat(redis_conn, replica)
@@ -264,9 +286,36 @@ def test_a_ready_replica_that_says_nothing_of_the_version_holds_train_back_only_
     assert time.monotonic() - started < 5  # never the ghost's doing
 
 
-def test_train_fails_only_when_every_ready_replica_refused_its_version(redis_conn: redis.Redis) -> None:
+def test_a_replica_the_serving_replicas_left_behind_is_not_waited_for(redis_conn: redis.Redis,
+                                                                      client_conn: redis.Redis) -> None:
+    """A replica that an `adapter_loaded` names in `without` (served after `replica.agree_s`
+    without it) is not waited for from then on, not `silent_replica_s` later, unless it said
+    it holds the version."""
     register(redis_conn, "waits")
-    run = Client("http://127.0.0.1:9", conn=redis_conn).run("waits")
+    run = Client("http://127.0.0.1:9", conn=client_conn).run("waits")  # silent_replica_s: 15 s
+    events = EventStream(redis_conn)
+    for replica in ("r1", "r2", "ghost", "slow"):
+        beat(redis_conn, replica)
+    handle = run.train([group()], wait=False)
+    events.append(Event(kind=EventKind.ADAPTER_READY, run="waits", version=1, job_id=handle.job_id,
+                        data={"step": 1, "parent": 0}))
+    events.append(Event(kind=EventKind.ADAPTER_LOADED, run="waits", version=1, job_id=handle.job_id,
+                        data={"replica": "r1", "without": ["ghost", "slow"]}))
+    events.append(Event(kind=EventKind.ADAPTER_HELD, run="waits", version=1, data={"replica": "slow"}))
+    with pytest.raises(TrainTimeout):
+        handle.result(timeout_s=1.5)  # r2 serves nothing yet; "slow" holds v1 since: waited for
+    for replica in ("r2", "slow"):
+        events.append(Event(kind=EventKind.ADAPTER_LOADED, run="waits", version=1, job_id=handle.job_id,
+                            data={"replica": replica, "without": ["ghost"]}))
+    started = time.monotonic()
+    assert handle.result(timeout_s=5).version == 1  # the ghost, never heard of, is not waited for
+    assert time.monotonic() - started < 3
+
+
+def test_train_fails_only_when_every_ready_replica_refused_its_version(redis_conn: redis.Redis,
+                                                                       client_conn: redis.Redis) -> None:
+    register(redis_conn, "waits")
+    run = Client("http://127.0.0.1:9", conn=client_conn).run("waits")
     events = EventStream(redis_conn)
     for replica in ("r1", "r2"):
         beat(redis_conn, replica)

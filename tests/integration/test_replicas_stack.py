@@ -5,25 +5,34 @@ replica with its own engine), HAProxy as the router on the gateway port (the con
 router image runs, images/router/haproxy.cfg), and the trainer, started by
 `tandem.dev.stack.Stack` as `tandem up --replicas 2` does. The loop learns through the router;
 every version is loaded on both replicas before it serves; requests spread over both; a replica
-killed mid-run costs no request, comes back, reconciles and rejoins.
+killed mid-run costs no request, comes back, reconciles and rejoins; a "ready" heartbeat of a
+replica that loads nothing holds train() no longer than the replicas wait for it (`replica.agree_s`).
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import statistics
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
 import pytest
+import redis
+from helpers.redis_server import assert_no_refusals
 from helpers.traffic import steady_requests
 from helpers.waiting import wait_until
 
 from tandem import Client, LoraConfig, OptimizerConfig
+from tandem.acl import Role
 from tandem.dev import toy
-from tandem.dev.stack import Stack, StackConfig
-from tandem.replicas import Replicas
+from tandem.dev.composition import StackConfig
+from tandem.dev.stack import Stack
+from tandem.replicas import Replicas, ReplicaState
+from tandem.settings import ReplicaSettings
 
 pytestmark = [
     pytest.mark.integration,
@@ -41,6 +50,7 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     config = StackConfig(state_dir=tmp_path_factory.mktemp("stack"), model=str(tiny_model), gateway_port=0, replicas=2)
     with Stack(config) as s:
         yield s
+        assert_no_refusals(s.admin_redis_url)  # each service's Redis user allowed all it did
 
 
 def test_two_replicas_learn_through_the_router_and_agree_on_every_version(stack: Stack, tiny_model: Path) -> None:
@@ -85,10 +95,48 @@ def test_a_killed_replica_costs_no_request_and_rejoins_with_the_newest_version(s
                 run.train(toy.roll_out(run, digits, PROMPTS).groups, wait=True)
             assert run.status()["serving_version"] == 4
             stack.restart("inference-2")  # reconciles (loads v4) before its /ready answers 200
-            wait_until(lambda: {r.id: r.runs[run.name].serving for r in Replicas(client.conn).live()
+            wait_until(lambda: {r.id: r.runs[run.name].serving for r in Replicas(client.conn, prune=False).live()
                                 if r.ready and run.name in r.runs} == {"replica-1": 4, "replica-2": 4},
                        60, "replica-2 back in rotation, serving v4")
             run.train(toy.roll_out(run, digits, PROMPTS).groups, wait=True)
             loaded = {e.data["replica"] for e in run.history() if e.kind == "adapter_loaded" and e.version == 5}
             assert loaded == {"replica-1", "replica-2"}
         assert statuses[200] > 0 and set(statuses) == {200}, statuses
+
+
+def test_a_ready_heartbeat_that_loads_nothing_holds_train_back_only_as_long_as_the_replicas_wait(
+        stack: Stack, tiny_model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A heartbeat that says "ready" and never loads (stale, forged, or a replica stuck before its
+    first load): both real replicas serve each version `replica.agree_s` after holding it, without
+    it, and train() returns with them, naming it in a warning; it waited `silent_replica_s` more."""
+    caplog.set_level(logging.WARNING, logger="tandem.handles")
+    agree_s = ReplicaSettings().agree_s  # the stack's replicas run the default
+    with Client(stack.gateway_url, stack.redis_url) as client, \
+            redis.Redis.from_url(stack.redis_urls[Role.INFERENCE]) as beater:  # heartbeats: inference's user
+        replicas, stop = Replicas(beater), threading.Event()
+
+        def ghost() -> None:
+            while not stop.is_set():
+                replicas.beat(ReplicaState(id="ghost", url="http://ghost.invalid:8000", ready=True,
+                                           started_at=time.time()), ttl_s=10)
+                stop.wait(1.0)
+
+        beating = threading.Thread(target=ghost, daemon=True)
+        beating.start()
+        try:
+            run = client.create_run("digits-ghost", base_model=str(tiny_model), lora=LoraConfig(r=8, alpha=16),
+                                    optimizer=OptimizerConfig(lr=5e-3), max_staleness_steps=0)
+            groups = toy.roll_out(run, toy.digit_token_ids(tiny_model), PROMPTS).groups
+            started = time.monotonic()
+            result = run.train(groups, wait=True)
+            took_s, returned_at = time.monotonic() - started, time.time()
+        finally:
+            stop.set()
+            beating.join()
+            replicas.leave("ghost")
+        loaded = {e.data["replica"]: e for e in run.history() if e.kind == "adapter_loaded" and e.version == 1}
+        assert set(loaded) == {"replica-1", "replica-2"}
+        assert all(e.data["without"] == ["ghost"] for e in loaded.values()), {r: e.data for r, e in loaded.items()}
+        assert returned_at - max(e.ts for e in loaded.values()) < 5.0  # not silent_replica_s (15 s) after them
+        assert took_s < agree_s + result.train_s + 10.0, (took_s, result.train_s)
+        assert any("ghost" in r.getMessage() and "not waiting" in r.getMessage() for r in caplog.records)

@@ -34,7 +34,7 @@ from tandem.runs import LoraConfig, OptimizerConfig, RunSpec
 from tandem.settings import EngineSettings, InferenceSettings, TrainerSettings
 from tandem_inference.engines.transformers.server import create_engine_app
 from tandem_trainer.backends.peft import PeftBackend
-from tandem_trainer.job import Trainer
+from tandem_trainer.jobs.runner import Trainer
 from tandem_trainer.logprob_check import recompute
 
 pytestmark = pytest.mark.integration

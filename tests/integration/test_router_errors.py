@@ -10,7 +10,8 @@ import httpx
 import pytest
 from helpers.waiting import wait_until
 
-from tandem.dev.stack import Stack, StackConfig
+from tandem.dev.composition import StackConfig
+from tandem.dev.stack import Stack
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(shutil.which("haproxy") is None,

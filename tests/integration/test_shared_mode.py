@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from tandem import Client, LoraConfig
-from tandem.dev.stack import Stack, StackConfig
+from tandem.dev.composition import StackConfig
+from tandem.dev.stack import Stack
 from tandem.events import EventKind
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -17,7 +17,9 @@ import redis
 
 from tandem import Client, keys
 from tandem.dev.cli import main as tandem
-from tandem.dev.stack import Service, Stack, StackConfig
+from tandem.dev.composition import StackConfig
+from tandem.dev.stack import Stack
+from tandem.dev.supervisor import Service
 from tandem.errors import ConfigError, StackError
 from tandem.registry import Registry
 from tandem.runs import RunSpec
@@ -56,15 +58,18 @@ def no_tandem_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 def test_the_stacks_redis_has_a_password_that_stays_private(tmp_path: Path) -> None:
     state = tmp_path / "stack"
     with RedisOnly(StackConfig(state_dir=state, gateway_port=0)) as stack:
-        password = stack.secrets["redis_password"]
-        assert f":{password}@" in stack.redis_url
-        assert redis.Redis.from_url(stack.redis_url).ping()
+        password = stack.secrets["redis_client_password"]
+        assert f"tandem-client:{password}@" in stack.redis_url  # client.env's: the client's user
+        assert f":{stack.secrets['redis_password']}@" in stack.admin_redis_url
+        for url in (stack.redis_url, stack.admin_redis_url, *stack.redis_urls.values()):
+            assert redis.Redis.from_url(url).ping()
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=stack.redis_port).ping()
         proc = stack.service("redis").proc
         assert proc is not None
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
-        assert password not in cmdline, "the password is on redis-server's command line"
+        for name, secret in stack.secrets.items():
+            assert secret not in cmdline, f"{name} is on redis-server's command line"
         for private in ("secrets.json", "redis/redis.conf", "client.env"):
             assert (state / private).stat().st_mode & 0o777 == 0o600, private
         assert f"TANDEM_REDIS__URL={stack.redis_url}" in (state / "client.env").read_text()
@@ -102,9 +107,9 @@ def test_tandem_up_does_not_print_the_redis_password(
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     out = capsys.readouterr().out
-    password = json.loads((no_tandem_env / ".tandem" / "stack" / "secrets.json").read_text())["redis_password"]
-    assert password not in out
-    assert "redis://:***@127.0.0.1:" in out and ".tandem/stack/client.env" in out
+    for password in json.loads((no_tandem_env / ".tandem" / "stack" / "secrets.json").read_text()).values():
+        assert password not in out
+    assert "redis://tandem-client:***@127.0.0.1:" in out and ".tandem/stack/client.env" in out
 
 
 def test_every_service_gets_the_engine_admin_key(tmp_path: Path) -> None:
@@ -151,6 +156,23 @@ def test_a_stack_that_fails_to_start_frees_its_state_directory(tmp_path: Path) -
         Failing(StackConfig(state_dir=tmp_path, gateway_port=0)).start()
     with Sleepers(StackConfig(state_dir=tmp_path, gateway_port=0)) as stack:
         assert len(stack.services) == 2
+
+
+def test_a_probe_that_finds_another_stacks_process_stops_the_stack(tmp_path: Path) -> None:
+    """The engine's and the gateway's probes raise StackError when another stack's process answers in
+    this one's place: waiting on would not help, so every service stops and the directory is free."""
+    def foreign() -> bool:
+        raise StackError("another stack's process answers here")
+
+    with Sleepers(StackConfig(state_dir=tmp_path, gateway_port=0)) as stack:
+        one, two = stack.service("one"), stack.service("two")
+        two.ready = foreign
+        with pytest.raises(StackError, match="another stack's process"):
+            stack.restart("two")
+        assert stack.services == []
+        assert one.proc is not None and one.proc.poll() is not None
+    with Sleepers(StackConfig(state_dir=tmp_path, gateway_port=0)) as again:
+        assert len(again.services) == 2
 
 
 def test_a_dead_service_is_started_again_after_a_growing_pause(tmp_path: Path) -> None:
@@ -253,7 +275,8 @@ def test_status_and_client_find_the_stack_that_tandem_up_started(
         registry = Registry(redis.Redis.from_url(stack.redis_url))
         for name in ("good", "broken"):
             registry.create_run(RunSpec(name=name, base_model="tiny"))
-        registry.conn.set(keys.run("broken"), '{"name": "broken", "base_model": "tiny", "loss": {"kl_coef": null}}')
+        admin = redis.Redis.from_url(stack.admin_redis_url)  # by hand: the operator's user
+        admin.set(keys.run("broken"), '{"name": "broken", "base_model": "tiny", "loss": {"kl_coef": null}}')
         assert tandem(["status"]) == 0
         out = capsys.readouterr().out
         assert "good: base tiny, latest v0, serving v0" in out
@@ -288,14 +311,13 @@ def test_a_gateway_port_answered_by_another_process_is_a_stack_error_naming_it(t
     other.get("/ready")(lambda: {"status": "ready"})
     with serve_app(other) as url:
         port = int(url.rsplit(":", 1)[1])
-        stack = RedisOnly(StackConfig(state_dir=tmp_path, gateway_port=0))
-        ours = Service("inference", ["sleep", "60"], ready=lambda: True)
-        ours.proc = subprocess.Popen(["sleep", "60"])  # ours, which could not bind the port
-        stack.services.append(ours)
+        stack = Stack(StackConfig(state_dir=tmp_path, gateway_port=port))
+        inference = next(svc for svc in stack.plan() if svc.name == "inference")  # its probe, as the stack waits on it
+        inference.proc = subprocess.Popen(["sleep", "60"])  # ours, which could not bind the port
         try:
             with pytest.raises(StackError, match=f"gateway port {port} is held by another process") as info:
-                stack._gateway_ready("inference", port)
+                inference.ready()
             assert "--gateway-port 0" in str(info.value)
         finally:
-            ours.proc.kill()
-            ours.proc.wait()
+            inference.proc.kill()
+            inference.proc.wait()

@@ -22,7 +22,7 @@ from rq.job import JobStatus
 from test_worker_kills import InferenceStack
 
 from tandem.adapters import AdapterStore
-from tandem.dev.stack import StackConfig
+from tandem.dev.composition import StackConfig
 from tandem.events import EventKind, EventStream
 from tandem.jobs import enqueue
 from tandem.registry import Registry

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import struct
 import sys
 from collections.abc import Iterator
@@ -112,10 +113,38 @@ def test_a_tracker_that_cannot_be_reached_costs_only_the_curve(workers, redis_co
     enqueue(redis_conn, make_job("job-1"))
     wait_for(lambda: status(redis_conn, "job-1") == JobStatus.FINISHED, 120, "the job", worker)
     assert Registry(redis_conn).latest_version(RUN) == 1
-    assert "tracker.failed run=worker-run version=1" in worker.log()
+    # the tracker's thread meets the failure after the job, which never waits on it
+    wait_for(lambda: "tracker.failed run=worker-run version=1" in worker.log(), 60, "tracker.failed", worker)
     reply = httpx.get(worker.metrics_url, timeout=10).text
     assert "tandem_trainer_tracker_errors_total 1.0" in reply
     assert worker.stop() == 0
+
+
+def test_a_tracking_server_that_hangs_holds_no_step(workers, redis_conn, tiny_model: Path) -> None:
+    """A tracking server that takes connections and never answers (one that is SIGSTOPped, say), with
+    MLflow's HTTP settings left to the trainer: the jobs go on at their own pace, and the failure is
+    logged and counted within seconds."""
+    with socket.create_server(("127.0.0.1", 0)) as hung:  # listens, never accepts: requests wait in its backlog
+        worker = workers({"TANDEM_TRACKER__KIND": "mlflow",
+                          "TANDEM_TRACKER__MLFLOW_URI": f"http://127.0.0.1:{hung.getsockname()[1]}"})
+        Registry(redis_conn).create_run(RunSpec(name=RUN, base_model=str(tiny_model), lora=LoraConfig(r=4)))
+        enqueue(redis_conn, make_job("job-1", step=1, seed=1))
+        enqueue(redis_conn, make_job("job-2", step=2, seed=2))
+        # MLflow's own defaults (120 s per request, 7 retries) held job 1 for minutes
+        wait_for(lambda: status(redis_conn, "job-2") == JobStatus.FINISHED, 120, "both jobs", worker)
+        assert Registry(redis_conn).latest_version(RUN) == 2
+        wait_for(lambda: "tracker.failed run=worker-run version=1 kind=mlflow" in worker.log(), 60, "tracker.failed",
+                 worker)
+        assert "the curve skips this step" in worker.log()
+        wait_for(lambda: tracker_errors(worker) >= 1, 30, "the failure to be counted", worker)
+        assert worker.stop() == 0  # the queue drains within its bound
+
+
+def tracker_errors(worker: WorkerProcess) -> float:
+    """`tandem_trainer_tracker_errors_total` on the worker's /metrics."""
+    reply = httpx.get(worker.metrics_url, timeout=10).text
+    return float(next(line.split()[1] for line in reply.splitlines()
+                      if line.startswith("tandem_trainer_tracker_errors_total ")))
 
 
 # Weights & Biases (offline) ------------------------------------------------------------

@@ -23,7 +23,7 @@ from tandem.runs import LoraConfig, LossConfig, OptimizerConfig, RunSpec
 from tandem.settings import TrainerSettings
 from tandem_trainer.backends.peft import PeftBackend
 from tandem_trainer.errors import CheckpointError, JobRejected, LockTimeout
-from tandem_trainer.job import Trainer
+from tandem_trainer.jobs.runner import Trainer
 
 pytestmark = pytest.mark.integration
 
@@ -400,6 +400,10 @@ def _bad_ids_type(job: dict) -> None:
     job["groups"][0]["trajectories"][0]["completion_ids"] = "x"
 
 
+def _another_runs_rollout(job: dict) -> None:
+    job["groups"][0]["trajectories"][3]["origin"] = {"run": "alpha", "adapter": None}
+
+
 BAD_INPUTS = {
     # case: (mutation, expected field, words the message must hold)
     "no_groups": (lambda j: j.update(groups=[]), "groups", ["groups", "no groups"]),
@@ -420,6 +424,9 @@ BAD_INPUTS = {
                             ["groups.0.trajectories.0.reward", "number"]),
     "completion_ids_not_a_list": (_bad_ids_type, "groups.0.trajectories.0.completion_ids",
                                   ["groups.0.trajectories.0.completion_ids", "list"]),
+    "another_runs_rollout": (_another_runs_rollout, "groups.0.trajectories.3.origin.run",
+                             ["group 0 sample 3 was sampled from run 'alpha' (v0)", f"this job trains run '{RUN}'",
+                              "train each run on its own rollouts"]),
 }
 
 

@@ -71,6 +71,10 @@ def test_a_worker_exports_its_steps_outcomes_and_queue(workers, redis_conn, tiny
         assert after[("tandem_trainer_stage_seconds_count", (("stage", stage),))] == 1, stage
     assert after[("tandem_trainer_job_seconds_count", ())] == 2  # the refused job and the good one
     assert not any(name == "tandem_trainer_gpu_memory_bytes" for name, _ in after)  # no CUDA here
+    # the job's switch to its run: version 0, a fresh adapter (backends/resident.py)
+    assert after[("tandem_trainer_resident_switches_total", (("outcome", "fresh"),))] == 1
+    assert after[("tandem_trainer_resident_switches_total", (("outcome", "hit"),))] == 0
+    assert after[("tandem_trainer_resident_runs", (("place", "host"),))] == 0
 
     # While a long job trains, the jobs behind it are the queue's depth.
     assert worker.stop() == 0

@@ -21,7 +21,9 @@ from rq.job import JobStatus
 
 from tandem import Client, LoraConfig
 from tandem.adapters import AdapterStore
-from tandem.dev.stack import Service, Stack, StackConfig
+from tandem.dev.composition import StackConfig
+from tandem.dev.stack import Stack
+from tandem.dev.supervisor import Service
 from tandem.events import EventKind
 from tandem.registry import Registry
 from tandem.trajectories import TrajectoryGroup

@@ -1,4 +1,4 @@
-"""bench/agreement.py's goals: float32 on the CPU holds every setting to no outlier; bfloat16 on GPUs
+"""bench/scenarios/agreement.py's goals: float32 on the CPU holds every setting to no outlier; bfloat16 on GPUs
 holds the T >= 0.7, top_p 1 rows to the GPU test's bound, and only on a well-conditioned model."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture(scope="module")
 def agreement():
-    return bench_module("agreement")
+    return bench_module("scenarios.agreement")
 
 
 def row(t: float, p: float, mean: float, top: float, share: float, **extra: Any) -> dict[str, Any]:

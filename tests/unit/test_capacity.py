@@ -14,9 +14,21 @@ from tandem_inference.gateway.capacity import Capacity, Permit
 pytestmark = pytest.mark.unit
 
 
-def capacity(*, sequences: int = 8, tokens: int = 100, queued: int = 4, timeout_s: float = 30.0) -> Capacity:
+class Clock:
+    """The capacity's clock, moved by the test: when a waiter turns overdue (half of queue_timeout_s)
+    is the test's to say, however slowly the machine runs. The queue timeout itself stays real."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def capacity(*, sequences: int = 8, tokens: int = 100, queued: int = 4, timeout_s: float = 30.0,
+             clock: Clock | None = None) -> Capacity:
     return Capacity(max_sequences=sequences, max_tokens=tokens, max_queued=queued, queue_timeout_s=timeout_s,
-                    retry_after_s=2)
+                    retry_after_s=2, **({"clock": clock} if clock else {}))
 
 
 async def waiting(cap: Capacity, sequences: int, tokens: int) -> asyncio.Task[Permit]:
@@ -67,18 +79,104 @@ async def test_released_room_goes_to_the_smallest_waiter_first() -> None:
     (await asyncio.wait_for(large, 5)).release()
 
 
-async def test_a_request_that_waited_half_its_time_goes_before_smaller_ones() -> None:
-    cap = capacity(tokens=100, timeout_s=2.0)
+async def settled() -> None:
+    """Let the tasks that were just admitted (or refused) run to their end."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def test_an_overdue_request_is_passed_by_smaller_ones_up_to_its_size_then_holds_them_back() -> None:
+    clock = Clock()
+    cap = capacity(tokens=100, queued=20, clock=clock)
     held = [await cap.acquire(1, 50), await cap.acquire(1, 50)]
-    large = await waiting(cap, 1, 100)
-    await asyncio.sleep(1.1)  # over half of queue_timeout_s
-    small = await waiting(cap, 1, 10)  # would fit the room the next release frees, but waits its turn
-    held[0].release()
-    await asyncio.sleep(0)
-    assert not small.done() and not large.done() and cap.queued == 2
-    held[1].release()
+    large = await waiting(cap, 1, 60)
+    clock.now += 15  # half of queue_timeout_s: overdue, its allowance is 60 tokens
+    smalls = [await waiting(cap, 1, 10) for _ in range(8)]
+    held[0].release()  # 50 tokens free: five smaller ones pass it (50 of its 60)
+    await settled()
+    assert [t.done() for t in smalls] == [True] * 5 + [False] * 3 and not large.done()
+    smalls[0].result().release()  # the sixth passes too: 60 of 60
+    await settled()
+    assert smalls[5].done() and not smalls[6].done()
+    smalls[1].result().release()  # 10 free, and the seventh would fit, but the allowance is spent
+    await settled()
+    assert not smalls[6].done() and not large.done() and cap.tokens == 90
+    held[1].release()  # 60 free: the large one gets in, before the seventh
+    permit = await asyncio.wait_for(large, 5)
+    assert permit.waited_s == 15 and not smalls[6].done() and cap.tokens == 100
+    for t in smalls[2:6]:
+        t.result().release()
+    await settled()
+    assert smalls[6].done() and smalls[7].done()  # no one is overdue now: smallest first again
+    for t in smalls[6:]:
+        t.result().release()
+    permit.release()
+    assert (cap.tokens, cap.requests, cap.queued) == (0, 0, 0)
+
+
+async def test_small_requests_pass_a_steady_supply_of_overdue_large_ones_which_still_get_in() -> None:
+    """Large requests keep arriving and every one turns overdue; a small one gets in at the next
+    release all the same, and a large one at the release after it."""
+    clock = Clock()
+    cap = capacity(tokens=100, queued=50, clock=clock)
+    in_flight = [await cap.acquire(1, 50), await cap.acquire(1, 50)]
+    queue = [await waiting(cap, 1, 50) for _ in range(4)]
+    admitted_large = []
+    for _ in range(12):
+        clock.now += 15  # the queue's head (and every large one behind it) is overdue
+        queue.append(await waiting(cap, 1, 50))  # the steady supply
+        small = await waiting(cap, 1, 5)
+        in_flight.pop(0).release()
+        await settled()
+        assert small.done(), "a small request waited behind overdue large ones"
+        assert not queue[0].done()  # 45 tokens free: the head needs 50
+        small.result().release()  # a small request ends quickly: the head gets in
+        await settled()
+        assert queue[0].done() and not queue[1].done()
+        admitted_large.append(queue.pop(0))
+        in_flight.append(admitted_large[-1].result())
+    assert len(admitted_large) == 12 and cap.queued == len(queue)
+    for permit in in_flight:
+        permit.release()
+    for task in queue:
+        (await asyncio.wait_for(task, 5)).release()
+    assert (cap.tokens, cap.requests, cap.queued) == (0, 0, 0)
+
+
+async def test_a_newcomer_smaller_than_an_overdue_request_that_fits_is_admitted_at_once() -> None:
+    clock = Clock()
+    cap = capacity(sequences=8, tokens=100, clock=clock)
+    held = await cap.acquire(7, 60)
+    large = await waiting(cap, 2, 50)  # nine sequences: does not fit
+    clock.now += 15
+    small = await asyncio.wait_for(cap.acquire(1, 10), 1)  # smaller: passes it at once
+    assert cap.queued == 1 and not large.done()
+    small.release()
+    no_smaller = await waiting(cap, 1, 50)  # fits beside what is in flight, but is no smaller: waits
+    held.release()
     (await asyncio.wait_for(large, 5)).release()
-    (await asyncio.wait_for(small, 5)).release()
+    (await asyncio.wait_for(no_smaller, 5)).release()
+
+
+async def test_an_overdue_request_that_leaves_lets_the_ones_it_held_back_in() -> None:
+    clock = Clock()
+    cap = capacity(tokens=100, queued=10, clock=clock)
+    held = [await cap.acquire(1, 50), await cap.acquire(1, 50)]
+    large = await waiting(cap, 1, 40)
+    clock.now += 15
+    smalls = [await waiting(cap, 1, 20) for _ in range(3)]
+    held[0].release()  # two pass (40 of its 40 tokens); the third does not fit
+    await settled()
+    assert [t.done() for t in smalls] == [True, True, False] and not large.done()
+    smalls[0].result().release()  # the third fits now, but the allowance is spent: held back
+    await settled()
+    assert not smalls[2].done()
+    large.cancel()  # its client left
+    await settled()
+    assert smalls[2].done() and cap.queued == 0
+    for permit in (held[1], smalls[1].result(), smalls[2].result()):
+        permit.release()
+    assert (cap.tokens, cap.requests) == (0, 0)
 
 
 async def test_released_room_goes_to_equal_waiters_in_arrival_order() -> None:
@@ -137,13 +235,17 @@ async def test_a_request_larger_than_the_budget_runs_alone() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 150), st.booleans()), min_size=1, max_size=30))
-def test_the_budget_holds_whatever_arrives_and_leaves(requests: list[tuple[int, int, bool]]) -> None:
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 150), st.booleans(), st.booleans()), min_size=1,
+                max_size=30))
+def test_the_budget_holds_whatever_arrives_and_leaves(requests: list[tuple[int, int, bool, bool]]) -> None:
     async def scenario() -> None:
-        cap = capacity(queued=100)
+        clock = Clock()
+        cap = capacity(queued=100, clock=clock)
         permits: list[Permit] = []
         tasks = []
-        for sequences, tokens, release_one in requests:
+        for sequences, tokens, release_one, later in requests:
+            if later:  # the waiters so far turn overdue
+                clock.now += 15
             tasks.append(asyncio.ensure_future(cap.acquire(sequences, tokens)))
             await asyncio.sleep(0)
             permits += [t.result() for t in tasks if t.done() and t.result() not in permits]

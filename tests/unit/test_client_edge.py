@@ -15,7 +15,7 @@ import pytest
 import redis
 from helpers.loopback import free_port
 
-from tandem import Client, Completion, Run
+from tandem import Client, Completion, Origin, Run
 from tandem.errors import ConfigError, GatewayError, TandemError, ValidationFailed
 from tandem.runs import RunSpec, same_base_model
 
@@ -182,6 +182,32 @@ def test_the_request_body_is_json() -> None:
     out = chat(client_with(handler))
     assert [c.text for c in out] == ["a", "b"] and out[1].completion_ids == [3] and out[0].version == 4
     assert seen[0]["model"] == "r" and seen[0]["n"] == 2
+
+
+def sampled_by(run: str, version: int) -> Client:
+    """A gateway whose replies say that `run`'s `version` sampled them, as tandem's does."""
+    adapter = f"{run}-v{version}" if version else None
+    return answering(200, {"choices": [{"message": {"content": "a"}}, {"message": {"content": "b"}}],
+                           "tandem": {"run": run, "version": version, "adapter": adapter, "prompt_token_ids": [1],
+                                      "completion_token_ids": [[2], [3]], "completion_logprobs": [[-0.1], [-0.2]],
+                                      "temperature": 1.0}})
+
+
+def test_completions_keep_the_run_and_adapter_the_gateway_said_sampled_them() -> None:
+    out = chat(sampled_by("alpha", 2))
+    assert [c.origin for c in out] == [Origin(run="alpha", adapter="alpha-v2")] * 2
+    assert Run.group(out, [1.0, 0.0]).trajectories[1].origin == Origin(run="alpha", adapter="alpha-v2")
+
+
+def test_training_one_run_on_anothers_completions_is_refused_before_redis_is_asked() -> None:
+    """Redis is a dead port here: the refusal comes before anything is enqueued."""
+    completions = Run(sampled_by("alpha", 2), RunSpec(name="alpha", base_model="m")).chat(
+        [{"role": "user", "content": "hi"}], n=2)
+    beta = Run(answering(200, {}), RunSpec(name="beta", base_model="m"))
+    with pytest.raises(ValidationFailed) as info:
+        beta.train([Run.group(completions, [1.0, 0.0])], wait=False)
+    assert info.value.field == "groups.0.trajectories.0.origin.run"
+    assert "group 0 sample 0 was sampled from run 'alpha' (v2); this job trains run 'beta'" in str(info.value)
 
 
 @pytest.mark.parametrize("url", ["localhost:6379", "http://127.0.0.1:6379/0", "redis://:pw@127.0.0.1:port/0"])

@@ -1,7 +1,7 @@
-"""bench/compare_engines.py: the side-by-side page of two suite runs, and bench/engine_log.py.
+"""bench/report/compare_engines.py: the side-by-side page of two suite runs, and bench/report/engine_log.py.
 
 The fixtures are two quick suite runs on the CPU engine (`python bench/suite.py --quick --only
-sync,swaps,agreement,hotload,throughput,memory`) and one `bench/gpu_check.py --engine transformers
+sync,swaps,agreement,hotload,throughput,memory`) and one `bench/gpu/gpu_check.py --engine transformers
 --backend peft --mode shared --steps 3`, trimmed to what the page reads (per-request rows dropped).
 """
 
@@ -22,12 +22,12 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engines"
 
 @pytest.fixture(scope="module")
 def compare():
-    return bench_module("compare_engines")
+    return bench_module("report.compare_engines")
 
 
 @pytest.fixture(scope="module")
 def engine_log():
-    return bench_module("engine_log")
+    return bench_module("report.engine_log")
 
 
 def fixture(name: str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The Grafana dashboard (deploy/grafana/tandem.json) and the alert rules (images/prometheus/alerts.yml)
 name only metrics that tandem's services export, and only jobs that Prometheus scrapes: tandem's names
 come from the services' own registries, SGLang's and vLLM's (relayed on /metrics/engine) from their
-bodies in tests/fixtures/engine-metrics/, the jobs from images/prometheus/prometheus.yml."""
+bodies in tests/fixtures/engine-metrics/, the jobs from images/prometheus/prometheus.yml. The rules'
+own tests (images/prometheus/alerts.test.yml) run where promtool is."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from tandem_trainer.metrics import TrainerMetrics
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "tandem.json"
 ALERTS = ROOT / "images" / "prometheus" / "alerts.yml"
+ALERT_TESTS = ROOT / "images" / "prometheus" / "alerts.test.yml"
 SCRAPES = ROOT / "images" / "prometheus" / "prometheus.yml"
 ENGINE_BODIES = ROOT / "tests" / "fixtures" / "engine-metrics"
 METRIC = re.compile(r"\b(tandem_[a-z0-9_]+)\b")
@@ -119,10 +122,41 @@ def test_every_job_named_is_one_prometheus_scrapes() -> None:
     assert named and named <= jobs, sorted(named - jobs)
 
 
-def test_promtool_accepts_the_rules_and_the_scrape_configuration() -> None:
+def test_promtool_accepts_the_rules_and_the_scrape_configuration(tmp_path: Path) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("no promtool here (Debian's `prometheus` package has it; the image's build runs the same check)")
-    for args in (["check", "rules", str(ALERTS)], ["check", "config", str(ALERTS.parent / "prometheus.yml")]):
+    config = yaml.safe_load(SCRAPES.read_text())  # its rule file where the image puts it: here, beside it
+    config["rule_files"] = [str(ALERTS) for _ in config["rule_files"]]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    for args in (["check", "rules", str(ALERTS)], ["check", "config", str(tmp_path / "prometheus.yml")]):
         done = subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_crash_looping_trainer_has_an_alert_its_tests_fire() -> None:
+    """The trainer's start time is what TandemTrainerCrashLooping counts; the rule tests name only
+    alerts that exist, and show it firing on a crash loop and not on a single restart, while
+    TandemTrainerDown and TandemTrainerStuck stay quiet on the loop (why it is needed)."""
+    before = time.time()
+    value = TrainerMetrics().registry.get_sample_value("tandem_trainer_start_time_seconds")
+    assert value is not None and before <= value <= time.time()
+    rules = {rule["alert"]: rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]}
+    assert "tandem_trainer_start_time_seconds" in rules["TandemTrainerCrashLooping"]["expr"]
+    assert "changes(" in rules["TandemTrainerCrashLooping"]["expr"]
+    suite = yaml.safe_load(ALERT_TESTS.read_text())
+    assert suite["rule_files"] == [ALERTS.name]
+    checks = [(check["alertname"], bool(check["exp_alerts"])) for test in suite["tests"]
+              for check in test["alert_rule_test"]]
+    assert {name for name, _ in checks} <= rules.keys()
+    assert ("TandemTrainerCrashLooping", True) in checks and ("TandemTrainerCrashLooping", False) in checks
+    assert {("TandemTrainerDown", False), ("TandemTrainerStuck", False)} <= set(checks)
+
+
+def test_promtool_passes_the_rules_tests() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("no promtool here (Debian's `prometheus` package has it; the image's build runs the same tests)")
+    done = subprocess.run([promtool, "test", "rules", ALERT_TESTS.name], cwd=ALERT_TESTS.parent,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr

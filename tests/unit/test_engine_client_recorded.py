@@ -1,6 +1,6 @@
 """The engine client against what real SGLang servers answered.
 
-tests/fixtures/sglang-<version>.json holds exchanges recorded by bench/record_engine.py on a
+tests/fixtures/sglang-<version>.json holds exchanges recorded by bench/gpu/record_engine.py on a
 GPU; they are replayed here through httpx.MockTransport (the network edge), so the client's
 parsing and error translation are checked against the server's real bodies. The recording of
 the SGLang the image pins (images/locks/sglang.txt) is the reference; the one of 0.5.12 keeps

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 import tandem_inference
+from tandem_inference.engines import sglang, vllm
 from tandem_inference.engines.base import Engine
 from tandem_inference.engines.sglang import SGLangEngine
+from tandem_inference.engines.transformers import admission
 from tandem_inference.engines.transformers.client import TransformersEngine
 from tandem_inference.engines.vllm import VLLMEngine
 
@@ -43,6 +45,14 @@ def test_gateway_and_controller_import_no_engine_implementation() -> None:
     bad = [str(p.relative_to(PACKAGE)) for p in wings
            if re.search(r"tandem_inference\.engines\.(sglang|vllm|transformers|http_errors|launcher)", p.read_text())]
     assert wings and bad == []
+
+
+def test_each_engine_client_reads_its_own_refusals() -> None:
+    """The plumbing every HTTP engine shares holds no engine's words for an adapter it does not hold;
+    the transformers engine refuses in SGLang's, which its client (SGLang's) reads."""
+    shared = [(PACKAGE / "engines" / name).read_text() for name in ("http.py", "http_errors.py")]
+    assert [w for w in (sglang.NOT_LOADED, vllm.NO_SUCH_MODEL) for text in shared if w in text] == []
+    assert sglang.NOT_LOADED in admission.NOT_LOADED and issubclass(TransformersEngine, SGLangEngine)
 
 
 @pytest.mark.parametrize("implementation", [SGLangEngine, TransformersEngine, VLLMEngine])

@@ -15,7 +15,7 @@ import pytest
 import redis
 from helpers.loopback import free_port
 
-from tandem import Client, Episode, Run, Trajectory
+from tandem import Client, Episode, EpisodeState, Origin, Run, Trajectory
 from tandem.errors import GatewayError, ValidationFailed
 from tandem.runs import RunSpec
 
@@ -28,11 +28,14 @@ TOOL = {"type": "function", "function": {"name": "open_drawer", "parameters": {"
 class FakeGateway:
     """The episode contract in a few lines: ids per message, prefix checks, mask and versions."""
 
-    def __init__(self, versions: list[int] | None = None, tool_call_on: int | None = None) -> None:
+    def __init__(self, versions: list[int] | None = None, tool_call_on: int | None = None,
+                 runs: list[str | None] | None = None) -> None:
         self.episodes: dict[str, dict[str, Any]] = {}
         self.requests: list[tuple[str, str, Any]] = []
         self.versions = versions or [1, 1, 1, 1]
         self.tool_call_on = tool_call_on
+        self.runs = runs
+        """The run that serves each turn, as tandem's gateway says it; None: a gateway that says none."""
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else None
@@ -74,6 +77,12 @@ class FakeGateway:
         ep["loss_mask"] += [1, 1]
         ep["rollout_logprobs"] += [-0.5, -0.25]
         ep["versions"].append(self.versions[turn])
+        origin: dict[str, Any] = {}
+        if self.runs is not None:
+            run, version = self.runs[turn], self.versions[turn]
+            origin = {"run": run, "adapter": f"{run}-v{version}" if run and version else None}
+            ep.setdefault("runs", []).append(origin["run"])
+            ep.setdefault("adapters", []).append(origin["adapter"])
         temperature = body.get("temperature") or 1.0  # the gateway's rule: greedy is under T = 1
         ep["temperatures"].append(temperature)
         ep["turns"] += 1
@@ -86,7 +95,7 @@ class FakeGateway:
         ep["messages"] = [*messages, message]
         return httpx.Response(200, json={
             "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-            "tandem": {"version": self.versions[turn], "prompt_token_ids": prompt_ids,
+            "tandem": {**origin, "version": self.versions[turn], "prompt_token_ids": prompt_ids,
                        "completion_token_ids": [sampled], "completion_logprobs": [[-0.5, -0.25]],
                        "temperature": temperature, "episode": self.public(eid)},
         })
@@ -236,3 +245,39 @@ def test_an_episode_sampled_at_two_temperatures_is_refused_naming_them() -> None
     with pytest.raises(ValidationFailed, match=r"temperatures \[0.7, 0.7, 1.0\]") as info:
         ep.trajectory(1.0)
     assert info.value.field == "temperatures"
+
+
+def test_an_episodes_trajectory_carries_the_run_and_adapter_of_its_oldest_turn() -> None:
+    run = run_on(FakeGateway(versions=[4, 3, 4], runs=["agent"] * 3))
+    ep = run.episode([{"role": "user", "content": "a"}])
+    assert ep.sample().origin == Origin(run="agent", adapter="agent-v4")
+    ep.add({"role": "user", "content": "b"})
+    ep.sample()
+    ep.add({"role": "user", "content": "c"})
+    ep.sample()
+    assert ep.state is not None and ep.state.runs == ["agent"] * 3
+    assert ep.state.adapters == ["agent-v4", "agent-v3", "agent-v4"]
+    trajectory = ep.trajectory(1.0)
+    assert (trajectory.version, trajectory.origin) == (3, Origin(run="agent", adapter="agent-v3"))
+    base = run_on(FakeGateway(versions=[0], runs=[None])).episode([{"role": "user", "content": "a"}])
+    base.sample()
+    assert base.trajectory(1.0).origin == Origin(run=None)  # the base model asked for by its own name
+
+
+def test_an_episode_from_a_gateway_that_names_no_run_trains_as_before() -> None:
+    run = run_on(FakeGateway())
+    ep = run.episode([{"role": "user", "content": "a"}])
+    assert ep.sample().origin is None
+    assert ep.trajectory(1.0).origin is None
+
+
+def test_an_episode_whose_turns_name_two_runs_is_refused_naming_them() -> None:
+    """tandem's gateway keeps one run per episode (409); an episode state built by hand may not."""
+    state = EpisodeState(id="e", turns=2, prompt_ids=[1], completion_ids=[2, 3], loss_mask=[1, 1],
+                         rollout_logprobs=[-0.5, -0.5], versions=[1, 1], temperatures=[1.0, 1.0],
+                         runs=["agent", "other"], adapters=["agent-v1", "other-v1"])
+    with pytest.raises(ValidationFailed, match=r"runs \['agent', 'other'\]") as info:
+        state.to_trajectory(1.0)
+    assert info.value.field == "runs"
+    with pytest.raises(ValueError, match="2 turns but 1 adapters"):
+        EpisodeState.model_validate({**state.model_dump(), "runs": ["agent"] * 2, "adapters": ["agent-v1"]})

@@ -1,4 +1,4 @@
-"""bench/hotload_report.py: the hot-load report from given rows: p50s, ratios, the goal, failures named."""
+"""bench/hotload/hotload_report.py: the hot-load report from given rows: p50s, ratios, the goal, failures named."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture(scope="module")
 def hotload():
-    return bench_module("hotload_report")
+    return bench_module("hotload.hotload_report")
 
 
 def hot(i: int, load: float, first: float, warmup: bool = False) -> dict:

@@ -142,8 +142,9 @@ def test_every_overlay_validates_strictly_against_the_kubernetes_schemas(
         "Service",
         "NetworkPolicy",
         "PersistentVolumeClaim",
-        "Job",
     }
+    jobs = {d["metadata"]["name"] for d in docs if d["kind"] == "Job"}
+    assert jobs - {"toy-task"} == ({"tiny-model"} if overlay == "cpu" else set())  # toy-task: its component's
     assert all(d["metadata"].get("namespace") == "tandem" for d in docs if d["kind"] != "Namespace")
 
 
@@ -265,7 +266,8 @@ def test_environment_agrees_with_compose(rendered: tuple[str, list[dict[str, Any
     inference = env_of(find(docs, "StatefulSet", "inference")["spec"]["template"]["spec"]["containers"][0])
     trainer = env_of(find(docs, "Deployment", "trainer")["spec"]["template"]["spec"]["containers"][0])
     assert inference["TANDEM_STORE__ROOT"] == trainer["TANDEM_STORE__ROOT"] == "/adapters"
-    assert inference["TANDEM_REDIS__URL"] == trainer["TANDEM_REDIS__URL"] == "redis://:$(REDIS_PASSWORD)@redis:6379/0"
+    assert inference["TANDEM_REDIS__URL"] == "redis://tandem-inference:$(REDIS_INFERENCE_PASSWORD)@redis:6379/0"
+    assert trainer["TANDEM_REDIS__URL"] == "redis://tandem-trainer:$(REDIS_TRAINER_PASSWORD)@redis:6379/0"
     assert inference["TANDEM_ENGINE__URL"] == "http://127.0.0.1:30000"  # the engine on the pod's loopback
     assert inference["TANDEM_REPLICA__ID"] == "$(POD_NAME)"
     assert trainer["TANDEM_WORKER_NAME"] == "trainer"
@@ -390,6 +392,45 @@ def test_the_trainer_is_healthy_exactly_while_its_liveness_key_is_in_redis(
         assert probe(kind) == 0, (overlay, kind)
 
 
+#: The Redis user each container's URL names (tandem.acl), and the key of the Secret its password comes from.
+REDIS_USERS = {"inference": "tandem-inference", "trainer": "tandem-trainer", "toy-task": "tandem-client",
+               "rq-dashboard": ""}
+
+
+def test_each_service_has_its_own_redis_role_and_the_engine_none(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    """Each container gets its role's Redis user and password; only the operator's tool, rq-dashboard, the
+    admin's (Redis's `default`); the redis pod defines every role's user with tandem.acl's rules."""
+    from tandem.acl import USERS, Role, rules
+
+    overlay, docs = rendered
+    seen = set()
+    for _, spec in pod_specs(docs):
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            env = env_of(container)
+            url = env.get("TANDEM_REDIS__URL") or env.get("RQ_DASHBOARD_REDIS_URL")
+            if container["name"] == "redis" or url is None:
+                assert "TANDEM_REDIS__URL" not in env, container["name"]
+                continue
+            user = REDIS_USERS[container["name"]]
+            variable = f"REDIS_{user.removeprefix('tandem-').upper()}_PASSWORD" if user else "REDIS_PASSWORD"
+            assert url == f"redis://{user}:$({variable})@redis:6379/0", (overlay, container["name"], url)
+            key = f"redis-{user.removeprefix('tandem-')}-password" if user else "redis-password"
+            assert env[variable]["secretKeyRef"] == {"name": "tandem-secrets", "key": key}, container["name"]
+            admin = [name for name, value in env.items()
+                     if isinstance(value, dict) and value.get("secretKeyRef", {}).get("key") == "redis-password"]
+            assert admin == ([] if user else ["REDIS_PASSWORD"]), (container["name"], admin)
+            seen.add(container["name"])
+    assert {"inference", "trainer"} <= seen and ("toy-task" in seen) == any(
+        d["kind"] == "Job" and d["metadata"]["name"] == "toy-task" for d in docs), seen
+    redis = find(docs, "StatefulSet", "redis")["spec"]["template"]["spec"]["containers"][0]
+    script, env = redis["args"][0], env_of(redis)
+    for role in Role:
+        variable = f"REDIS_{role.value.upper()}_PASSWORD"
+        assert f"\nuser {USERS[role]} reset on >${variable} {rules(role)}\n" in script, role
+        assert env[variable]["secretKeyRef"] == {"name": "tandem-secrets", "key": f"redis-{role.value}-password"}
+    assert "\nrequirepass $REDIS_PASSWORD\n" in script
+
+
 def test_no_secret_is_inline(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     _, docs = rendered
     assert not [d for d in docs if d["kind"] == "Secret"]  # the user creates tandem-secrets
@@ -456,9 +497,9 @@ def test_the_adapter_volume_is_shared_and_read_only_in_inference(rendered: tuple
 
 
 def test_the_toy_task_job_reads_a_hub_models_tokenizer(tmp_path: Path) -> None:
-    """The gpu overlay's Job names a hub model: its digit tokens come from the hub's tokenizer.json,
-    cached on a volume the Job can write, before it calls the stack."""
-    spec = find(render("gpu"), "Job", "toy-task")["spec"]["template"]["spec"]
+    """The gpu overlay's Job (its toy-task component enabled) names a hub model: its digit tokens come
+    from the hub's tokenizer.json, cached on a volume the Job can write, before it calls the stack."""
+    spec = find(render("gpu", components=True), "Job", "toy-task")["spec"]["template"]["spec"]
     [container] = spec["containers"]
     env = {name: value for name, value in env_of(container).items() if isinstance(value, str)}
     model = env["TOY_MODEL"]
@@ -491,16 +532,24 @@ def test_the_toy_task_job_reads_a_hub_models_tokenizer(tmp_path: Path) -> None:
     assert ran.returncode != 0
 
 
-def test_the_dashboard_is_opt_in_and_adds_only_itself() -> None:
+def test_the_dashboard_and_the_toy_task_are_opt_in_and_add_only_themselves() -> None:
+    """Neither runs unless its component is enabled; the toy task then runs the overlay's trainer image,
+    on the overlay's model (the cpu overlay's tiny model, from its patch that selects the Job by name)."""
     for overlay in OVERLAYS:
         plain, with_components = render(overlay), render(overlay, components=True)
-        assert not [d for d in plain if "rq-dashboard" in d["metadata"]["name"]]
+        assert not [d for d in plain if "rq-dashboard" in d["metadata"]["name"] or d["metadata"]["name"] == "toy-task"]
         added = [d for d in with_components if d not in plain]
         assert sorted((d["kind"], d["metadata"]["name"]) for d in added) == [
             ("Deployment", "rq-dashboard"),
+            ("Job", "toy-task"),
             ("NetworkPolicy", "redis-from-rq-dashboard"),
         ]
         assert len(with_components) == len(plain) + len(added)
+        [toy] = find(with_components, "Job", "toy-task")["spec"]["template"]["spec"]["containers"]
+        assert toy["image"] == COMPOSE_IMAGES[overlay]["tandem-trainer"]
+        [inference] = find(plain, "StatefulSet", "inference")["spec"]["template"]["spec"]["containers"]
+        assert env_of(toy)["TOY_MODEL"] == env_of(inference)["TANDEM_ENGINE__MODEL"]  # the model the engine serves
+        assert [e["name"] for e in toy["env"]].count("TOY_MODEL") == 1  # replaced, not added
 
 
 def test_every_container_requests_and_limits_memory(rendered: tuple[str, list[dict[str, Any]]]) -> None:

@@ -159,7 +159,10 @@ def test_every_environment_installs_from_its_lock_with_hashes() -> None:
     images = [("inference-cpu", "cpu-inference"), ("trainer-cpu", "cpu-trainer"), ("rq-dashboard", "rq-dashboard")]
     for dockerfile, lock in images:
         text = (ROOT / "images" / f"{dockerfile}.Dockerfile").read_text()
-        assert f"COPY images/locks/{lock}.txt /tmp/lock.txt" in text
+        # the lock is copied in (to /tmp, or kept in /opt/locks for the image's SBOM) and installed from
+        copied = [line.split()[-1] for line in text.splitlines() if line.startswith(f"COPY images/locks/{lock}.txt ")]
+        assert copied and set(copied) <= {"/tmp/lock.txt", f"/opt/locks/{lock}.txt"}, (dockerfile, copied)
+        assert any(f"-r {path}" in text for path in copied), (dockerfile, copied)
         installs = [line for line in text.splitlines() if "pip install" in line]
         assert all("--require-hashes" in line or "--no-deps" in line for line in installs), (dockerfile, installs)
     # the torch every CPU environment pins is one build

@@ -65,20 +65,23 @@ def test_ranks_that_do_not_fit_the_gpus_are_refused_with_both_values_named(monke
 
 
 def test_torchrun_starts_the_trainer_module_once_per_rank_on_this_machine() -> None:
-    args = torchrun_args(ParallelSettings(ranks=4, max_restarts=7), 4, ["--burst"])
-    assert args[:3] == ["--standalone", "--nproc-per-node=4", "--max-restarts=7"]
+    args = torchrun_args(ParallelSettings(ranks=4, max_restarts=7), 4, ["--burst"], "127.0.0.1:41234")
+    # the ranks of one machine meet on loopback, at the store the launcher hosts there
+    assert args[:6] == ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:41234", "--rdzv-id=tandem-trainer",
+                        "--nnodes=1", "--rdzv-conf=join_timeout=900,is_host=false", "--local-addr=127.0.0.1"]
+    assert args[6:8] == ["--nproc-per-node=4", "--max-restarts=7"]
     assert args[-3:] == ["--module", "tandem_trainer.main", "--burst"]
     env = launch_env(ParallelSettings(ranks=4))
     assert (env["GLOO_SOCKET_IFNAME"], env["NCCL_SOCKET_IFNAME"]) == ("lo", "lo")
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # rank 0 hosts the ranks' store, not torchrun's agent
 
 
 def test_several_nodes_meet_at_the_rendezvous_endpoint_instead_of_on_loopback() -> None:
     parallel = ParallelSettings(ranks=2, nodes=3, rendezvous_endpoint="trainer-0.trainer-ranks:29400",
                                 rendezvous_id="run-a", node_address="10.0.0.7", rendezvous_timeout_s=60)
-    args = torchrun_args(parallel, 2, [])
-    assert "--standalone" not in args
+    args = torchrun_args(parallel, 2, [], "trainer-0.trainer-ranks:29400")
     assert args[:6] == ["--rdzv-backend=c10d", "--rdzv-endpoint=trainer-0.trainer-ranks:29400", "--rdzv-id=run-a",
-                        "--nnodes=3", "--rdzv-conf=join_timeout=60", "--local-addr=10.0.0.7"]
+                        "--nnodes=3", "--rdzv-conf=join_timeout=60,is_host=false", "--local-addr=10.0.0.7"]
     assert "--nproc-per-node=2" in args
     assert parallel.total(GpuSettings(mode="cpu")) == 6
     env = launch_env(parallel)
@@ -100,8 +103,7 @@ def test_every_rank_names_its_start_alike(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
     monkeypatch.setenv("MASTER_ADDR", "trainer-0")
     monkeypatch.setenv("MASTER_PORT", "41234")
-    assert start_key(agent_store=True) == "3"  # one machine: the agent's store, torchrun's count
-    assert start_key(agent_store=False) == "trainer-0:41234"  # several: a new store and port per start
+    assert start_key() == "trainer-0:41234"  # a new store and port per start, not a node's restart count
 
 
 def test_a_failpoint_named_for_a_rank_fires_in_that_rank_and_only_in_its_first_start(

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.dev.stack import ROUTER_CONF, Stack, StackConfig
+from tandem.dev.composition import ROUTER_CONF, StackConfig
+from tandem.dev.stack import Stack
 
 needs_haproxy = pytest.mark.skipif(shutil.which("haproxy") is None,
                                    reason="haproxy is not installed (apt-get install haproxy; .ci/run installs it)")

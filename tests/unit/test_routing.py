@@ -135,3 +135,17 @@ def test_adapter_names_round_trip_and_hold_no_colon_or_dot(run: str, version: in
 
 def test_foreign_adapter_names_do_not_parse() -> None:
     assert parse_adapter_name("tuned") is None and parse_adapter_name("../x-v1") is None
+
+
+def test_a_dropped_run_resolves_no_more_and_its_requests_in_flight_keep_counting(table: RoutingTable) -> None:
+    hold = table.checkout("digits")
+    assert table.drop_run("digits") == {1: "digits-v1", 2: "digits-v2"}
+    for model in ("digits", "digits@v2", "digits@v0"):
+        with pytest.raises(ModelNotFound, match="no run 'digits'"):
+            table.resolve(model)
+    assert table.runs() == ["fresh"] and "digits" not in table.snapshot()
+    assert table.in_flight("digits", 2) == 1  # the unloader waits for it
+    hold.release()
+    assert table.in_flight("digits", 2) == 0 and table.drop_run("digits") == {}
+    table.add_run("digits")  # created again: a new run, from version 0
+    assert table.resolve("digits") == Route("digits", 0)

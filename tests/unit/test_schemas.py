@@ -104,3 +104,71 @@ def test_a_completion_that_cannot_be_trained_on_is_validation_failed_naming_the_
                                                                 rollout_logprobs=[-0.5], version=3, reward=0.5,
                                                                 loss_mask=[1])
     assert fine.logprobs == fine.rollout_logprobs
+
+
+# run identity of rollouts ---------------------------------------------------------------------
+def test_a_completion_keeps_what_sampled_it_and_one_without_reads_as_before() -> None:
+    from tandem import Completion, Origin
+
+    sampled = Completion(prompt_ids=[1], completion_ids=[2], rollout_logprobs=[-0.5], version=2,
+                         origin=Origin.of({"run": "alpha", "version": 2, "adapter": "alpha-v2-a1"}))
+    trajectory = sampled.to_trajectory(1.0)
+    assert trajectory.origin == Origin(run="alpha", adapter="alpha-v2-a1")
+    assert TrainJob.model_validate_json(parse_job(job([{"trajectories": [
+        trajectory.model_dump(), trajectory.model_dump()]}])).model_dump_json()).groups[0].trajectories[0] == trajectory
+    # without one (by hand, an older client) the JSON is what it was: older trainers read it, digests hold
+    assert "origin" not in Trajectory.model_validate(traj()).model_dump_json()
+    assert Trajectory.model_validate(traj()).origin is None
+    assert Origin.of({"version": 0}) is None  # a reply that names no run at all
+    assert Origin.of({"run": None, "version": 0, "adapter": None}) == Origin(run=None)  # the base model
+
+
+@pytest.mark.parametrize(
+    ("origin", "version", "words"),
+    [
+        ({"run": None}, 2, ["origin.run is None", "version is 2"]),
+        ({"run": "alpha", "adapter": "beta-v2"}, 2, ["'beta-v2'", "run 'alpha' (v2)"]),
+        ({"run": "alpha", "adapter": "alpha-v1"}, 2, ["'alpha-v1'", "run 'alpha' (v2)"]),
+        ({"run": "alpha", "adapter": "alpha-v0"}, 0, ["'alpha-v0'", "version is 0"]),
+        ({"run": "alpha", "adapter": "tuned"}, 3, ["'tuned'"]),
+        ({"run": "a:b"}, 1, ["run name"]),
+        ({"run": "alpha", "version": 2}, 2, ["version"]),  # extra field
+    ],
+)
+def test_an_origin_that_does_not_fit_the_sample_is_refused(origin: dict, version: int, words: list[str]) -> None:
+    with pytest.raises(ValidationFailed) as info:
+        parse_job(job([{"trajectories": [traj(version=version, origin=origin), traj()]}]))
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_another_runs_rollout_is_refused_naming_the_sample_and_both_runs() -> None:
+    from tandem.jobs import check_origins
+
+    beta = {"run": "beta", "adapter": "beta-v2"}
+    alpha = {"run": "alpha", "adapter": "alpha-v2"}
+    foreign = parse_job({"run": "beta", "groups": [
+        {"trajectories": [traj(version=2, origin=beta), traj(version=2, origin=beta)]},
+        {"trajectories": [traj(version=2, origin=beta)] * 3 + [traj(version=2, origin=alpha)]},
+    ]})
+    with pytest.raises(ValidationFailed) as info:
+        check_origins(foreign)
+    assert info.value.field == "groups.1.trajectories.3.origin.run"
+    assert str(info.value) == (
+        "groups.1.trajectories.3.origin.run: group 1 sample 3 was sampled from run 'alpha' (v2); this job trains "
+        "run 'beta': train each run on its own rollouts (sampled with model 'beta')")
+    # another run's version 0 is still that run's rollout
+    with pytest.raises(ValidationFailed, match="run 'alpha' \\(v0\\)"):
+        check_origins(parse_job({"run": "beta", "groups": [
+            {"trajectories": [traj(origin={"run": "alpha"}), traj()]}]}))
+
+
+def test_the_runs_own_the_base_models_and_unmarked_rollouts_are_accepted() -> None:
+    from tandem.jobs import check_origins
+
+    check_origins(parse_job({"run": "beta", "groups": [{"trajectories": [
+        traj(version=2, origin={"run": "beta", "adapter": "beta-v2"}),
+        traj(version=1, origin={"run": "beta"}),  # hand-built: the run, no adapter name
+        traj(origin={"run": None}),  # the base model by its own name
+        traj(),  # no origin: an older client, or built by hand
+    ]}]}))

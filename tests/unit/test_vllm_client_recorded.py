@@ -1,6 +1,6 @@
 """The vLLM client against what a real vLLM server answered.
 
-tests/fixtures/vllm-<version>.json holds the exchanges bench/record_engine.py --engine vllm
+tests/fixtures/vllm-<version>.json holds the exchanges bench/gpu/record_engine.py --engine vllm
 recorded on a GPU with the version images/locks/vllm.txt pins, tandem's launch flags and dev
 routes; they are replayed here through httpx.MockTransport (the network edge). Each replay also
 checks that the client still sends what was recorded (method, path, query, body), so the bodies

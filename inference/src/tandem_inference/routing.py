@@ -13,9 +13,10 @@ Model strings the gateway accepts:
     <run>@v7, <run>@7   that version, which must be loaded (v0 = the base model)
 
 Rules that keep routing safe: a run enters the table only from the registry (an event alone
-never makes a run), a version enters it only after the engine confirmed its load, under the
-adapter name that load used (so an alias never points at a version the engine lacks), and leaves the routable
-set before it is unloaded (so no request is sent to an unloaded version; SGLang would reload
+never makes a run) and leaves it when it is deleted (its versions then unload once idle), a
+version enters it only after the engine confirmed its load, under the adapter name that load
+used (so an alias never points at a version the engine lacks), and leaves the routable set
+before it is unloaded (so no request is sent to an unloaded version; SGLang would reload
 it silently from disk). Resolution and acquire happen under one lock, without awaiting, so
 the controller cannot retire a version between the two.
 """
@@ -131,6 +132,14 @@ class RoutingTable:
         with self._lock:
             self._loaded[run].pop(version, None)
             return self._in_flight.get(Route(run, version), 0)
+
+    def drop_run(self, run: str) -> dict[int, str]:
+        """Forget a deleted run: it resolves no more. Returns its routable versions (version ->
+        adapter name), to unload once the requests that hold them (still counted in flight) end."""
+        with self._lock:
+            self._runs.discard(run)
+            self._alias.pop(run, None)
+            return self._loaded.pop(run, {})
 
     # what anyone may read ---------------------------------------------------
     def runs(self) -> list[str]:

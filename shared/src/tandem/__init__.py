@@ -10,10 +10,10 @@ from tandem.episodes import Episode, EpisodeState, Turn
 from tandem.handles import TrainHandle
 from tandem.jobs import TrainJob, TrainResult
 from tandem.runs import LoraConfig, LossConfig, OptimizerConfig, RunSpec
-from tandem.trajectories import Completion, Trajectory, TrajectoryGroup
+from tandem.trajectories import Completion, Origin, Trajectory, TrajectoryGroup
 
 __all__ = [
-    "Client", "Completion", "Episode", "EpisodeState", "LoraConfig", "LossConfig", "OptimizerConfig", "Run",
-    "RunSpec", "TrainHandle", "TrainJob", "TrainResult", "Trajectory", "TrajectoryGroup", "Turn",
+    "Client", "Completion", "Episode", "EpisodeState", "LoraConfig", "LossConfig", "OptimizerConfig", "Origin",
+    "Run", "RunSpec", "TrainHandle", "TrainJob", "TrainResult", "Trajectory", "TrajectoryGroup", "Turn",
 ]
 __version__ = "0.1.0"

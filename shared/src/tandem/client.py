@@ -14,6 +14,9 @@ on the rq queue in Redis, and completion is observed on the durable event stream
 Every error user code sees is a `tandem.errors.TandemError`: httpx, redis, rq and pydantic
 errors are translated where they enter. A `train()` that waits rides out a Redis outage
 shorter than its timeout (it reads on from where it was once Redis answers again).
+
+The connections to the gateway and Redis are a `Session`'s (session.py); a new run is checked
+against the engine's card (engine_card.py); waiting on a job is its `TrainHandle`'s (handles.py).
 """
 
 from __future__ import annotations
@@ -25,33 +28,22 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import httpx
-import redis
 from pydantic import ValidationError
 
 from tandem import jobs
+from tandem.deletion import Deletion
+from tandem.engine_card import EngineCard
 from tandem.episodes import Episode
-from tandem.errors import (
-    BackendUnavailable,
-    GatewayError,
-    TrainFailed,
-    TrainTimeout,
-    ValidationFailed,
-    invalid,
-)
-from tandem.events import Event, EventStream
+from tandem.errors import GatewayError, RunBusy, RunNotFound, TrainFailed, TrainTimeout, ValidationFailed, invalid
+from tandem.events import Event
 from tandem.handles import TrainHandle
-from tandem.registry import Registry
-from tandem.runs import LoraConfig, LossConfig, OptimizerConfig, RunSpec, same_base_model
-from tandem.settings import ClientSettings
-from tandem.trajectories import Completion, Trajectory, TrajectoryGroup
+from tandem.runs import LoraConfig, LossConfig, OptimizerConfig, RunSpec
+from tandem.session import Session
+from tandem.trajectories import Completion, Origin, Trajectory, TrajectoryGroup
 
 __all__ = ["Client", "Completion", "Episode", "Run", "TrainHandle"]
 
 log = logging.getLogger(__name__)
-
-FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-"""SGLang's names for the projections it fuses: in an engine's target modules they stand for their parts."""
 
 
 class Scorable(Protocol):
@@ -116,6 +108,7 @@ class Run:
                     rollout_logprobs=ext["completion_logprobs"][i],
                     version=ext["version"],
                     temperature=ext["temperature"],
+                    origin=Origin.of(ext),
                     finish_reason=choice.get("finish_reason"),
                 )
                 for i, choice in enumerate(data["choices"])
@@ -163,7 +156,8 @@ class Run:
 
         wait=True: return the result once the new version serves. wait=False: return a handle
         at once, after making sure at most `max_staleness_steps` jobs are still unserved, so
-        rollouts that follow are never older than the run allows.
+        rollouts that follow are never older than the run allows. Rollouts another run sampled
+        are refused (ValidationFailed naming them) before anything is enqueued.
         """
         conn = self.client.conn
         # 0 is refused, not read as "the default": the job would run on while the caller was told
@@ -171,6 +165,7 @@ class Run:
         timeout = self.client.settings.train_timeout_s if timeout_s is None else timeout_s
         whole = math.ceil(timeout) if timeout >= 1 else timeout
         job = jobs.parse_job({"run": self.name, "groups": list(groups), "timeout_s": whole})
+        jobs.check_origins(job)
         job = job.model_copy(update={"step": self.client.registry.next_step(self.name)})
         after = self.client.events.last_id()
         jobs.enqueue(conn, job)
@@ -246,35 +241,11 @@ class Run:
         return self.client.events.history(run=self.name)
 
 
-class Client:
-    """Entry point of the SDK; one per process, shared by its threads (a Run's pending jobs are taken off by one thread each)."""
+class Client(Session):
+    """Entry point of the SDK; one per process, shared by its threads (a Run's pending jobs are taken off by one thread each).
 
-    def __init__(
-        self,
-        gateway_url: str | None = None,
-        redis_url: str | None = None,
-        *,
-        api_key: str | None = None,
-        settings: ClientSettings | None = None,
-        http: httpx.Client | None = None,
-        conn: redis.Redis | None = None,
-    ) -> None:
-        settings = settings or ClientSettings()
-        updates: dict[str, Any] = {}
-        if gateway_url:
-            updates["gateway_url"] = gateway_url
-        if redis_url:
-            updates["redis"] = settings.redis.model_copy(update={"url": redis_url})
-        self.settings = settings.model_copy(update=updates)
-        key = api_key or (self.settings.api_key.get_secret_value() if self.settings.api_key else None)
-        self.http = http or httpx.Client(
-            base_url=self.settings.gateway_url,
-            timeout=httpx.Timeout(self.settings.request_timeout_s, connect=10.0),
-            headers={"Authorization": f"Bearer {key}"} if key else {},
-        )
-        self.conn = conn or self.settings.redis.connect()
-        self.registry = Registry(self.conn)
-        self.events = EventStream(self.conn)
+    Its connections (the gateway, Redis) and their settings are a `Session`'s.
+    """
 
     def create_run(
         self,
@@ -306,71 +277,19 @@ class Client:
             )
         except ValidationError as exc:
             raise invalid(f"invalid run {name!r}", exc) from exc
-        spec = self._check_base_model(spec)
+        card = EngineCard.of(self.get("/v1/models"))
+        if card is None:
+            log.warning("the gateway at %s does not say which model it serves; cannot check base_model %r",
+                        self.settings.gateway_url, spec.base_model)
+        else:
+            spec = card.fit(spec, self.settings.gateway_url)
         return Run(self, self.registry.create_run(spec))
 
     def engine_model(self) -> tuple[str, str] | None:
         """The engine's model (hub id or path) and the name it serves it under, from the gateway's
         `/v1/models` (the card with a `root`); None when the gateway does not say."""
-        card = self._base_card()
-        return _model_and_name(card) if card else None
-
-    def _base_card(self) -> dict[str, Any] | None:
-        """The base model's card of the gateway's `/v1/models` (the one with a `root`), or None."""
-        cards = self.get("/v1/models").get("data")
-        for card in cards if isinstance(cards, list) else []:
-            if isinstance(card, dict) and isinstance(card.get("root"), str) and card["root"]:
-                return card
-        return None
-
-    def _check_base_model(self, spec: RunSpec) -> RunSpec:
-        """The spec to register: refused unless its base model is the engine's; the engine's served
-        name (`base`) is replaced by the model itself, which is what the trainer loads."""
-        card = self._base_card()
-        if card is None:
-            log.warning("the gateway at %s does not say which model it serves; cannot check base_model %r",
-                        self.settings.gateway_url, spec.base_model)
-            return spec
-        model, served_name = _model_and_name(card)
-        if not same_base_model(spec.base_model, model, served_name):
-            raise ValidationFailed(
-                f"run {spec.name!r} asks for base_model {spec.base_model!r}, but the engine behind "
-                f"{self.settings.gateway_url} serves {model!r} (as {served_name!r}); its adapters would "
-                f"not fit: create the run with base_model={model!r}, or start the stack with that model "
-                "(TANDEM_ENGINE__MODEL)",
-                field="base_model",
-            )
-        self._check_lora(spec, card.get("lora"))
-        if spec.base_model == served_name != model and not same_base_model(spec.base_model, model):
-            return spec.model_copy(update={"base_model": model})  # a name no trainer could load
-        return spec
-
-    def _check_lora(self, spec: RunSpec, limits: Any) -> None:
-        """Refuse a run whose adapters the engine would refuse to load (after their first step):
-        a rank above its max_lora_rank, or modules outside its target modules ("all": any; SGLang's
-        fused names stand for their parts)."""
-        if not isinstance(limits, dict):
-            return
-        max_rank = limits.get("max_rank")
-        if isinstance(max_rank, int) and spec.lora.r > max_rank:
-            raise ValidationFailed(
-                f"run {spec.name!r} asks for lora.r={spec.lora.r}, but the engine behind {self.settings.gateway_url} "
-                f"loads adapters up to rank {max_rank}: create the run with r <= {max_rank}, or start the "
-                f"stack with TANDEM_ENGINE__MAX_LORA_RANK >= {spec.lora.r}",
-                field="lora.r",
-            )
-        modules = limits.get("target_modules")
-        if isinstance(modules, list) and "all" not in modules:
-            allowed = {str(m) for m in modules}
-            allowed |= {part for fused, parts in FUSED_MODULES.items() if fused in allowed for part in parts}
-            missing = sorted(set(spec.lora.target_modules) - allowed)
-            if missing:
-                raise ValidationFailed(
-                    f"run {spec.name!r} targets {missing}, but the engine behind {self.settings.gateway_url} "
-                    f"prepares LoRA only for {modules}: drop them from lora.target_modules, or start the "
-                    "stack with them in TANDEM_ENGINE__LORA_TARGET_MODULES",
-                    field="lora.target_modules",
-                )
+        card = EngineCard.of(self.get("/v1/models"))
+        return (card.model, card.served_name) if card else None
 
     def run(self, name: str) -> Run:
         """Open an existing run."""
@@ -379,64 +298,23 @@ class Client:
     def runs(self) -> list[str]:
         return self.registry.list_runs()
 
-    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """POST `body` to the gateway; its JSON object answer, or GatewayError / BackendUnavailable."""
-        return self._request("POST", path, body)
+    def delete_run(self, name: str) -> Deletion:
+        """Delete a run through the gateway (DELETE /v1/runs/<name>): its versions, queued jobs, registry
+        keys and episodes, and the engine stops serving it (tandem.deletion says what is kept).
 
-    def get(self, path: str) -> dict[str, Any]:
-        """GET from the gateway; its JSON object answer, or GatewayError / BackendUnavailable."""
-        return self._request("GET", path, None)
-
-    def delete(self, path: str) -> None:
-        """DELETE on the gateway; GatewayError / BackendUnavailable when it fails."""
-        self._request("DELETE", path, None)
-
-    def _request(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        RunNotFound when no such run is registered (deleting twice is an error, not a no-op);
+        RunBusy, naming the job, while a job of the run runs.
+        """
         try:
-            resp = self.http.request(method, path, json=body)
-        except httpx.HTTPError as exc:
-            raise BackendUnavailable(
-                f"gateway at {self.settings.gateway_url} did not answer {path} ({exc}); "
-                "is the stack up? set TANDEM_GATEWAY_URL"
-            ) from exc
-        try:
-            payload: Any = resp.json()
-        except ValueError:
-            payload = resp.text
-        if resp.status_code >= 400:
-            raise GatewayError(f"{path} -> {resp.status_code}: {_message(payload) or resp.text}",
-                               status_code=resp.status_code, body=payload)
-        if resp.status_code == 204:
-            return {}
-        if not isinstance(payload, dict):
-            raise GatewayError(
-                f"{path} -> {resp.status_code} with a body that is not a JSON object ({resp.text[:200]!r}); "
-                f"is TANDEM_GATEWAY_URL ({self.settings.gateway_url}) tandem's gateway?",
-                status_code=resp.status_code, body=payload,
-            )
-        return payload
-
-    def close(self) -> None:
-        self.http.close()
-        self.conn.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _model_and_name(card: dict[str, Any]) -> tuple[str, str]:
-    """The engine's model (a card's `root`) and the name it is served under (the card's `id`)."""
-    return str(card["root"]), str(card.get("id") or "")
-
-
-def _message(payload: object) -> str | None:
-    """The error message of a gateway (OpenAI `error.message`, FastAPI `detail`) or None."""
-    if not isinstance(payload, dict):
-        return None
-    error = payload.get("error")
-    message = error.get("message") if isinstance(error, dict) else error
-    return str(message or payload.get("detail") or "") or None
-
+            return Deletion.model_validate(self.delete(f"/v1/runs/{name}"))
+        except GatewayError as exc:
+            if exc.status_code == 404:
+                raise RunNotFound(str(exc)) from exc
+            if exc.status_code == 409:
+                error = exc.body.get("error") if isinstance(exc.body, dict) else None
+                job = error.get("job_id") if isinstance(error, dict) else None
+                raise RunBusy(str(exc), job_id=job if isinstance(job, str) else None) from exc
+            raise
+        except ValidationError as exc:
+            raise GatewayError(f"DELETE /v1/runs/{name} answered without what it deleted: {exc}",
+                               status_code=200) from exc

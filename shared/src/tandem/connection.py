@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 import redis
-from redis.exceptions import AuthenticationError, AuthorizationError
+from redis.exceptions import AuthenticationError, AuthorizationError, NoPermissionError
 
 from tandem.errors import BackendUnavailable
 
@@ -32,6 +32,10 @@ RETRY_MAX_PAUSE_S = 2.0
 
 #: What to do when Redis does not answer; the end of every `BackendUnavailable` about Redis.
 ADVICE = "start Redis (`tandem up` or the stack's redis service) or point TANDEM_REDIS__URL at it"
+
+#: What to do when Redis refuses a command to the user of the URL (NOPERM, tandem.acl).
+ROLE_ADVICE = ("its Redis user may not do that: give this service its own role's URL in TANDEM_REDIS__URL "
+               "(docs/operations.md, \"Redis roles and what each may do\")")
 
 
 def redis_url(conn: redis.Redis) -> str:
@@ -55,6 +59,8 @@ def text(raw: bytes | str) -> str:
 
 def unavailable(conn: redis.Redis, action: str, exc: redis.RedisError) -> BackendUnavailable:
     """The error to raise when `action` (e.g. "read run 'r'") failed with `exc`."""
+    if isinstance(exc, NoPermissionError):
+        return BackendUnavailable(f"cannot {action}: Redis at {redis_url(conn)} refused it ({exc}); {ROLE_ADVICE}")
     return BackendUnavailable(f"cannot {action}: Redis at {redis_url(conn)} failed ({exc}); {ADVICE}")
 
 

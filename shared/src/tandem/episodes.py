@@ -16,7 +16,9 @@ returned, and the rollout logprobs fit them. Any OpenAI client gets the same by 
 Staleness: one episode may span adapter versions when a new one starts serving between two
 turns. A trajectory carries one version, so an episode is as stale as its OLDEST turn
 (`version = min(versions)`): the trainer's `max_staleness_steps` check then holds for every
-token in it, and the importance ratio uses each token's own rollout logprob anyway.
+token in it, and the importance ratio uses each token's own rollout logprob anyway. Its origin
+(the run and adapter, `tandem.trajectories.Origin`) is that turn's too; every turn of an episode
+is served by one run (the gateway refuses a turn that names another).
 """
 
 from __future__ import annotations
@@ -24,15 +26,13 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tandem.errors import GatewayError, ValidationFailed, invalid
-from tandem.trajectories import Completion, Trajectory
-
-if TYPE_CHECKING:
-    from tandem.client import Run
+from tandem.session import SessionRun
+from tandem.trajectories import Completion, Origin, Trajectory
 
 __all__ = ["EPISODE_ID", "Episode", "EpisodeState", "Turn"]
 
@@ -73,6 +73,11 @@ class EpisodeState(BaseModel):
     """Per turn: the adapter version that sampled it."""
     temperatures: list[float]
     """Per turn: the temperature its logprobs are under (1 for greedy)."""
+    runs: list[str | None] | None = None
+    """Per turn: the run that served it (None in the list: the base model asked for by its own
+    name); None when the gateway did not say (one older than the field)."""
+    adapters: list[str | None] | None = None
+    """Per turn: the adapter that served it (None in the list: version 0); None when not said."""
 
     @model_validator(mode="after")
     def _aligned(self) -> EpisodeState:
@@ -83,10 +88,24 @@ class EpisodeState(BaseModel):
         if len(self.versions) != self.turns or len(self.temperatures) != self.turns:
             raise ValueError(f"{self.turns} turns but {len(self.versions)} versions and "
                              f"{len(self.temperatures)} temperatures")
+        for name, per_turn in (("runs", self.runs), ("adapters", self.adapters)):
+            if per_turn is not None and len(per_turn) != self.turns:
+                raise ValueError(f"{self.turns} turns but {len(per_turn)} {name}")
         return self
 
+    def _origin(self) -> Origin | None:
+        """What sampled the episode's oldest turn (the trajectory's version); None when the gateway did not say."""
+        if self.runs is None or not self.turns:
+            return None
+        if len(set(self.runs)) > 1:
+            raise ValidationFailed(
+                f"episode {self.id!r} was sampled from runs {self.runs}; one trajectory is one run's rollout: "
+                "sample every turn of an episode from the run it trains", field="runs")
+        oldest = self.versions.index(min(self.versions))
+        return Origin(run=self.runs[oldest], adapter=self.adapters[oldest] if self.adapters else None)
+
     def to_trajectory(self, reward: float) -> Trajectory:
-        """The whole episode with its reward, as one trajectory; version = its oldest turn's."""
+        """The whole episode with its reward, as one trajectory; version and origin = its oldest turn's."""
         if not self.turns:
             raise ValidationFailed(f"episode {self.id!r} has no sampled turn; call sample() before "
                                    "trajectory()", field="turns")
@@ -98,7 +117,8 @@ class EpisodeState(BaseModel):
         try:
             return Trajectory(prompt_ids=self.prompt_ids, completion_ids=self.completion_ids,
                               rollout_logprobs=self.rollout_logprobs, loss_mask=self.loss_mask,
-                              version=min(self.versions), temperature=self.temperatures[0], reward=reward)
+                              version=min(self.versions), temperature=self.temperatures[0],
+                              origin=self._origin(), reward=reward)
         except ValidationError as exc:
             raise invalid(f"episode {self.id!r} cannot be trained on", exc) from exc
 
@@ -113,7 +133,7 @@ class Episode:
 
     def __init__(
         self,
-        run: Run,
+        run: SessionRun,
         messages: Sequence[dict[str, Any]],
         *,
         tools: Sequence[dict[str, Any]] | None = None,
@@ -215,7 +235,7 @@ def _parse_turn(data: dict[str, Any], gateway_url: str) -> tuple[Turn, EpisodeSt
             message=message, finish_reason=choice.get("finish_reason"),
             prompt_ids=ext["prompt_token_ids"], completion_ids=ext["completion_token_ids"][0],
             rollout_logprobs=ext["completion_logprobs"][0], version=ext["version"],
-            temperature=ext["temperature"],
+            temperature=ext["temperature"], origin=Origin.of(ext),
         )
     except (KeyError, IndexError, TypeError, AttributeError, ValidationError) as exc:
         raise GatewayError(

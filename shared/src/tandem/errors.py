@@ -5,7 +5,9 @@
     ├── ValidationFailed       data that breaks a contract (a job, a run, a group, a Redis value)
     │   └── JobRefused         a queued job that is not a tandem train job (never run, never retried)
     ├── RunNotFound            a run name the registry does not know
-    ├── RunExists              create_run on a name that is taken, with another spec
+    ├── RunExists              create_run on a name that is taken, with another spec (or a
+    │                          deleted run's, until the trainer removed its versions)
+    ├── RunBusy                deleting a run while a job of it runs (the job is named)
     ├── AdapterError
     │   ├── AdapterRejected    a version on disk that fails verification (checksum, path, rank)
     │   │   └── AdapterNotVisible  its directory or files are not there (yet): retried, never final
@@ -58,6 +60,15 @@ class RunNotFound(TandemError):
 
 class RunExists(TandemError):
     """A run of this name exists with a different spec."""
+
+
+class RunBusy(TandemError):
+    """A run that cannot be deleted now: a job of it runs (`job_id`, None when only the run's lock
+    names its holder), or the train queue kept changing under the deletion."""
+
+    def __init__(self, message: str, *, job_id: str | None = None) -> None:
+        super().__init__(message)
+        self.job_id = job_id
 
 
 class AdapterError(TandemError):

@@ -22,6 +22,7 @@ from typing import Any
 
 import redis
 from pydantic import BaseModel, Field, ValidationError
+from redis.client import Pipeline
 from redis.typing import EncodableT, FieldT
 
 from tandem import keys
@@ -45,6 +46,9 @@ class EventKind(StrEnum):
     """The inference side refused a version; the previous one keeps serving."""
     TRAIN_FAILED = "train_failed"
     """A train job failed; `data.message` says why."""
+    RUN_DELETED = "run_deleted"
+    """A run was deleted (tandem.deletion): every inference replica stops routing to it and unloads its
+    adapters. A claim only: a replica acts on it for a run the registry no longer has."""
 
 
 class Event(BaseModel):
@@ -144,11 +148,14 @@ class EventStream:
 
     def append(self, event: Event) -> str:
         """Append an event; returns its entry id."""
-        # xadd takes dict[FieldT, EncodableT] and dict is invariant, so build one of that type.
-        fields: dict[FieldT, EncodableT] = {k: v for k, v in event.fields().items()}
         with translated(self.conn, f"append {event.kind} to {keys.EVENTS}"):
-            entry_id = self.conn.xadd(keys.EVENTS, fields, maxlen=MAX_LEN, approximate=True)
+            entry_id = self.conn.xadd(keys.EVENTS, _fields(event), maxlen=MAX_LEN, approximate=True)
         return text(entry_id)
+
+    @staticmethod
+    def append_in(pipe: Pipeline, event: Event) -> None:
+        """Queue the event's append in `pipe`, so that it is appended with the rest of a transaction."""
+        pipe.xadd(keys.EVENTS, _fields(event), maxlen=MAX_LEN, approximate=True)
 
     def last_id(self) -> str:
         """Id of the newest entry, or '0-0' for an empty stream; read after it to see only new events."""
@@ -201,6 +208,11 @@ class EventStream:
             page = self.read(after, block_ms=wait)
             yield from page
             after = page.last_id
+
+
+def _fields(event: Event) -> dict[FieldT, EncodableT]:
+    # xadd takes dict[FieldT, EncodableT] and dict is invariant, so build one of that type.
+    return {k: v for k, v in event.fields().items()}
 
 
 class Cursor:

@@ -4,10 +4,12 @@
 stream from just before the job was submitted until the inference side announces that the
 job's version (or a newer one) serves on every ready inference replica (tandem.replicas), or
 that the job failed, or that its version was refused by every replica that answered and served
-by none. It
-rides out a Redis outage shorter than its timeout: once Redis answers again it reads on from
-where it was. A failure that left no event (a worker killed with no retries left) is caught in
-rq's record of the job.
+by none. A ready replica that a serving replica left behind (its `adapter_loaded` names it in
+`without`: it did not hold the version within `replica.agree_s`) is not waited for unless it
+has said that it holds the version: the replicas decided without it. It rides out a Redis
+outage shorter than its timeout: once Redis answers again it reads on from where it was. A
+failure that left no event (a worker killed with no retries left) is caught in rq's record of
+the job.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 from rq.job import Job, JobStatus
@@ -27,9 +28,7 @@ from tandem.errors import BackendUnavailable, TrainFailed, TrainTimeout, describ
 from tandem.events import Event, EventKind, EventPage
 from tandem.jobs import TrainResult
 from tandem.replicas import Replicas
-
-if TYPE_CHECKING:
-    from tandem.client import Run
+from tandem.session import SessionRun
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +37,7 @@ log = logging.getLogger(__name__)
 class TrainHandle:
     """A submitted train job; `result()` waits until its version serves."""
 
-    run: Run
+    run: SessionRun
     job_id: str
     step: int
     after: str
@@ -53,6 +52,10 @@ class TrainHandle:
     """Replica -> why it refused the version."""
     _held: set[str] = field(default_factory=set)
     """Replicas that said they hold the version (`adapter_held`): they take part."""
+    _left_behind: set[str] = field(default_factory=set)
+    """Replicas a serving replica served the version without (`without` of its `adapter_loaded`)."""
+    _not_waited: set[str] = field(default_factory=set)
+    """Replicas already named in a warning as not waited for."""
     _first_served: float | None = None
     """Monotonic time the first replica was seen serving the version."""
     _failure: TrainFailed | None = None
@@ -165,20 +168,32 @@ class TrainHandle:
         ):
             replica = str(event.data.get("replica") or "")
             self._served[replica] = max(self._served.get(replica, 0.0), event.ts)
+            without = event.data.get("without")
+            if isinstance(without, list):
+                self._left_behind.update(str(r) for r in without)
 
     def _settled(self, deadline: float) -> bool:
         """True once every ready replica serves the version (those that refused it aside), with
         the result set; TrainFailed once every ready replica refused it and none serves it.
 
         A ready replica that has said nothing of the version (no `adapter_held`, `adapter_loaded`
-        or `adapter_rejected`) is waited for only `silent_replica_s` after the first one serves it:
-        a heartbeat alone (a forged one, a replica stuck before loading) cannot hold train() to
+        or `adapter_rejected`) is not waited for once a serving replica served without it (after
+        `replica.agree_s`), and at most `silent_replica_s` after the first one serves it: a
+        heartbeat alone (a forged one, a replica stuck before loading) cannot hold train() to
         its timeout."""
         if not self._served and not self._refused:
             return False
-        replicas = call_until(deadline, Replicas(self.run.client.conn).live,
+        replicas = call_until(deadline, Replicas(self.run.client.conn, prune=False).live,
                               what=f"reading the inference replicas for job {self.job_id}")
         needed = {r.id for r in replicas if r.ready}
+        left = needed & (self._left_behind - self._held - self._served.keys() - self._refused.keys())
+        if left - self._not_waited:
+            log.warning("job %s: not waiting for replicas %s: they did not hold v%s within replica.agree_s "
+                        "and the replicas serving it went on without them (a stale or forged heartbeat, or "
+                        "a replica that lags: it leaves rotation until it catches up)",
+                        self.job_id, sorted(left - self._not_waited), self._version)
+            self._not_waited |= left
+        needed -= left
         if self._served:
             self._first_served = self._first_served or time.monotonic()
             if time.monotonic() - self._first_served > self.run.client.settings.silent_replica_s:

@@ -2,7 +2,9 @@
 
 Jobs are serialized as JSON (rq's JSONSerializer), validated with pydantic on both ends,
 carry an explicit timeout, and are idempotent by `job_id`: a retried job finds the version
-it already published instead of publishing a second one.
+it already published instead of publishing a second one. A job trains one run on that run's
+own rollouts (`check_origins`), checked by the client before it enqueues and by the trainer
+before it trains.
 
 Redis is a code-execution boundary: rq imports and calls whatever function and callbacks a
 job hash names. The train queue therefore carries `GuardedJob`, an rq job class that
@@ -28,7 +30,7 @@ from rq.utils import import_attribute
 
 from tandem import keys
 from tandem.connection import translated
-from tandem.errors import JobRefused, invalid
+from tandem.errors import JobRefused, ValidationFailed, invalid
 from tandem.runs import check_run_name
 from tandem.trajectories import TrajectoryGroup
 
@@ -64,6 +66,27 @@ class TrainJob(BaseModel):
         if not v:
             raise ValueError("the job has no groups; give at least one trajectory group")
         return v
+
+
+def check_origins(job: TrainJob) -> None:
+    """Every trajectory was sampled by the job's run (any version), by the base model asked for by its
+    own name, or by what it does not say (`origin` None: built by hand, or by an older client);
+    else ValidationFailed naming the first trajectory another run sampled, and both runs.
+
+    Version numbers alone cannot tell: version 2 of another run passes every staleness check of
+    this one, and its importance ratio would correct against a policy this run never had.
+    """
+    for g, group in enumerate(job.groups):
+        for t, traj in enumerate(group.trajectories):
+            origin = traj.origin
+            if origin is None or origin.run is None or origin.run == job.run:
+                continue
+            field = f"groups.{g}.trajectories.{t}.origin.run"
+            raise ValidationFailed(
+                f"{field}: group {g} sample {t} was sampled from {origin.describe(traj.version)}; this job "
+                f"trains run {job.run!r}: train each run on its own rollouts (sampled with model {job.run!r})",
+                field=field,
+            )
 
 
 def groups_digest(job: TrainJob) -> str:

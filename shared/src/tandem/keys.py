@@ -17,6 +17,10 @@ EVENTS = f"{PREFIX}:events"
 #: Set of run names.
 RUNS = f"{PREFIX}:runs"
 
+#: Set of deleted runs whose directories the trainer has yet to remove from the adapter store
+#: (tandem.deletion); a name in it cannot be created again until the trainer has.
+DELETED_RUNS = f"{PREFIX}:runs:deleted"
+
 
 def run(name: str) -> str:
     """JSON of the run's spec."""
@@ -58,6 +62,12 @@ def run_lock(name: str) -> str:
     return f"{PREFIX}:run:{name}:lock"
 
 
+def run_state(name: str) -> list[str]:
+    """Every key of one run but its lock: what deleting the run removes (tandem.deletion)."""
+    return [run(name), run_versions(name), run_jobs(name), run_steps(name), run_serving(name), run_loaded(name),
+            run_load_attempts(name)]
+
+
 def cursor(consumer: str) -> str:
     """Last event id a consumer has handled."""
     return f"{PREFIX}:cursor:{consumer}"
@@ -94,3 +104,10 @@ def replica(replica_id: str) -> str:
 def episode(episode_id: str) -> str:
     """JSON of a multi-turn episode the gateway keeps: its messages and token ids (expires)."""
     return f"{PREFIX}:episode:{episode_id}"
+
+
+def run_episodes(name: str) -> str:
+    """Set of the ids of a run's episodes, so that deleting the run finds them (the gateway's; it
+    expires with the newest of them). Apart from the run's keys: a client reads those, never an
+    episode id."""
+    return f"{PREFIX}:run-episodes:{name}"

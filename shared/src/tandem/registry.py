@@ -27,6 +27,9 @@ from tandem.runs import RunSpec
 
 T = TypeVar("T")
 
+#: Tries of `create_run` while other writers change what it watches (the run, the deleted runs).
+CREATE_ATTEMPTS = 20
+
 
 def _members(reply: list[bytes | str] | list[tuple[bytes | str, Any]] | list[list[Any]]) -> list[bytes | str]:
     """Members of a sorted-set range read without scores (redis-py types the reply as every shape)."""
@@ -63,16 +66,36 @@ class Registry:
 
     # runs -----------------------------------------------------------------
     def create_run(self, spec: RunSpec, *, exist_ok: bool = True) -> RunSpec:
-        """Register a run; an existing run with the same spec is returned as it is."""
-        raw = spec.model_dump_json()
-        with translated(self.conn, f"register run {spec.name!r}"):
-            if self.conn.set(keys.run(spec.name), raw, nx=True):
-                self.conn.sadd(keys.RUNS, spec.name)
+        """Register a run; an existing run with the same spec is returned as it is.
+
+        A name whose deleted run's versions are still in the store (`keys.DELETED_RUNS`, until the
+        trainer removed them) is refused with RunExists; the check and the creation are one
+        transaction, so a deletion cannot come between them.
+        """
+        name = spec.name
+        for _ in range(CREATE_ATTEMPTS):
+            with translated(self.conn, f"register run {name!r}"), self.conn.pipeline() as pipe:
+                try:
+                    pipe.watch(keys.run(name), keys.DELETED_RUNS)  # type: ignore[no-untyped-call]
+                    if pipe.sismember(keys.DELETED_RUNS, name):
+                        raise RunExists(
+                            f"run {name!r} was deleted and the trainer has not yet removed its versions from the "
+                            "adapter store (a live trainer does within seconds); create it again after that, "
+                            "or pick another name")
+                    pipe.multi()
+                    # SETNX, not SET NX: the client's Redis user may create a key, never overwrite one (tandem.acl)
+                    pipe.setnx(keys.run(name), spec.model_dump_json())
+                    pipe.sadd(keys.RUNS, name)
+                    created, _ = pipe.execute()
+                except redis.WatchError:
+                    continue  # created, or a run deleted meanwhile: look again
+            if created:
                 return spec
-        existing = self.get_run(spec.name)
+            break
+        existing = self.get_run(name)
         if existing != spec or not exist_ok:
             raise RunExists(
-                f"run {spec.name!r} exists with another spec ({existing.model_dump_json()}); "
+                f"run {name!r} exists with another spec ({existing.model_dump_json()}); "
                 "pick another name or open it with the same settings"
             )
         return existing
@@ -96,6 +119,21 @@ class Registry:
     def list_runs(self) -> list[str]:
         with translated(self.conn, "list runs"):
             return sorted(text(m) for m in self.conn.smembers(keys.RUNS))
+
+    def has_run(self, name: str) -> bool:
+        """Whether the run is registered (its spec is there)."""
+        with translated(self.conn, f"look up run {name!r}"):
+            return self.conn.get(keys.run(name)) is not None
+
+    def deleted_runs(self) -> list[str]:
+        """Deleted runs whose directories the trainer has yet to remove from the store (tandem.deletion)."""
+        with translated(self.conn, f"read {keys.DELETED_RUNS}"):
+            return sorted(text(m) for m in self.conn.smembers(keys.DELETED_RUNS))
+
+    def forget_deleted(self, name: str) -> None:
+        """The deleted run's directory is gone from the store: its name may be created again."""
+        with translated(self.conn, f"remove run {name!r} from {keys.DELETED_RUNS}"):
+            self.conn.srem(keys.DELETED_RUNS, name)
 
     def next_step(self, run: str) -> int:
         """Allocate the next client-side train step number (1, 2, ...)."""
@@ -130,6 +168,12 @@ class Registry:
             found = _members(self.conn.zrange(keys.run_versions(run), 0, -1))
         key = keys.run_versions(run)
         return [_parsed(key, m, Manifest.model_validate_json, "a version manifest") for m in found]
+
+    def retire_version(self, run: str, version: int) -> None:
+        """Forget a version the retention policy removes (its manifest); the job that made it stays
+        recorded, so that a late retry of that job is refused, never trained again."""
+        with translated(self.conn, f"retire version {version} of run {run!r}"):
+            self.conn.zremrangebyscore(keys.run_versions(run), version, version)
 
     def version_of_job(self, run: str, job_id: str) -> int | None:
         with translated(self.conn, f"read the version of job {job_id} of run {run!r}"):

@@ -6,7 +6,8 @@ is ready, and per run the version it serves and the versions it has loaded -- to
 `tandem:replica:<id>` with an expiry of `replica.ttl_s`, and adds its id to `tandem:replicas`.
 A replica that stops deletes its key; one that dies drops out when the expiry passes. Readers
 (`tandem status`, the client, other replicas) take `Replicas.live()` as the truth: an id in the
-set whose key expired is removed there, and a key that does not parse is skipped and logged.
+set whose key expired is removed there (by the replicas: the client's Redis user only reads, so
+its `Replicas(conn, prune=False)` leaves them), and a key that does not parse is skipped and logged.
 
 Every public method raises `BackendUnavailable`, naming the Redis URL, when Redis fails.
 """
@@ -54,8 +55,10 @@ class ReplicaState(BaseModel):
 class Replicas:
     """The heartbeats of the inference replicas sharing one Redis."""
 
-    def __init__(self, conn: redis.Redis) -> None:
+    def __init__(self, conn: redis.Redis, *, prune: bool = True) -> None:
         self.conn = conn
+        self.prune = prune
+        """Whether `live()` removes the ids whose heartbeat expired (a writer's job: the client only reads)."""
 
     def beat(self, state: ReplicaState, ttl_s: float) -> None:
         """Write `state` with an expiry of `ttl_s` and list the replica."""
@@ -80,7 +83,7 @@ class Replicas:
             ids = sorted(text(raw) for raw in self.conn.smembers(keys.REPLICAS))
             raws = self.conn.mget([keys.replica(i) for i in ids]) if ids else []
             gone = [i for i, raw in zip(ids, raws, strict=True) if raw is None]
-            if gone:
+            if gone and self.prune:
                 self.conn.srem(keys.REPLICAS, *gone)
         states = []
         for replica_id, raw in zip(ids, raws, strict=True):

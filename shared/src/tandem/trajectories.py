@@ -8,19 +8,60 @@ that sampled be older than the one training (their convention, the temperature-s
 `Trajectory` is the same sample scored (its reward) and ready to train on, with `loss_mask`
 marking which completion tokens are trained on (0 for tool output or user turns inside a
 multi-turn completion).
+
+A sample also keeps what sampled it (`origin`: the run and the adapter, as the gateway's `tandem`
+extension reported them), so that a job of one run cannot train on another run's rollouts
+(`tandem.jobs.check_origins`, on the client and again on the trainer). A sample without an
+origin (built by hand, or by a client older than the field) is trained as any run's.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tandem.errors import invalid
+from tandem.runs import check_run_name, parse_adapter_name
+
+
+class Origin(BaseModel):
+    """What sampled a completion, as the gateway's `tandem` extension reported it: the run whose
+    version served the request and the engine's name of that version's adapter.
+
+    `Origin(run=None)` marks the base model asked for by its own name (no run, no adapter): any
+    run may train on it. The version is the sample's own `version`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run: str | None
+    """The run whose version sampled it; None for the base model asked for by its own name."""
+    adapter: str | None = None
+    """The engine's name of that version's adapter (`<run>-v<version>`); None for version 0, the base model."""
+
+    @field_validator("run")
+    @classmethod
+    def _run(cls, run: str | None) -> str | None:
+        return None if run is None else check_run_name(run)
+
+    @classmethod
+    def of(cls, extension: Mapping[str, Any]) -> Origin | None:
+        """The origin a gateway reply's `tandem` object reports (its `run` and `adapter`); None when
+        it names no run at all (not tandem's gateway, or one older than the field)."""
+        if "run" not in extension:
+            return None
+        return cls(run=extension["run"], adapter=extension.get("adapter"))
+
+    def describe(self, version: int) -> str:
+        """`run 'alpha' (v2)`, or `the base model` (for messages)."""
+        return "the base model" if self.run is None else f"run {self.run!r} (v{version})"
 
 
 class Sample(BaseModel):
-    """The exact tokens of one sampled completion, their logprobs, and the version that sampled them."""
+    """The exact tokens of one sampled completion, their logprobs, and the version (and run) that sampled them."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -35,6 +76,28 @@ class Sample(BaseModel):
     temperature: float = Field(1.0, gt=0, le=2)
     """The temperature whose distribution `rollout_logprobs` are under (`tandem.logprobs`: the
     sampling temperature, 1 for greedy); the trainer divides its logits by it."""
+    origin: Origin | None = Field(None, exclude_if=lambda origin: origin is None)
+    """What sampled it, as the gateway reported it; None when not known (then it is trained as any
+    run's). Left out of the JSON when None, so a sample without one reads as it did before the field."""
+
+    @model_validator(mode="after")
+    def _origin_fits_version(self) -> Sample:
+        origin = self.origin
+        if origin is None:
+            return self
+        if origin.run is None and self.version != 0:
+            raise ValueError(f"origin.run is None (the base model, version 0) but version is {self.version}; "
+                             "give the run that sampled it")
+        if origin.adapter is not None and self.version == 0:
+            raise ValueError(f"origin.adapter is {origin.adapter!r} but version is 0, the base model, which "
+                             "no adapter serves; give adapter None")
+        if origin.adapter is not None:
+            parsed = parse_adapter_name(origin.adapter)
+            if parsed is None or parsed[:2] != (origin.run, self.version):
+                raise ValueError(f"origin.adapter {origin.adapter!r} is not the adapter of "
+                                 f"{origin.describe(self.version)}; keep the gateway's run, version and "
+                                 "adapter together")
+        return self
 
 
 class Completion(Sample):
@@ -57,7 +120,8 @@ class Completion(Sample):
         try:
             return Trajectory(prompt_ids=self.prompt_ids, completion_ids=self.completion_ids,
                               rollout_logprobs=self.rollout_logprobs, version=self.version,
-                              temperature=self.temperature, reward=reward, loss_mask=loss_mask)
+                              temperature=self.temperature, origin=self.origin, reward=reward,
+                              loss_mask=loss_mask)
         except ValidationError as exc:
             raise invalid("this completion cannot be trained on", exc) from exc
 

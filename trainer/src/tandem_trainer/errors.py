@@ -9,6 +9,7 @@
         ├── TrainStepFailed          the step itself failed (out of memory, non-finite loss); may be retried
         │   ├── RankFailed           data-parallel: one rank's share failed; the ranks carry on
         │   └── RanksLost            data-parallel: a rank stopped; torchrun restarts the ranks
+        ├── RendezvousFailed         data-parallel nodes: nobody came to the rendezvous in time; the node exits
         ├── LockTimeout              another worker held the run's lock for the whole wait
         └── TinyModelDirTaken        the tiny model's directory holds something else (also a FileExistsError)
 
@@ -73,3 +74,8 @@ class RankFailed(TrainStepFailed):
 class RanksLost(TrainStepFailed):
     """Data-parallel training: the ranks can no longer talk (one of them stopped); torchrun
     starts them all again."""
+
+
+class RendezvousFailed(TrainerError):
+    """Data-parallel nodes: the others did not come to the rendezvous, or its store did not answer,
+    within `parallel.rendezvous_timeout_s`; the node's trainer exits."""

@@ -4,13 +4,20 @@
 `parallel.nodes`) runs torchrun here (`launch`), which starts `tandem_trainer.main` once per
 local rank and starts them all again when one fails (parallel.py says what the ranks do).
 
-- One machine: `--standalone`; the ranks meet on loopback and gloo/NCCL stay on `lo`.
+The ranks meet at torchrun's c10d rendezvous, whose store this process hosts when it is this
+machine's to host, listening on one address only (rendezvous.py); torchrun joins it as a client.
+The ranks' own store is new at every start (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`: rank 0 hosts
+it on a fresh port, on its node's address; torchrun's agent would host one on every interface).
+
+- One machine: the rendezvous is on a free port of loopback; gloo and NCCL stay on `lo`.
 - Several machines (`parallel.nodes > 1`): every node runs `tandem-trainer` with the same
-  settings; torchrun's c10d rendezvous at `parallel.rendezvous_endpoint` joins them into one
-  group (the node whose host that is hosts the rendezvous store). The ranks' own store is then
-  new at every start (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`: rank 0 hosts it on a fresh port),
-  since the nodes' restart counts differ (a node restarts its ranks without counting a restart
-  when another node's rank failed) and cannot name a start on every node alike.
+  settings and they meet at `parallel.rendezvous_endpoint`: the node whose address that is hosts
+  the store, the others wait for it to answer. A start of the ranks is named by its store's
+  address (parallel.py), since the nodes' restart counts differ (a node restarts its ranks without
+  counting a restart when another node's rank failed). When the nodes lose each other around the
+  rendezvous (a node stops just after joining a round, or the store's host stops), torchrun raises
+  a store error on the node left; that node goes back to the rendezvous and waits for the others
+  (`rendezvous.lost`), at most `max_restarts` times, instead of exiting.
 
 What cannot work is found before any rank starts (`preflight`: the GPUs, the backend, Redis),
 and a configuration error that only a rank meets (`ConfigError`: a worker name in use, a
@@ -33,6 +40,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tandem.settings import ParallelSettings, TrainerSettings
+    from tandem_trainer.rendezvous import Rendezvous
 
 log = logging.getLogger("tandem_trainer")
 
@@ -45,21 +53,18 @@ CONFIG_ERROR_EXIT = 3
 CONFIG_ERROR_FILE_ENV = "TANDEM_TRAINER_CONFIG_ERROR_FILE"
 
 
-def torchrun_args(parallel: ParallelSettings, ranks: int, args: list[str]) -> list[str]:
+def torchrun_args(parallel: ParallelSettings, ranks: int, args: list[str], endpoint: str) -> list[str]:
     """torchrun's arguments for `ranks` trainer processes on this machine, alone or as one node of
-    `parallel.nodes`."""
-    if parallel.nodes == 1 and parallel.rendezvous_endpoint is None:
-        where = ["--standalone"]
-    else:
-        where = [
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={parallel.rendezvous_endpoint}",
-            f"--rdzv-id={parallel.rendezvous_id}", f"--nnodes={parallel.nodes}",
-            f"--rdzv-conf=join_timeout={parallel.rendezvous_timeout_s}",
-        ]
-        if parallel.node_address is not None:
-            where.append(f"--local-addr={parallel.node_address}")
+    `parallel.nodes`, meeting at the rendezvous at `endpoint` (`Rendezvous.endpoint`)."""
+    alone = parallel.rendezvous_endpoint is None
+    address = "127.0.0.1" if alone else parallel.node_address
     return [
-        *where, f"--nproc-per-node={ranks}", f"--max-restarts={parallel.max_restarts}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={parallel.rendezvous_id}",
+        f"--nnodes={parallel.nodes}",
+        # the launcher hosts the store (rendezvous.py): torchrun only joins it
+        f"--rdzv-conf=join_timeout={parallel.rendezvous_timeout_s},is_host=false",
+        *([f"--local-addr={address}"] if address is not None else []),
+        f"--nproc-per-node={ranks}", f"--max-restarts={parallel.max_restarts}",
         "--monitor-interval=0.5", "--module", "tandem_trainer.main", *args,
     ]
 
@@ -67,13 +72,15 @@ def torchrun_args(parallel: ParallelSettings, ranks: int, args: list[str]) -> li
 def launch_env(parallel: ParallelSettings) -> dict[str, str]:
     """Environment of torchrun and its ranks: on one machine the collectives stay on loopback;
     on several they take the interface of the host name (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME
-    choose another) and the ranks' store is new at every start."""
-    env = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))}
+    choose another). The ranks' store is new at every start, hosted by rank 0 (parallel.py)
+    instead of torchrun's agent, which would listen on every interface."""
+    env = {
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S)),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
     if parallel.nodes == 1:
         env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
         env["NCCL_SOCKET_IFNAME"] = os.environ.get("NCCL_SOCKET_IFNAME", "lo")
-    else:
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 
 
@@ -147,28 +154,25 @@ class _ConfigErrorWatch:
 def launch(settings: TrainerSettings, ranks: int, args: list[str]) -> None:
     """Run torchrun (in this process) until its ranks end: on SIGTERM or Ctrl+C it stops them
     (warm: rank 0 finishes its job) and this returns; when a rank met a configuration error this
-    exits with 2; when they fail more often than `max_restarts`, with 1."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    exits with 2; when they fail more often than `max_restarts`, or the other nodes do not come to
+    the rendezvous in time, with 1."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+
+    from tandem_trainer.errors import RendezvousFailed
+    from tandem_trainer.rendezvous import Rendezvous
 
     parallel = settings.parallel
     scratch = Path(tempfile.mkdtemp(prefix="tandem-launch-"))
     marker = scratch / "config-error"
     os.environ.update(launch_env(parallel))
     os.environ[CONFIG_ERROR_FILE_ENV] = str(marker)
-    argv = torchrun_args(parallel, ranks, args)
+    rendezvous = Rendezvous.of(parallel)
+    argv = torchrun_args(parallel, ranks, args, rendezvous.endpoint)
     log.info("trainer.launch ranks=%d nodes=%d CUDA_VISIBLE_DEVICES=%s torchrun %s",
              ranks, parallel.nodes, os.environ.get("CUDA_VISIBLE_DEVICES"), " ".join(argv))
-    failed: BaseException | None = None
     with _ConfigErrorWatch(marker) as watch:
         try:
-            run(parse_args(argv))  # type: ignore[no-untyped-call]  # torch leaves torchrun's API untyped
-        except SignalException as exc:
-            if watch.message is None:
-                log.info("trainer.stopped %s; every rank has stopped", exc)
-        except ChildFailedError as exc:
-            failed = exc
+            failed = _torchrun(parallel, rendezvous, argv, watch)
         finally:
             os.environ.pop(CONFIG_ERROR_FILE_ENV, None)
     shutil.rmtree(scratch, ignore_errors=True)
@@ -176,7 +180,52 @@ def launch(settings: TrainerSettings, ranks: int, args: list[str]) -> None:
         log.error("trainer cannot run: %s; every rank has stopped (a configuration error is not restarted)",
                   watch.message)
         raise SystemExit(2)
+    if isinstance(failed, RendezvousFailed):
+        log.error("trainer.rendezvous_failed %s; exiting", failed)
+        raise SystemExit(1) from failed
     if isinstance(failed, ChildFailedError):
         log.error("the trainer's ranks failed once more than parallel.max_restarts=%d allows; exiting:\n%s",
                   parallel.max_restarts, failed.format_msg())  # type: ignore[no-untyped-call]
         raise SystemExit(1) from failed
+
+
+def _torchrun(parallel: ParallelSettings, rendezvous: Rendezvous, argv: list[str],
+              watch: _ConfigErrorWatch) -> BaseException | None:
+    """torchrun's run until the ranks end; again at the rendezvous each time the nodes lost each
+    other there (rendezvous.py), at most `max_restarts` times. Returns why the trainer must exit
+    with 1 (ChildFailedError, RendezvousFailed), or None."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+    from torch.distributed.run import parse_args, run
+
+    from tandem_trainer.errors import RendezvousFailed
+    from tandem_trainer.rendezvous import lost, what_happened
+
+    gone_back = 0
+    while True:
+        try:
+            rendezvous.reach(parallel.rendezvous_timeout_s)
+            run(parse_args(argv))  # type: ignore[no-untyped-call]  # torch leaves torchrun's API untyped
+            return None
+        except SignalException as exc:
+            if watch.message is None:
+                log.info("trainer.stopped %s; every rank has stopped", exc)
+            return None
+        except (ChildFailedError, RendezvousFailed) as exc:
+            return exc
+        except RendezvousTimeoutError:
+            return RendezvousFailed(f"the other nodes did not come to the rendezvous at {rendezvous.endpoint} "
+                                    f"within parallel.rendezvous_timeout_s={parallel.rendezvous_timeout_s}s")
+        except Exception as exc:
+            if not lost(exc):
+                raise
+            if gone_back == parallel.max_restarts:
+                return RendezvousFailed(f"the nodes lost each other at the rendezvous at {rendezvous.endpoint} "
+                                        f"once more than parallel.max_restarts={parallel.max_restarts} allows "
+                                        f"(the last time: {what_happened(exc)})")
+            gone_back += 1
+            log.warning("trainer.rendezvous_lost endpoint=%s: %s; this node goes back to the rendezvous and waits "
+                        "up to %ds for the other nodes (%d of parallel.max_restarts=%d)", rendezvous.endpoint,
+                        what_happened(exc), parallel.rendezvous_timeout_s, gone_back, parallel.max_restarts)
+            rendezvous.renew()

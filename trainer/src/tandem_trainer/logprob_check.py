@@ -54,7 +54,7 @@ def recompute(
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m tandem_trainer.logprob_check`: recompute a JSON file of samples with the trainer's
     backend (`TANDEM_BACKEND__*` as the trainer reads them), for a driver that runs in another
-    environment (bench/agreement.py). Writes {"trainer": [[logprob, ...], ...]} to --out."""
+    environment (bench/scenarios/agreement.py). Writes {"trainer": [[logprob, ...], ...]} to --out."""
     import argparse
     import json
 

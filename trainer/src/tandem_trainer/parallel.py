@@ -192,25 +192,23 @@ class Group:
 
 
 def _attempt_store(rank: int, world: int) -> dist.Store:  # type: ignore[name-defined]  # torch's stubs hide it
-    """torchrun's store, with keys of this start of the ranks only.
+    """The ranks' store of this start, hosted by rank 0 on the port torchrun chose for it, listening
+    on its node's address only (a TCPStore server given no socket of its own listens on every
+    interface: rendezvous.py). Each start of the ranks has a store of its own (launcher.py), and
+    its keys a prefix of their own (`start_key`): ranks reading the addresses a previous start
+    wrote would fail to connect (pytorch#167288)."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank == 0:
+        from tandem_trainer.rendezvous import listener, store_server
 
-    After a restart the ranks would otherwise read the addresses the previous start wrote
-    there and fail to connect (pytorch#167288), so each start gets its own prefix (`start_key`)."""
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts it
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-        is_master=not agent and rank == 0, timeout=timedelta(seconds=300), multi_tenant=not agent,
-    )
-    return dist.PrefixStore(f"tandem/start-{start_key(agent)}", store)  # type: ignore[attr-defined]
+        store = store_server(listener(addr, port), world=world)
+    else:
+        store = dist.TCPStore(addr, port, world, is_master=False, timeout=timedelta(seconds=300))  # type: ignore[attr-defined]
+    return dist.PrefixStore(f"tandem/start-{start_key()}", store)  # type: ignore[attr-defined]
 
 
-def start_key(agent_store: bool) -> str:
-    """A name of this start of the ranks that every rank reads alike from its environment.
-
-    With the agent's store (one machine) it is torchrun's restart count. With several nodes the
-    counts differ (a node whose rank did not fail restarts without counting), but then the store
-    is new at every start, hosted by rank 0 on a port of its own (launcher.py): its port names
-    the start."""
-    if agent_store:
-        return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+def start_key() -> str:
+    """A name of this start of the ranks that every rank reads alike from its environment: the
+    address of its store, new at every start. torchrun's restart count cannot be it: with several
+    nodes the counts differ (a node whose rank did not fail restarts without counting)."""
     return f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"

@@ -125,6 +125,10 @@ class Publisher:
         """The version this job already published, announced (again, if a crash cut that off)."""
         version = self.registry.version_of_job(job.run, job.job_id)
         manifest = self.registry.manifest(job.run, version) if version is not None else None
+        if version is not None and manifest is None:
+            raise JobRejected(
+                f"job_id {job.job_id!r} published {job.run} v{version}, which the retention policy "
+                "(retention.keep_versions) has removed since; the job is not trained again", field="job_id")
         if manifest is None:
             return None
         if manifest.job_digest is not None and manifest.job_digest != groups_digest(job):

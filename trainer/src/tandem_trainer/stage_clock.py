@@ -7,7 +7,7 @@ with a synchronise of the device and the totals go into the version's metrics as
 packing, activating the parent, forward and backward of each micro-batch, the ranks' settle
 round-trip, the gradient all-reduce, the optimizer step, staging the adapter. The synchronises
 cost time of their own (the device idles while the host queues the next stage), so the
-breakdown is for measuring (bench/gpu_ddp.py), not for training; off, the clock does nothing.
+breakdown is for measuring (bench/gpu/gpu_ddp.py), not for training; off, the clock does nothing.
 """
 
 from __future__ import annotations

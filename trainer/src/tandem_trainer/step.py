@@ -3,7 +3,7 @@
 `train_step` is what a job does on the device: make the run's adapter at the parent version
 the one that trains, pack the job's samples into micro-batches, accumulate the gradient of
 the GRPO loss over them, clip and step, once per epoch. Rank 0 (or the only process) calls it
-from `Trainer._train` with a `StepOrder` it built; in a data-parallel group it first sends the
+from the `train` kind (jobs/train.py) with a `StepOrder` it built; in a data-parallel group it first sends the
 order to the other ranks, which run `follow`. Each rank then trains only its share of the
 micro-batches, with the weights of the whole job, so that the summed gradient is the one a
 single process would have: the number of ranks changes how fast a step is, not what it learns.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,9 @@ class StepOutcome:
     grad_norm: float
     tokens: int
     microbatches: int
+    activate_s: float
+    """Wall time of making the parent the training adapter: next to nothing when it already was, a
+    swap in memory when the run was resident, a read of the store otherwise (backends/resident.py)."""
 
 
 def train_step(backend: Backend, order: StepOrder, group: Group | None = None,
@@ -86,6 +90,7 @@ def _train_step(backend: Backend, order: StepOrder, group: Group | None, clock: 
         weights = accumulation_weights([mb.tokens for mb in batches])
         mine = group.share([mb.padded_tokens for mb in batches]) if group is not None else range(len(batches))
     error: str | None = None
+    activating = time.perf_counter()
     try:
         with clock.stage("activate"):
             backend.activate(spec, order.parent, Path(order.version_dir) if order.version_dir else None)
@@ -93,6 +98,7 @@ def _train_step(backend: Backend, order: StepOrder, group: Group | None, clock: 
         if group is None:
             raise
         error = _describe(exc)
+    activate_s = time.perf_counter() - activating
     stats, grad_norms = LossStats(), []
     for _ in range(spec.loss.epochs):
         local = LossStats()
@@ -120,7 +126,7 @@ def _train_step(backend: Backend, order: StepOrder, group: Group | None, clock: 
             grad_norms.append(backend.step(spec.optimizer.max_grad_norm))
     backend.synchronize()  # the step is done when the device is, not when it was queued
     return StepOutcome(stats=stats, grad_norm=grad_norms[-1], tokens=sum(mb.tokens for mb in batches),
-                       microbatches=len(batches))
+                       microbatches=len(batches), activate_s=activate_s)
 
 
 def _accumulate(backend: Backend, spec: RunSpec, mb: MicroBatch, weight: float,
@@ -171,7 +177,8 @@ def follow(settings: TrainerSettings, group: Group) -> None:
     optimizer step leaves this rank waiting for the next order; anything else ends the rank,
     and with it the group, which torchrun then starts again.
     """
-    backend = select_backend(settings.backend, device_index=group.device_index)
+    backend = select_backend(settings.backend, device_index=group.device_index,
+                             shared_gpu=settings.gpus.mode == "shared")
     log.info("rank.follow rank=%d world=%d backend=%s", group.rank, group.world, backend.name)
     while True:
         message = group.receive()

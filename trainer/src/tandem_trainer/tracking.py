@@ -1,12 +1,12 @@
 """Each run's learning curve in an experiment tracker: MLflow or Weights & Biases.
 
-`TANDEM_TRACKER__KIND` picks one for the trainer (settings.py, `TrackerSettings`); every tandem
-run becomes one tracker run of the same name, found again by a trainer that restarts, with the
-run spec's LoRA, optimizer and loss settings as its parameters. After each job that trained,
-the trainer logs that step, at the version it published (one optimizer step per version, so
-the x-axis counts the run's steps): the step's reward mean and std, the mean of the groups'
-reward std (the signal GRPO sees), loss, KL, entropy, clip fraction, gradient norm, tokens,
-time, the versions that sampled the rollouts and their staleness.
+`TANDEM_TRACKER__KIND` picks one for the trainer (`TrackerSettings` in tandem.settings.trainer);
+every tandem run becomes one tracker run of the same name, found again by a trainer that
+restarts, with the run spec's LoRA, optimizer and loss settings as its parameters. After each job
+that trained, the trainer logs that step, at the version it published (one optimizer step per
+version, so the x-axis counts the run's steps): the step's reward mean and std, the mean of the
+groups' reward std (the signal GRPO sees), loss, KL, entropy, clip fraction, gradient norm,
+tokens, time, the versions that sampled the rollouts and their staleness.
 
 `step_to_serving_s`, the time from a version's optimizer step to the inference side serving it
 (its `adapter_loaded` event), is known only once the controller has loaded it: each step looks
@@ -14,8 +14,9 @@ for the versions still waiting in the event stream and logs what it finds at the
 
 Each tracker's client library is an optional extra (`tandem-trainer[mlflow]`,
 `tandem-trainer[wandb]`), imported only when chosen (`tandem_trainer.trackers.open_tracker`).
-The trainer never fails a job because of its tracker (job.py): a step the tracker could not
-take is logged and counted.
+A job never waits on its tracker: it queues the step, and a thread of the trainer sends it
+(`tandem_trainer.trackers.outbox`); a step the tracker could not take, or that found the queue
+full, is skipped, logged and counted, and the curve goes on once the tracker answers again.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tandem.runs import RunSpec
 
 log = logging.getLogger(__name__)
 
-#: The manifest's metrics (job.py) a tracker logs, under the same names.
+#: The manifest's metrics (jobs/train.py) a tracker logs, under the same names.
 LOGGED = (
     "loss", "approx_kl", "ref_kl", "entropy", "clip_frac", "ratio_mean", "grad_norm", "reward_mean", "reward_std",
     "reward_group_std", "zero_advantage_groups", "staleness_mean", "staleness_max", "rollout_version_min",

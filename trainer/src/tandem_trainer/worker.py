@@ -7,7 +7,9 @@ refuses any other function, callback or webhook, and any job hash rq cannot read
 that fails gets a `train_failed` event naming it, from the train function when the failure
 is its own, else from the worker; a refused job is never retried. Its Redis connections ride
 out an outage of up to `redis_outage_s` (outage.py); recovery.py hands back the jobs of dead
-workers. The job's payload, the JSON form of a `TrainJob`, goes to `Trainer.train` as rq
+workers, and a thread removes deleted runs' directories from the store (store_cleanup.py).
+The job function names its kind of job (`tandem_trainer.jobs.kinds`: today `train`), and the
+job's payload, the JSON form of that kind's model (a `TrainJob`), goes to `Trainer.run` as rq
 decoded it, to be validated there once.
 """
 
@@ -39,7 +41,9 @@ from tandem_trainer import failpoints
 from tandem_trainer.backends.select import select_backend
 from tandem_trainer.errors import TrainerConfigError
 from tandem_trainer.gpu_sharing import SharedGpu
-from tandem_trainer.job import Trainer, not_retried
+from tandem_trainer.jobs.failures import not_retried
+from tandem_trainer.jobs.kinds import TRAIN
+from tandem_trainer.jobs.runner import Trainer
 from tandem_trainer.metrics import TrainerMetrics, serve_metrics
 from tandem_trainer.outage import ride_out_outages
 from tandem_trainer.parallel import Group
@@ -53,6 +57,7 @@ from tandem_trainer.recovery import (
     owner_alive,
     recover_abandoned,
 )
+from tandem_trainer.store_cleanup import StoreCleaner
 from tandem_trainer.trackers import open_tracker
 
 log = logging.getLogger(__name__)
@@ -131,11 +136,13 @@ def setup(settings: TrainerSettings, conn: redis.Redis, liveness: Liveness, grou
     global _context
     if _context is None:
         index = group.device_index if group is not None else None
+        metrics = TrainerMetrics()
+        backend = select_backend(settings.backend, device_index=index, shared_gpu=settings.gpus.mode == "shared")
         trainer = Trainer(
-            settings, conn, select_backend(settings.backend, device_index=index), AdapterStore(settings.store.root),
+            settings, conn, backend, AdapterStore(settings.store.root),
             owner=liveness.token, holder_alive=lambda owner: owner_alive(conn, owner),
             gpu=SharedGpu(conn, settings.gpus, holder=liveness.token) if settings.gpus.mode == "shared" else None,
-            group=group, metrics=TrainerMetrics(), tracker=open_tracker(settings.tracker),
+            group=group, metrics=metrics, tracker=open_tracker(settings.tracker, metrics),
         )
         _context = _Context(trainer=trainer, liveness=liveness)
     return _context.trainer
@@ -156,6 +163,11 @@ def _trainer() -> Trainer:
 
 def run_train_job(payload: JsonValue) -> dict[str, JsonValue]:
     """rq job function (`tandem.jobs.TRAIN_FUNC`): train one job, return its TrainResult as JSON."""
+    return _run_job(TRAIN.name, payload)
+
+
+def _run_job(kind: str, payload: JsonValue) -> dict[str, JsonValue]:
+    """Run one job of the kind named `kind` (tandem_trainer.jobs.kinds); return its result as JSON."""
     failpoints.hit("job_started")
     job = get_current_job()
     if job is not None and isinstance(payload, dict) and "job_id" not in payload:
@@ -163,10 +175,10 @@ def run_train_job(payload: JsonValue) -> dict[str, JsonValue]:
     trainer = _trainer()
     try:
         retries_left = (job.retries_left or 0) if job is not None else 0
-        result = trainer.train(payload, retries_left=retries_left, job_id=job.id if job else None)
+        result = trainer.run(kind, payload, retries_left=retries_left, job_id=job.id if job else None)
     except Exception as exc:
         if isinstance(job, GuardedJob):
-            job.failure_reported = True  # train() appended the failure's event
+            job.failure_reported = True  # the job's frame appended the failure's event
         if isinstance(exc.__cause__, JobTimeoutException):  # what the trainer made of rq's timeout
             log.warning("job.timed_out job_id=%s timeout_s=%s: not retried (raise the job's timeout_s)",
                         job.id if job else None, job.timeout if job else None)
@@ -211,8 +223,13 @@ def serve(settings: TrainerSettings, conn: redis.Redis, name: str, *, burst: boo
     started = time.perf_counter()
     alone = not any_trainer_alive(conn)
     thread_conn = ride_out_outages(settings.redis.connect(), settings.redis_outage_s)
-    liveness = Liveness(thread_conn, name,
-                        on_tick=lambda: recover_abandoned(thread_conn, holder=liveness.token))
+    cleaner = StoreCleaner(thread_conn, AdapterStore(settings.store.root), lambda owner: owner_alive(thread_conn, owner))
+
+    def tick() -> None:
+        recover_abandoned(thread_conn, holder=liveness.token)
+        cleaner.poke(liveness.token)
+
+    liveness = Liveness(thread_conn, name, on_tick=tick)
     liveness.beat()  # the recovery lock names this process; others see it is alive
     recovered = recover_abandoned(conn, holder=liveness.token, dead_names=frozenset({name}), alone=alone)
     log.info("recovery.end requeued=%d duration_s=%.3f jobs=%s",
@@ -224,6 +241,7 @@ def serve(settings: TrainerSettings, conn: redis.Redis, name: str, *, burst: boo
     scrape_conn = settings.redis.connect(ping=False, timeout_s=SCRAPE_REDIS_TIMEOUT_S)
     try:
         trainer = setup(settings, conn, liveness, group)
+        cleaner.metrics = trainer.metrics
         scrape_queue = train_queue(scrape_conn)
         trainer.metrics.watch_queue(lambda: scrape_queue.count)
         metrics_server = serve_metrics(trainer.metrics, settings.metrics)
@@ -232,6 +250,7 @@ def serve(settings: TrainerSettings, conn: redis.Redis, name: str, *, burst: boo
         return worker.work(burst=burst, with_scheduler=False)
     finally:
         liveness.stop()
+        cleaner.stop()
         if metrics_server is not None:
             metrics_server.shutdown()
         scrape_conn.close()

@@ -5,8 +5,10 @@ as `run@vN`, while the run's alias stays on the version before. It says so at on
 heartbeat (tandem.replicas) and with an `adapter_held` event, so the others need not wait for a
 heartbeat to learn it. It moves the run's alias to the version, and appends `adapter_loaded`,
 when every other live, ready replica holds that version (or serves it, or refused it with an
-`adapter_rejected` naming itself), or when `replica.agree_s` has passed, whichever comes first.
-A client's `train()` returns when every ready replica serves the version (tandem.handles).
+`adapter_rejected` naming itself), or when `replica.agree_s` has passed, whichever comes first;
+then its `adapter_loaded` names the replicas it did not wait for (`without`). A client's `train()`
+returns when every ready replica serves the version, those named in a `without` and silent since
+aside (tandem.handles).
 
 A replica left behind -- another ready replica serves a version this one does not hold, because
 this one refused it or was too slow -- is out of rotation: its /ready answers 503 and its
@@ -54,6 +56,9 @@ class Held:
     since: float = field(default_factory=time.monotonic)
     held_at: float = field(default_factory=time.time)
     """Wall-clock time the engine's load was confirmed (`adapter_held` says it)."""
+    without: list[str] = field(default_factory=list)
+    """The other ready replicas it serves without (they did not hold it within `replica.agree_s`);
+    its `adapter_loaded` names them, so a client's `train()` does not wait for them either."""
 
     def ready_to_loaded_ms(self) -> float | None:
         """From the `adapter_ready` to now (the switch), the wait for the others included."""
@@ -121,6 +126,7 @@ class Agreement:
                 log.warning("%s v%d: replicas %s still do not hold it after %.1f s (replica.agree_s); serving "
                             "it without them, they leave rotation until they catch up",
                             run, held.version, waiting, now - held.since)
+            held.without = waiting
             for key in [k for k in self.held if k[0] == run and k[1] <= held.version]:
                 del self.held[key]
             for key in [k for k in self.refused if k[0] == run and k[1] <= held.version]:

@@ -37,11 +37,12 @@ class Announcer:
         return self.registry.next_load_attempt(run, version)
 
     def loaded(self, manifest: Manifest, name: str, load_ms: float, ready_to_loaded_ms: float | None,
-               stages_ms: dict[str, float] | None = None) -> None:
+               stages_ms: dict[str, float] | None = None, *, without: list[str] | None = None) -> None:
         """Record the run's serving version and append `adapter_loaded` for `manifest`'s version.
 
         `stages_ms`: the load's stages (the checks before the engine saw it, the checksums
-        beside the engine's load), for anyone timing the sync path."""
+        beside the engine's load), for anyone timing the sync path. `without`: the other ready
+        replicas this one serves it without (they did not hold it within `replica.agree_s`)."""
         self.registry.set_serving(manifest.run, self.table.serving(manifest.run))
         data: dict[str, object] = {
             "adapter": name,
@@ -54,6 +55,8 @@ class Announcer:
             self.metrics.ready_to_serving_seconds.observe(ready_to_loaded_ms / 1000.0)
         if stages_ms:
             data["stages_ms"] = {k: round(v, 3) for k, v in stages_ms.items()}
+        if without:
+            data["without"] = sorted(without)
         self.events.append(Event(
             kind=EventKind.ADAPTER_LOADED, run=manifest.run, version=manifest.version, job_id=manifest.job_id,
             data=data,

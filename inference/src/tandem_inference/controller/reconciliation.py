@@ -8,12 +8,15 @@ alone, at start-up the ones of registered versions are adopted if their files ch
 the rest (strays, e.g. a load that completed after its timeout) are unloaded.
 
 Only registered runs exist: names in the registry that are no valid run name (a foreign write)
-are skipped, and adapters tandem did not name, or of runs not registered, are left alone.
+are skipped, and adapters tandem did not name are left alone. A run the registry no longer has
+(deleted: tandem.deletion) is forgotten: it stops resolving at once, and its adapters, like those
+of any run that is not registered, are unloaded once no request holds them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -69,6 +72,8 @@ class Reconciler:
         """
         held = await self.engine.loaded_adapters()
         runs = await self.registered_runs()
+        for run in set(self.table.runs()) - set(runs):
+            self.forget(run)
         for run in runs:
             self.table.add_run(run)
         before = {run: (self.table.serving(run), self.table.loaded(run)) for run in runs}
@@ -108,6 +113,17 @@ class Reconciler:
                 log.warning("the registry lists run %s, which is no valid run name; ignoring it", quoted(run))
         return runs
 
+    def forget(self, run: str) -> None:
+        """Stop routing to a run the registry no longer has (deleted), and queue its adapters for
+        unloading once the requests that hold them end; its gauges go too."""
+        dropped = self.table.drop_run(run)
+        for version, name in dropped.items():
+            self.unloader.add(name, run, version, routed=True)
+        for gauge in (self.metrics.serving, self.metrics.loaded):
+            with contextlib.suppress(KeyError):  # a run the table knew without a series yet
+                gauge.remove(run)
+        log.info("run.forgotten run=%s unloading=%s: the run is deleted", run, sorted(dropped.values()))
+
     async def _load_newest(self, run: str, hold: Callable[[Held], None] | None = None) -> None:
         """Load the run's newest registered version if it does not serve.
 
@@ -135,12 +151,18 @@ class Reconciler:
 
     async def _sort_held(self, name: str, path: str, runs: list[str], *, adopt: bool) -> None:
         """Decide about one adapter the engine holds: routed, being unloaded, a late load, to
-        adopt, or a stray. Adapters tandem did not name, or of runs not registered, are left alone."""
+        adopt, a stray, or one of a run that is not registered (deleted). Adapters tandem did not
+        name are left alone."""
         parsed = parse_adapter_name(name)
-        if parsed is None or parsed[0] not in runs:
+        if parsed is None or name in self.unloader:
             return
         run, version, _ = parsed
-        if self.table.adapter(run, version) == name or name in self.unloader:
+        if run not in runs:
+            log.warning("engine holds %s, of run %s, which is not registered (deleted); unloading it", name, run)
+            self.metrics.strays.labels(run).inc()
+            self.unloader.add(name, run, version, routed=True)  # requests may hold it still
+            return
+        if self.table.adapter(run, version) == name:
             return
         late = self.loader.pending.pop(name, None)
         wanted = version > self.table.serving(run) and (run, version) not in self.loader.rejected

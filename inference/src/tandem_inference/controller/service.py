@@ -12,7 +12,9 @@ Only registered runs exist: an event for any other run is refused and makes no r
 appends `adapter_rejected` and the previous version keeps serving. A loaded version serves once
 the other ready replicas hold it too (agreement.py). Versions that leave the
 keep-window stop being routed at once and are unloaded when no request uses them
-(unloading.py); a failed unload is retried later and never stops the controller.
+(unloading.py); a failed unload is retried later and never stops the controller. A deleted run
+(`run_deleted`, or missing from the registry at a reconcile) stops resolving at once and its
+adapters unload the same way.
 
 The controller runs as a task of the inference service (tandem_inference.main), which starts
 and stops it; any failure (the engine gone, Redis down, a bug) starts its cycle over.
@@ -205,7 +207,12 @@ class Controller:
             await self._tick()
 
     async def handle(self, event: Event) -> None:
-        """Act on one event: load an `adapter_ready`; note another replica's refusal."""
+        """Act on one event: load an `adapter_ready`; note another replica's refusal; forget a
+        deleted run (a `run_deleted` counts only for a run the registry no longer has)."""
+        if event.kind is EventKind.RUN_DELETED:
+            if self.table.has_run(event.run) and not await asyncio.to_thread(self.registry.has_run, event.run):
+                self.forget_run(event.run)
+            return
         if event.kind is EventKind.ADAPTER_REJECTED and event.version is not None:
             replica = event.data.get("replica")
             if isinstance(replica, str):
@@ -285,7 +292,7 @@ class Controller:
             self.table.serve(held.run, held.version)
             stages = {**held.stages_ms, "agree": (time.monotonic() - held.since) * 1000}
             await asyncio.to_thread(self.announcer.loaded, held.manifest, held.adapter, held.load_ms,
-                                    held.ready_to_loaded_ms(), stages)
+                                    held.ready_to_loaded_ms(), stages, without=held.without)
             self.unloader.retire_old(held.run, self.settings.controller.keep_versions)  # unloaded outside the lock
             await asyncio.to_thread(self.announcer.write_status, held.run)
         changed = await asyncio.to_thread(self.agreement.check_behind, others)
@@ -301,10 +308,16 @@ class Controller:
         self._next_reconcile = time.monotonic() + self.settings.controller.reconcile_s
 
     # unloading and status ---------------------------------------------------
+    def forget_run(self, run: str) -> None:
+        """A deleted run: it resolves no more, and its adapters unload once no request holds them
+        (tandem_inference.controller.reconciliation). No Redis write: the run's keys are gone."""
+        self.reconciler.forget(run)
+
     async def unload_retired(self) -> None:
         """Unload retired versions that no request uses, and strays; failures are retried later."""
         for run in await self.unloader.unload_idle():
-            await asyncio.to_thread(self.announcer.write_status, run)
+            if self.table.has_run(run):  # a deleted run's status is not written back
+                await asyncio.to_thread(self.announcer.write_status, run)
 
     def status(self) -> dict[str, Any]:
         return {

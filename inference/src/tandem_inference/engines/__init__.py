@@ -25,6 +25,8 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tandem.acl import without_credentials
+
 if TYPE_CHECKING:
     import httpx
 
@@ -71,5 +73,6 @@ def own_engine(settings: InferenceSettings) -> OwnEngine | None:
 
         return OwnEngine(vllm_argv(settings), vllm_env(settings), log_name="vllm")
     if settings.engine.launch:
-        return OwnEngine([sys.executable, "-m", "tandem_inference.engines.transformers"], dict(os.environ), None)
+        return OwnEngine([sys.executable, "-m", "tandem_inference.engines.transformers"],
+                         without_credentials(os.environ), None)
     return None

@@ -9,7 +9,8 @@ are server-sent events of JSON objects ending with `data: [DONE]`; only opening 
 A text reply (the engine's metrics) is read once, streamed and bounded in bytes and in time.
 
 An engine's client (sglang.py, vllm.py) subclasses `HttpEngine` and adds its routes, its
-bodies and the reading of its replies.
+bodies, the reading of its replies and of its own words for an adapter it does not hold
+(`_adapter_missing`).
 """
 
 from __future__ import annotations
@@ -108,6 +109,21 @@ class HttpEngine:
             return False
         return True
 
+    # refusals ---------------------------------------------------------------
+    @staticmethod
+    def _adapter_missing(status: int, message: str, adapter: str | None) -> bool:
+        """Whether the engine's refusal of a generation (`status`, `message`) says it does not hold
+        the adapter the call named (`adapter`, where the call passed it): each engine says so in its
+        own words, which its client matches here; an engine that says nothing of it, never."""
+        return False
+
+    def _refusal(
+        self, kind: CallKind, url: str, status: int, message: str, adapter: str | None,
+    ) -> EngineUnreachable | EngineResponseError:
+        """The error for a `kind` call the engine refused (`refusal`, told whether it means a missing adapter)."""
+        missing = kind is CallKind.GENERATE and self._adapter_missing(status, message, adapter)
+        return refusal(kind, url, status, message, adapter, adapter_missing=missing)
+
     # plumbing ---------------------------------------------------------------
     def _timeout(self, kind: CallKind) -> httpx.Timeout:
         total = self.timeouts_s[kind]
@@ -139,7 +155,7 @@ class HttpEngine:
                     continue
                 raise unreachable(kind, url, exc, self.timeouts_s[kind], adapter=adapter) from exc
             if resp.status_code >= 400:
-                raise refusal(kind, url, resp.status_code, engine_message(resp), adapter)
+                raise self._refusal(kind, url, resp.status_code, engine_message(resp), adapter)
             if not resp.content:
                 return None
             try:
@@ -147,7 +163,7 @@ class HttpEngine:
             except ValueError:
                 return resp.text
             if isinstance(out, dict) and out.get("success") is False:
-                raise refusal(kind, url, resp.status_code, message_of(out) or "success: false", adapter)
+                raise self._refusal(kind, url, resp.status_code, message_of(out) or "success: false", adapter)
             return out
 
     async def _metrics(self, path: str = "/metrics") -> str:
@@ -190,7 +206,7 @@ class HttpEngine:
             raise EngineResponseError(f"engine at {url} answered more than {max_bytes} bytes to the {kind.value} "
                                       "call; nothing of it is relayed", status_code=resp.status_code)
         if resp.status_code >= 400:
-            raise refusal(kind, url, resp.status_code, message_in(content, resp.status_code), None)
+            raise self._refusal(kind, url, resp.status_code, message_in(content, resp.status_code), None)
         try:
             return content.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -214,7 +230,7 @@ class HttpEngine:
                                             timeout=self._timeout(CallKind.GENERATE)) as resp:
                     if resp.status_code >= 400:
                         await resp.aread()
-                        raise refusal(CallKind.GENERATE, url, resp.status_code, engine_message(resp), adapter)
+                        raise self._refusal(CallKind.GENERATE, url, resp.status_code, engine_message(resp), adapter)
                     async for chunk in _sse(url, resp):
                         started = True
                         yield chunk

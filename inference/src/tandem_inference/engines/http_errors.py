@@ -4,7 +4,9 @@ Engines answer errors in several shapes (SGLang alone has three, vLLM OpenAI's n
 flat `{"error": "..."}`); `engine_message` finds the
 engine's own words in any of them. `refusal` turns an error status into the engine client's
 branch of the error tree, `unreachable` an httpx error; both name the URL (and the adapter),
-so a log line says which engine and which call failed.
+so a log line says which engine and which call failed. Nothing here knows an engine's words:
+whether a refused generation means an adapter the engine does not hold, each engine says its
+own way, so its client reads it (`HttpEngine._adapter_missing`) and tells `refusal`.
 """
 
 from __future__ import annotations
@@ -24,10 +26,6 @@ from tandem_inference.errors import (
 
 #: Longest part of an engine's error body quoted in a message, in characters.
 MESSAGE_CHARS = 500
-#: How SGLang (and the transformers engine, in its words) refuses a generation naming an adapter it does not hold.
-NOT_LOADED = "never been loaded"
-#: How vLLM refuses it (404, "The model `<name>` does not exist. Valid aliases: ...", 0.33).
-NO_SUCH_MODEL = "does not exist"
 
 
 def engine_message(resp: httpx.Response) -> str:
@@ -70,9 +68,13 @@ def message_of(body: object) -> str | None:
 
 
 def refusal(
-    kind: CallKind, url: str, status: int, message: str, adapter: str | None
+    kind: CallKind, url: str, status: int, message: str, adapter: str | None, *, adapter_missing: bool = False,
 ) -> EngineUnreachable | EngineResponseError:
-    """The error for an engine that answered `status` with `message` to a `kind` call."""
+    """The error for an engine that answered `status` with `message` to a `kind` call.
+
+    `adapter_missing`: the engine's client read the answer as a generation naming an adapter the
+    engine does not hold (AdapterMissing, unless the engine was not ready).
+    """
     if status == 503:
         return EngineUnreachable(f"engine at {url} is not ready (503): {message}")
     if kind is CallKind.LOAD and adapter is not None:
@@ -80,7 +82,7 @@ def refusal(
             f"engine at {url} refused to load adapter {adapter!r} ({status}): {message}",
             adapter=adapter, status_code=status, engine_message=message,
         )
-    if kind is CallKind.GENERATE and (NOT_LOADED in message or (status == 404 and adapter and NO_SUCH_MODEL in message)):
+    if kind is CallKind.GENERATE and adapter_missing:
         return AdapterMissing(f"engine at {url} does not hold the adapter the generation named ({status}): {message}",
                               status_code=status, engine_message=message)
     what = kind.value

@@ -34,6 +34,7 @@ from urllib.parse import urlparse
 
 import httpx
 
+from tandem.acl import without_credentials
 from tandem.errors import ConfigError
 from tandem.settings import InferenceSettings
 from tandem_inference.errors import EngineBootError
@@ -71,8 +72,9 @@ def loopback_host(url: str, engine: str, why: str) -> str:
 
 
 def engine_env(settings: InferenceSettings, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment every engine starts from: `base` (this process's), on the inference GPUs."""
-    env = dict(os.environ if base is None else base)
+    """The environment every engine starts from: `base` (this process's) without its Redis URL (an
+    engine uses none), on the inference GPUs."""
+    env = without_credentials(os.environ if base is None else base)
     if settings.gpus.mode != "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in settings.gpus.inference)
     return env

@@ -7,7 +7,7 @@ only over SGLang's HTTP API (docs/architecture.md, "Engines"): native `/generate
 `--enable-metrics`). Replies become `Generated` (sglang_outputs.py).
 
 The two connection pools, timeouts and retries per call kind and the translation of errors are
-every HTTP engine's (http.py).
+every HTTP engine's (http.py); SGLang's words for an adapter it does not hold are read here.
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ from tandem_inference.engines.http import HttpEngine
 from tandem_inference.engines.sglang_outputs import SampleFold, whole
 from tandem_inference.errors import EngineResponseError
 
+#: How SGLang refuses a generation naming an adapter it does not hold (0.5.23: 400, "Got LoRA adapter
+#: that has never been loaded: <name>..."); the transformers engine refuses in the same words.
+NOT_LOADED = "never been loaded"
+
 
 class SGLangEngine(HttpEngine):
     """Async client of one SGLang server (or of an engine that serves the same routes); one per process.
@@ -29,6 +33,10 @@ class SGLangEngine(HttpEngine):
     `api_key` is SGLang's `--admin-api-key`: it guards load/unload, flush, memory and /server_info
     (ADMIN_OPTIONAL), not generation, which `--api-key` would guard and tandem leaves unset.
     """
+
+    @staticmethod
+    def _adapter_missing(status: int, message: str, adapter: str | None) -> bool:
+        return NOT_LOADED in message
 
     # generation -------------------------------------------------------------
     async def complete(

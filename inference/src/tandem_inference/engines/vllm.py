@@ -20,7 +20,8 @@ versions under one name (a same-name reload reuses stale prefix-cache blocks, vl
 
 vLLM has one key, its API key, which guards `/v1` (generation included), not the dev routes:
 this client sends `engine.admin_api_key` on every call, and the launcher keeps vLLM on loopback.
-Connection pools, timeouts, retries and error translation are every HTTP engine's (http.py).
+Connection pools, timeouts, retries and error translation are every HTTP engine's (http.py);
+vLLM's words for an adapter it does not hold are read here.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from tandem_inference.errors import EngineResponseError
 
 #: What vLLM's sleep and wake routes name memory by (0.33: the executor's allocation tags).
 MEMORY_TAGS = ("weights", "kv_cache")
+#: How vLLM refuses a generation naming an adapter it does not hold (0.33: 404, "The model `<name>`
+#: does not exist. Valid aliases: ...").
+NO_SUCH_MODEL = "does not exist"
 
 
 class VLLMEngine(HttpEngine):
@@ -61,6 +65,10 @@ class VLLMEngine(HttpEngine):
     @staticmethod
     def options(settings: EngineSettings) -> dict[str, Any]:
         return {"served_model_name": settings.served_model_name, "max_lora_rank": settings.max_lora_rank}
+
+    @staticmethod
+    def _adapter_missing(status: int, message: str, adapter: str | None) -> bool:
+        return status == 404 and bool(adapter) and NO_SUCH_MODEL in message
 
     async def complete(
         self, prompt_ids: Sequence[int], sampling: Sampling, *, n: int = 1, adapter: str | None = None,

@@ -7,11 +7,12 @@ A continuation sends the whole conversation, as agents do, but only the messages
 episode's last assistant turn are rendered, as a delta (prompts.delta_ids); what came before
 stays the ids the episode holds. The engine samples from all of them, and the episode grows by
 the delta (loss mask 0, logprob 0) and the sampled ids (mask 1, their rollout logprobs), with
-the version that served the turn. A trainer gets every id, the mask and the logprobs from the
-reply's `tandem.episode` or from `GET /v1/episodes/{id}`.
+the run, version and adapter that served the turn. A trainer gets every id, the mask and the
+logprobs from the reply's `tandem.episode` or from `GET /v1/episodes/{id}`.
 
 Episodes live in Redis (keys.episode), one JSON value each, expiring `gateway.episode_ttl_s`
-after their last turn; a turn is saved only if no other turn was saved since it began, so two
+after their last turn, and each run's episode ids in a set (keys.run_episodes) that deleting the
+run reads (tandem.deletion); a turn is saved only if no other turn was saved since it began, so two
 racing requests cannot interleave one episode. A refused turn changes nothing.
 """
 
@@ -29,7 +30,7 @@ from tandem.connection import translated
 from tandem_inference.errors import EngineResponseError, EpisodeConflict, EpisodeNotFound, EpisodeRefused, EpisodeTooLong
 from tandem_inference.gateway import prompts
 from tandem_inference.gateway.schemas import ChatMessage, ChatRequest
-from tandem_inference.routing import parse_model
+from tandem_inference.routing import Route, parse_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -56,17 +57,25 @@ class Episode(BaseModel):
     """The version that served each turn."""
     temperatures: list[float] = []
     """The temperature each turn's logprobs are under (`policy_temperature`)."""
+    runs: list[str | None] = []
+    """The run that served each turn (None: the base model asked for by its own name)."""
+    adapters: list[str | None] = []
+    """The adapter that served each turn (None: version 0, the base model)."""
 
     @property
     def turns(self) -> int:
         return len(self.versions)
 
     def public(self) -> dict[str, Any]:
-        """The episode as replies and `GET /v1/episodes/{id}` show it."""
-        return {"id": self.id, "turns": self.turns, "prompt_ids": self.prompt_ids,
-                "completion_ids": self.completion_ids, "loss_mask": self.loss_mask,
-                "rollout_logprobs": self.rollout_logprobs, "versions": self.versions,
-                "temperatures": self.temperatures}
+        """The episode as replies and `GET /v1/episodes/{id}` show it. `runs` and `adapters` only
+        when every turn has them (an episode begun by a gateway older than them has not)."""
+        shown = {"id": self.id, "turns": self.turns, "prompt_ids": self.prompt_ids,
+                 "completion_ids": self.completion_ids, "loss_mask": self.loss_mask,
+                 "rollout_logprobs": self.rollout_logprobs, "versions": self.versions,
+                 "temperatures": self.temperatures}
+        if len(self.runs) == len(self.adapters) == self.turns:
+            shown |= {"runs": self.runs, "adapters": self.adapters}
+        return shown
 
     def last_sampled(self) -> list[int]:
         """The ids the last turn sampled: the completion's trailing run of mask 1."""
@@ -106,6 +115,8 @@ class EpisodeStore:
                     raise _advanced(episode.id)
                 pipe.multi()
                 pipe.set(key, episode.model_dump_json(), px=self.ttl_ms)
+                pipe.sadd(keys.run_episodes(episode.run), episode.id)  # what deleting the run finds
+                pipe.pexpire(keys.run_episodes(episode.run), self.ttl_ms)
                 pipe.execute()
             except redis.WatchError as exc:
                 raise _advanced(episode.id) from exc
@@ -143,9 +154,10 @@ class Turn:
     def input_ids(self) -> list[int]:
         return [*self.episode.prompt_ids, *self.episode.completion_ids, *self.delta]
 
-    def advanced(self, reply: ChatMessage, version: int, ids: Sequence[int], logprobs: Sequence[float],
+    def advanced(self, reply: ChatMessage, route: Route, ids: Sequence[int], logprobs: Sequence[float],
                  temperature: float) -> Episode:
-        """The episode after this turn sampled `ids` (with `logprobs` under `temperature`) and answered `reply`."""
+        """The episode after the version of `route` sampled `ids` (with `logprobs` under
+        `temperature`) and answered `reply`."""
         ep = self.episode
         if len(logprobs) != len(ids):
             raise EngineResponseError(f"the engine sent {len(logprobs)} logprobs for {len(ids)} sampled ids",
@@ -155,8 +167,10 @@ class Turn:
             "completion_ids": [*ep.completion_ids, *self.delta, *ids],
             "loss_mask": [*ep.loss_mask, *[0] * len(self.delta), *[1] * len(ids)],
             "rollout_logprobs": [*ep.rollout_logprobs, *[0.0] * len(self.delta), *logprobs],
-            "versions": [*ep.versions, version],
+            "versions": [*ep.versions, route.version],
             "temperatures": [*ep.temperatures, temperature],
+            "runs": [*ep.runs, route.run],
+            "adapters": [*ep.adapters, route.adapter],
         })
 
 

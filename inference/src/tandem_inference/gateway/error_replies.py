@@ -5,7 +5,8 @@ A `model` that names nothing is a 404 listing the known names; a body that does 
 engine refuses for what the client asked (a prompt longer than the context) a 400; any other
 engine failure a 502. An episode turn that cannot go on is the status its error carries (404
 unknown or expired, 409 not a continuation, 400 too long, 422 a request episodes do not take);
-Redis out of reach a 503. Replies echo what the client sent, so they always serialize (bodies.py).
+a run deleted while a job of it runs a 409 naming the job; Redis out of reach a 503. Replies
+echo what the client sent, so they always serialize (bodies.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.errors import BackendUnavailable
+from tandem.errors import BackendUnavailable, RunBusy
 from tandem_inference.bodies import error_response, invalid_request
 from tandem_inference.errors import (
     AdapterMissing,
@@ -76,6 +77,11 @@ def install_error_handlers(app: FastAPI) -> None:
         kind = {404: "not_found", 409: "conflict"}.get(exc.status_code, "invalid_request_error")
         refused(request, exc.status_code, str(exc), exc.param)
         return error_reply(exc.status_code, str(exc), kind, param=exc.param)
+
+    @app.exception_handler(RunBusy)
+    async def _busy(request: Request, exc: RunBusy) -> JSONResponse:
+        refused(request, 409, str(exc), "run")
+        return error_reply(409, str(exc), "conflict", param="run", job_id=exc.job_id)
 
     @app.exception_handler(BackendUnavailable)
     async def _redis(_: Request, exc: BackendUnavailable) -> JSONResponse:

@@ -1,15 +1,22 @@
 """The gateway's Prometheus metrics: requests, latency, admission and clients that left.
 
 Generation requests are counted by route, model and status and timed to their last byte (a
-stream's too) by `MetricsMiddleware`; admission (queue depth, samples and tokens in flight)
-is read from the capacity at every scrape.
+stream's too) by `MetricsMiddleware`; admission (queue depth, the oldest waiter's wait so far,
+samples and tokens in flight) is read from the capacity at every scrape. A scrape without the
+API key sees the runs' names opaque (`OpaqueRuns`; the /metrics route decides).
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import hmac
 import time
+from collections.abc import Collection, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem_inference.gateway.capacity import Capacity
@@ -48,6 +55,10 @@ class GatewayMetrics:
                                registry=registry)
         for reason in ("queue_full", "queue_timeout"):
             self.refused.labels(reason)
+        self.queue_oldest_wait = Gauge("tandem_gateway_queue_oldest_wait_seconds",
+                                       "How long the oldest waiting generation request has waited so far (0: none "
+                                       "waits); from half of gateway.queue_timeout_s on, it is overdue.",
+                                       registry=registry)
         self.queue_wait = Histogram("tandem_gateway_queue_wait_seconds", "Time admitted requests waited for room.",
                                     buckets=(0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300), registry=registry)
         self.cancelled = Counter("tandem_gateway_cancelled", "Requests whose client left before their end; "
@@ -60,8 +71,37 @@ class GatewayMetrics:
     def watch(self, capacity: Capacity) -> None:
         """Read queue depth and admitted work from `capacity` at every scrape."""
         self.queued.set_function(lambda: capacity.queued)
+        self.queue_oldest_wait.set_function(lambda: capacity.oldest_wait_s)
         self.in_flight_sequences.set_function(lambda: capacity.sequences)
         self.in_flight_tokens.set_function(lambda: capacity.tokens)
+
+
+RUN_LABELS = ("run", "model")
+"""The labels whose values name runs: the controller's `run`, the requests' `model`."""
+
+
+def opaque_run(name: str, key: str) -> str:
+    """A run's name as a scrape without the API key sees it: the same on every replica and across
+    restarts (keyed by the API key, so a guessed name cannot be checked against it without the key)."""
+    return "run-" + hmac.new(key.encode(), name.encode(), hashlib.sha256).hexdigest()[:12]
+
+
+class OpaqueRuns(Collector):
+    """A registry's metrics with every run label's value made opaque; `keep`: values that name no
+    run (the base model, `unknown`), shown as they are."""
+
+    def __init__(self, registry: CollectorRegistry, key: str, keep: Collection[str]) -> None:
+        self.registry = registry
+        self.key = key
+        self.keep = keep
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.registry.collect():
+            opaque = copy.copy(family)
+            opaque.samples = [sample._replace(labels={
+                name: opaque_run(value, self.key) if name in RUN_LABELS and value not in self.keep else value
+                for name, value in sample.labels.items()}) for sample in family.samples]
+            yield opaque
 
 
 class MetricsMiddleware:

@@ -1,7 +1,9 @@
-"""The gateway's HTTP routes: generation (and episodes), runs, and operations (health, readiness, metrics).
+"""The gateway's HTTP routes: generation (and episodes), runs (and deleting one), and operations
+(health, readiness, metrics).
 
-Generation and run routes need the API key when one is set; /health, /ready, /metrics and
-/metrics/engine never do (probes and scrapers reach them from the private network). The engine
+Generation and run routes need the API key when one is set (deleting a run too: the gateway has
+one key); /health, /ready, /metrics and /metrics/engine never do (probes and scrapers reach them
+from the private network), but /metrics names the runs only to a scrape with the key. The engine
 listens where no scraper reaches it (its admin routes stay private), so /metrics/engine relays
 its own metrics, as it names them.
 """
@@ -17,11 +19,14 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
 
+from tandem.errors import BackendUnavailable
 from tandem.settings import EngineSettings
 from tandem_inference.engines.base import METRICS_FORMAT
 from tandem_inference.errors import EngineResponseError, EpisodeNotFound, ModelNotFound
 from tandem_inference.gateway.error_replies import error_reply, for_clients
+from tandem_inference.gateway.metrics import OpaqueRuns
 from tandem_inference.gateway.schemas import EPISODE_ID, ChatRequest, CompletionRequest
 from tandem_inference.gateway.service import Gateway
 from tandem_inference.routing import parse_model
@@ -38,12 +43,17 @@ def current_gateway(request: Request) -> Gateway:
 GatewayDep = Annotated[Gateway, Depends(current_gateway)]
 
 
+def has_key(request: Request, gw: GatewayDep) -> bool:
+    """Whether the request carries the gateway's API key (True when none is set)."""
+    if gw.api_key is None:
+        return True
+    given = request.headers.get("authorization", "")
+    return secrets.compare_digest(given.encode(), f"Bearer {gw.api_key}".encode())
+
+
 def require_key(request: Request, gw: GatewayDep) -> None:
     """Refuse a request without the gateway's API key (401), when one is set."""
-    if gw.api_key is None:
-        return
-    given = request.headers.get("authorization", "")
-    if not secrets.compare_digest(given.encode(), f"Bearer {gw.api_key}".encode()):
+    if not has_key(request, gw):
         raise HTTPException(401, "missing or wrong API key; send 'Authorization: Bearer KEY'",
                             headers={"WWW-Authenticate": "Bearer"})
 
@@ -145,6 +155,17 @@ async def run_status(run: str, gw: GatewayDep) -> dict[str, Any]:
             "in_flight": {str(v): table.in_flight(run, v) for v in [0, *table.loaded(run)]}}
 
 
+@runs.delete("/v1/runs/{run}")
+async def delete_run(run: str, gw: GatewayDep) -> Response:
+    """Delete the run (tandem.deletion): 200 with what was removed, 404 for a run that is not
+    registered (deleted already), 409 naming the job while one of it runs, 503 while Redis is away."""
+    try:
+        deletion = await gw.delete_run(run)
+    except BackendUnavailable as exc:
+        return error_reply(503, f"run {run!r} was not deleted: {exc}", "backend_unavailable")
+    return JSONResponse(deletion.model_dump())
+
+
 @operations.get("/health")
 async def health() -> dict[str, str]:
     return {"status": "ok"}
@@ -162,11 +183,17 @@ async def ready(gw: GatewayDep) -> JSONResponse:
 
 
 @operations.get("/metrics")
-async def metrics(gw: GatewayDep) -> Response:
-    text = generate_latest(gw.metrics.registry)
+async def metrics(request: Request, gw: GatewayDep) -> Response:
+    """The gateway's and the controller's metrics. With an API key set, the runs' names go only to a
+    scrape that sends the key (or to any, with `gateway.metrics_run_names`); others see them opaque:
+    the port may be published, and the runs are listed to key holders only."""
+    registries = [gw.metrics.registry]
     if gw.controller is not None and gw.controller.metrics.registry is not gw.metrics.registry:
-        text += generate_latest(gw.controller.metrics.registry)
-    return Response(text, media_type=CONTENT_TYPE_LATEST)
+        registries.append(gw.controller.metrics.registry)
+    shown: list[Collector] = list(registries)
+    if gw.api_key is not None and not gw.settings.gateway.metrics_run_names and not has_key(request, gw):
+        shown = [OpaqueRuns(r, gw.api_key, keep=(gw.table.base_model, "unknown")) for r in registries]
+    return Response(b"".join(generate_latest(c) for c in shown), media_type=CONTENT_TYPE_LATEST)
 
 
 @operations.get("/metrics/engine")

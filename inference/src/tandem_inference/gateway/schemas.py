@@ -3,7 +3,8 @@
 Unknown OpenAI fields that do not change the reply (user, metadata, store, service_tier, ...) are
 ignored; the ones that would change what is sampled, which tandem's engines do not do (logit_bias,
 penalties, seed, top_k, echo, ...), are refused unless they hold their neutral value
-(`NOT_SAMPLED`), never ignored. NaN, Infinity and lone surrogates are refused anywhere (see
+(`NOT_SAMPLED`), never ignored; so are structured outputs (`response_format` other than text,
+vLLM's and SGLang's `CONSTRAINED` fields). NaN, Infinity and lone surrogates are refused anywhere (see
 bodies.py). Every number is bounded, so a bad value is a 422 naming its field before anything
 reaches the engine.
 """
@@ -56,6 +57,24 @@ NOT_SAMPLED: dict[str, tuple[tuple[Any, ...], str]] = {
     "stop_token_ids": ((None, []), "null (give `stop` strings)"),
     "include_stop_str_in_output": ((None, False), "false"),
 }
+
+
+#: vLLM's and SGLang's structured-output fields, which their clients send in the body: each would
+#: constrain decoding to a schema, a pattern, a list or a grammar, which tandem's engines do not do.
+#: Field -> what it holds. Any value but null is refused naming the field, on chat and completions.
+CONSTRAINED: dict[str, str] = {
+    "guided_json": "vLLM's JSON schema",
+    "guided_regex": "vLLM's regular expression",
+    "guided_choice": "vLLM's list of choices",
+    "guided_grammar": "vLLM's grammar",
+    "structured_outputs": "vLLM's structured-output constraint",
+    "json_schema": "SGLang's JSON schema",
+    "regex": "SGLang's regular expression",
+    "ebnf": "SGLang's EBNF grammar",
+}
+UNCONSTRAINED = ("tandem's engines do not constrain decoding (to a JSON schema, a pattern, a list of choices or a "
+                 "grammar), and the field would change what the reply means")
+"""Why a structured-output field is refused, never ignored."""
 
 
 def refuse_unless_neutral(name: str, value: Any) -> Any:
@@ -220,11 +239,41 @@ class SamplingRequest(Body):
     include_stop_str_in_output: Any = None
     """`NOT_SAMPLED`: refused unless neutral, on chat and completions alike (vLLM and SGLang
     clients send top_k, min_p and repetition_penalty in the body)."""
+    response_format: dict[str, Any] | None = None
+    """Only `{"type": "text"}` (the default): structured outputs are refused, never ignored."""
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    """`CONSTRAINED`: refused unless null, on chat and completions alike."""
 
     @field_validator(*NOT_SAMPLED, mode="after", check_fields=False)
     @classmethod
     def _not_sampled(cls, value: Any, info: ValidationInfo) -> Any:
         return refuse_unless_neutral(str(info.field_name), value)
+
+    @field_validator("response_format")
+    @classmethod
+    def _no_structured_output(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if value is not None and kind != "text":
+            raise ValueError(f"response_format type {kind!r} is not supported: {UNCONSTRAINED}; leave "
+                             "response_format out (or {\"type\": \"text\"}) and ask for JSON in the prompt, then "
+                             "parse the reply")
+        return value
+
+    @field_validator(*CONSTRAINED)
+    @classmethod
+    def _not_constrained(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            name = str(info.field_name)
+            raise ValueError(f"{name} ({CONSTRAINED[name]}) is not supported: {UNCONSTRAINED}; leave {name} out "
+                             "(or null), ask for the format in the prompt and check the reply")
+        return value
 
     @field_validator("stream_options")
     @classmethod
@@ -252,8 +301,6 @@ class ChatRequest(ChatLogprobs, SamplingRequest):
     """`none` leaves the tools out of the prompt, `auto` (or none) renders them; a forced choice is refused."""
     episode: str | None = Field(None, pattern=EPISODE_ID)
     """The multi-turn episode this request continues (or starts): see gateway/episodes.py."""
-    response_format: dict[str, Any] | None = None
-    """Only `{"type": "text"}` (the default): structured outputs are refused, never ignored."""
     parallel_tool_calls: Any = None
     prediction: Any = None
     audio: Any = None
@@ -262,17 +309,6 @@ class ChatRequest(ChatLogprobs, SamplingRequest):
     functions: Any = None
     function_call: Any = None
     """`NOT_SAMPLED`: refused unless neutral."""
-
-    @field_validator("response_format")
-    @classmethod
-    def _no_structured_output(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        kind = value.get("type") if isinstance(value, dict) else None
-        if value is not None and kind != "text":
-            raise ValueError(
-                f"response_format type {kind!r} is not supported: tandem's engines do not constrain decoding "
-                "to a JSON schema yet, and the field would change what the reply means; leave response_format "
-                "out (or {\"type\": \"text\"}) and ask for JSON in the prompt, then parse the reply")
-        return value
 
     @field_validator("tool_choice")
     @classmethod

@@ -17,7 +17,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 
-from tandem.errors import BackendUnavailable
+from tandem import deletion
+from tandem.errors import BackendUnavailable, RunNotFound
 from tandem.registry import Registry
 from tandem.runs import RUN_NAME
 from tandem.settings import InferenceSettings
@@ -108,6 +109,20 @@ class Gateway:
         except BackendUnavailable as exc:
             log.warning("registry unreachable (%s); using the runs the routing table knows", exc)
             return self.table.runs()
+
+    async def delete_run(self, run: str) -> deletion.Deletion:
+        """Delete the run (tandem.deletion), then stop routing to it here at once and unload its
+        adapters once no request holds them (the other replicas do on `run_deleted`); ModelNotFound
+        (404) when it is not registered, RunBusy (409) while a job of it runs."""
+        try:
+            removed = await asyncio.to_thread(deletion.delete_run, self.registry.conn, run)
+        except RunNotFound as exc:
+            raise ModelNotFound(str(exc), known=[self.table.base_model, *await self.registry_runs()]) from exc
+        if self.controller is not None:
+            self.controller.forget_run(run)
+        else:
+            self.table.drop_run(run)
+        return removed
 
     async def latest_version(self, run: str) -> int | None:
         """The run's newest registered version; None while Redis is down."""
@@ -230,7 +245,7 @@ class Gateway:
                    "usage": usage(input_ids, outputs), "tandem": extension}
         if episode is not None:
             reply = ChatMessage.model_validate(choices[0]["message"])
-            advanced = episode.advanced(reply, route.version, outputs[0].token_ids, outputs[0].logprobs,
+            advanced = episode.advanced(reply, route, outputs[0].token_ids, outputs[0].logprobs,
                                         gen.policy_temperature)
             await asyncio.to_thread(self.episodes.save, advanced, after_turns=episode.episode.turns)
             self.metrics.episode_turns.labels("continue" if episode.episode.turns else "start").inc()

@@ -5,6 +5,7 @@
     tandem settings trainer|inference|client            resolved settings, secrets redacted
     tandem settings --markdown                          the configuration reference (docs/configuration.md)
     tandem status [RUN]                                 runs, versions, what serves
+    tandem delete RUN                                   delete a run: its versions, queued jobs, episodes
 
 Expected failures (Redis away, a port taken, an unknown run) print one line that says what
 to do, and the command exits with 1.
@@ -58,7 +59,7 @@ def _replicas(raw: str) -> int:
 
 
 def _run_name(raw: str) -> str:
-    """tandem status RUN: a valid run name (an empty one is not "every run")."""
+    """tandem status RUN, tandem delete RUN: a valid run name (an empty one is not "every run")."""
     try:
         return check_run_name(raw)
     except ValueError as exc:
@@ -77,7 +78,8 @@ def _port(raw: str) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from tandem.dev.stack import Stack, StackConfig
+    from tandem.dev.composition import StackConfig
+    from tandem.dev.stack import Stack
 
     _check_paths(args)
     if args.model == TINY_MODEL:
@@ -95,8 +97,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             found = f"{_shown_path(client_env)} has both: `set -a; . {_shown_path(client_env)}; set +a` exports them"
         print(f"tandem is up (logs in {_shown_path(stack.logs)}):\n"
               f"  gateway  {stack.gateway_url}\n"
-              f"  redis    {redact_url(stack.redis_url)} (the full URL, with its password, is in "
-              f"{_shown_path(client_env)})\n"
+              f"  redis    {redact_url(stack.redis_url)} (the client's user; the full URL, with its password, is in "
+              f"{_shown_path(client_env)}; the admin's password is in {_shown_path(stack.state / 'secrets.json')})\n"
               f"  metrics  {stack.gateway_url}/metrics (gateway), "
               f"http://127.0.0.1:{stack.trainer_metrics_port}/metrics (trainer)\n"
               f"{found};\n"
@@ -167,11 +169,22 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"{name}: {exc}")
             continue
         print(f"{name}: base {base}, latest v{reg.latest_version(name)}, serving v{reg.serving(name)}")
-    for replica in Replicas(reg.conn).live():
+    for replica in Replicas(reg.conn, prune=False).live():
         runs = [f"{run} v{held.serving} (loaded {', '.join(f'v{v}' for v in held.loaded) or 'none'})"
                 for run, held in sorted(replica.runs.items()) if not args.run or run == args.run]
         print(f"replica {replica.id} at {replica.url}: {'ready' if replica.ready else 'NOT READY'}"
               f"{'; ' + '; '.join(runs) if runs else ''}")
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    """Delete a run through the gateway (TANDEM_GATEWAY_URL, TANDEM_API_KEY), as `Client.delete_run` does."""
+    from tandem.client import Client
+
+    with Client() as client:
+        deleted = client.delete_run(args.run)
+    print(f"deleted run {deleted.run}: {len(deleted.versions)} versions (the trainer removes their files from the "
+          f"adapter store), {len(deleted.jobs)} queued jobs, {deleted.episodes} episodes; its events stay in the stream")
     return 0
 
 
@@ -196,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     status = sub.add_parser("status", help="runs, their newest and serving versions")
     status.add_argument("run", nargs="?", type=_run_name, help="one run (default: every run)")
     status.set_defaults(func=cmd_status)
+    delete = sub.add_parser("delete", help="delete a run (refused while a job of it runs)")
+    delete.add_argument("run", type=_run_name, help="the run")
+    delete.set_defaults(func=cmd_delete)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

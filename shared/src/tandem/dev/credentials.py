@@ -1,8 +1,10 @@
-"""The local stack's secrets: its Redis password and engine admin key, and private files.
+"""The local stack's secrets: its Redis passwords (the admin's and one per role) and engine admin
+key, and private files.
 
-Both are made once and kept in the state directory (`secrets.json`, mode 0600), so the URL of
-the stack's Redis changes only with its port. Every file that holds one is written readable by
-this user only, with no moment of wider access.
+They are made once and kept in the state directory (`secrets.json`, mode 0600), so the URLs of
+the stack's Redis change only with its port; one that a `secrets.json` of an older tandem lacks
+is made and added, the others kept. Every file that holds one is written readable by this user
+only, with no moment of wider access.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import os
 import secrets
 from pathlib import Path
 
+from tandem.acl import Role
 from tandem.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-_SECRETS = ("redis_password", "engine_admin_key")
+#: redis_password is the admin's (Redis's `default` user); redis_<role>_password each role's user's.
+_SECRETS = ("redis_password", *(f"redis_{role}_password" for role in Role), "engine_admin_key")
 
 
 def write_private(path: Path, text: str) -> None:
@@ -39,22 +43,25 @@ def write_private(path: Path, text: str) -> None:
 
 
 def load_secrets(path: Path) -> dict[str, str]:
-    """The stack's Redis password and engine admin key: read from `path`, made once if missing.
+    """The stack's Redis passwords and engine admin key: read from `path`, each made once if missing.
 
-    Delete the file (with the stack stopped) to rotate both; the next `tandem up` makes new ones.
+    Delete the file (with the stack stopped) to rotate them all; the next `tandem up` makes new ones.
     """
+    kept: dict[str, str] = {}
     try:
         data = json.loads(path.read_text())
         if path.stat().st_mode & 0o077:
             log.warning("%s was readable by other users; made it private (0600)", path)
             path.chmod(0o600)
-        if isinstance(data, dict) and all(isinstance(data.get(k), str) and data[k] for k in _SECRETS):
-            return {k: data[k] for k in _SECRETS}
-        log.warning("%s lacks some secrets; making new ones", path)
+        if isinstance(data, dict):
+            kept = {k: data[k] for k in _SECRETS if isinstance(data.get(k), str) and data[k]}
+        if len(kept) == len(_SECRETS):
+            return kept
+        log.warning("%s lacks %s; making them", path, ", ".join(k for k in _SECRETS if k not in kept))
     except FileNotFoundError:
         pass
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read the stack's secrets {path}: {exc}; delete it to make new ones") from exc
-    made = {k: secrets.token_hex(16) for k in _SECRETS}
+    made = {k: kept.get(k) or secrets.token_hex(16) for k in _SECRETS}
     write_private(path, json.dumps(made, indent=2) + "\n")
     return made

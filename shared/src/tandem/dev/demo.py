@@ -14,7 +14,8 @@ from pathlib import Path
 
 from tandem.client import Client
 from tandem.dev.cli import TINY_MODEL, ensure_tiny_model
-from tandem.dev.stack import Stack, StackConfig
+from tandem.dev.composition import StackConfig
+from tandem.dev.stack import Stack
 
 
 def add_stack_arguments(parser: argparse.ArgumentParser, *, out: str, run: str, min_rise: float) -> None:

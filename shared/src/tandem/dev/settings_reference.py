@@ -66,7 +66,7 @@ def settings_markdown() -> str:
     out = [
         "# Configuration",
         "",
-        "Generated from `shared/src/tandem/settings.py` by `tandem settings --markdown`; a test keeps it in sync.",
+        "Generated from `shared/src/tandem/settings/` by `tandem settings --markdown`; a test keeps it in sync.",
         "Every setting is an environment variable with the prefix `TANDEM_` and `__` between sections;",
         "a `.env` file in the working directory is read too, and keys meant for other services are ignored.",
         "Print what a service resolved, secrets redacted, with `tandem settings trainer|inference|client`.",

@@ -1,10 +1,11 @@
 """What a train job needs from the model runtime, whichever runtime it is.
 
-The job logic (job.py) and the loss (grpo.py) are the same whatever runs the model;
+The jobs (jobs/) and the loss (grpo.py) are the same whatever runs the model;
 the backend owns the model: it loads the base once and keeps it resident across jobs,
 switches the LoRA adapter to a run's version (fresh for version 0, else weights and
-optimizer state from the version directory), computes per-token logprobs, steps the
-optimizer and writes plain PEFT files that SGLang and the transformers engine both load.
+optimizer state from the version directory, or from memory when the run is resident:
+resident.py), computes per-token logprobs, steps the optimizer and writes plain PEFT files
+that SGLang and the transformers engine both load.
 
 Two backends: `peft` (transformers + peft, CPU or CUDA) and `unsloth` (CUDA only, Unsloth's
 fused LoRA kernels); select.py picks one.
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from tandem_trainer.adapter_files import StagedAdapter
+    from tandem_trainer.backends.resident import ResidentStats
     from tandem_trainer.microbatch import MicroBatch
 
 #: File names inside a version's `adapter/` (what engines load) and `trainer/` (resume state).
@@ -124,9 +126,19 @@ class Backend(ABC):
 
     @abstractmethod
     def invalidate(self) -> None:
-        """Forget which version is in memory (after a step that was not published)."""
+        """Forget which version is in memory (after a step that was not published), and every run
+        kept in memory besides: the next switch to any run reads the store."""
 
     @property
     @abstractmethod
     def active(self) -> tuple[str, int] | None:
         """(run, version) of the adapter in memory, if it equals a published version."""
+
+    def holds(self, run: str, version: int, version_dir: Path) -> bool:
+        """Whether `run` at `version` (published in `version_dir`) is in memory, training or set
+        aside: switching to it reads nothing from the store."""
+        return self.active == (run, version)
+
+    def resident_stats(self) -> ResidentStats | None:
+        """The runs kept in memory, for /metrics (resident.py); None: this backend keeps none."""
+        return None

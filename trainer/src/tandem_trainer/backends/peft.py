@@ -4,7 +4,8 @@ The base model is loaded once per base-model name and stays resident; runs switc
 swapping only the LoRA layers (unload, then inject the run's config). When the adapter in
 memory already is the requested run at the requested version -- the common case, where a
 worker trains the same run step after step -- nothing is reloaded from disk, so a step
-costs one forward/backward per micro-batch and no I/O besides the publish.
+costs one forward/backward per micro-batch and no I/O besides the publish. The runs trained
+before stay in memory too (resident.py): switching back to one of them reads nothing either.
 
 Adapters are written as plain PEFT files (adapter_config.json + adapter_model.safetensors,
 rslora off, no modules_to_save, no tokenizer files), the one format SGLang and the
@@ -41,6 +42,7 @@ from tandem_trainer.backends.base import (
     Forward,
     ModelInfo,
 )
+from tandem_trainer.backends.resident import Outcome, ResidentBudget, ResidentRuns, ResidentStats, Stamp, stamp
 from tandem_trainer.errors import CheckpointError, TrainStepFailed
 from tandem_trainer.grpo import selective_logprobs, token_entropy
 from tandem_trainer.microbatch import MicroBatch
@@ -57,7 +59,7 @@ class PeftBackend(Backend):
     name = "peft"
 
     def __init__(self, device: str = "cpu", *, gradient_checkpointing: bool = False,
-                 adapter_dtype: AdapterDtype = "float32") -> None:
+                 adapter_dtype: AdapterDtype = "float32", resident: ResidentBudget | None = None) -> None:
         self.device = torch.device(device)
         self.gradient_checkpointing = gradient_checkpointing and self.device.type == "cuda"
         self.dtype = torch.float32
@@ -73,6 +75,9 @@ class PeftBackend(Backend):
         self._optimizer: torch.optim.Optimizer | None = None
         self._params: list[tuple[str, torch.nn.Parameter]] = []
         self._active: tuple[str, int, str, str] | None = None
+        self._stamp: Stamp | None = None
+        """The active version's manifest (resident.stamp) when memory was known to equal its files."""
+        self._resident = ResidentRuns(self.device, resident or ResidentBudget())
         self._host = HostBuffers(self.device)
         self._file_keys: tuple[list[tuple[str, torch.nn.Parameter]], dict[str, torch.nn.Parameter]] | None = None
         """(the `_params` it was made for, the adapter file's key -> the parameter it holds)."""
@@ -151,6 +156,7 @@ class PeftBackend(Backend):
 
     def _drop_all(self) -> None:
         self._drop_adapter()
+        self._resident.clear("the base model changes")
         self._host.clear()
         self._base, self._base_name = None, None
         gc.collect()
@@ -163,6 +169,9 @@ class PeftBackend(Backend):
         if self._active == key and self._model is not None:
             return False
         started = time.perf_counter()
+        entry = self._resident.take(key, version_dir)
+        if self._base_name == spec.base_model:
+            self._set_aside(spec.name)
         self._ensure_base(spec.base_model)
         self._drop_adapter()
         config = LoraConfig(
@@ -192,14 +201,29 @@ class PeftBackend(Backend):
         self._optimizer = torch.optim.AdamW(
             [p for _, p in self._params], lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
         )
-        if version_dir is not None:
-            self._load(spec, version, version_dir)
+        outcome = self._resident.restore(entry, self._params, self._optimizer) if entry else None
+        self._stamp = entry.stamp if entry and outcome else None
+        outcome = outcome or self._read(spec, version, version_dir)
         self._active = key
+        self._resident.switches[outcome] += 1
         log.info(
-            "adapter.activate run=%s version=%d loaded=%s duration_s=%.3f",
-            spec.name, version, version_dir is not None, time.perf_counter() - started,
+            "adapter.activate run=%s version=%d loaded=%s resident=%s duration_s=%.3f",
+            spec.name, version, version_dir is not None, outcome, time.perf_counter() - started,
         )
         return True
+
+    def _set_aside(self, next_run: str) -> None:
+        """Keep the training run's state when it is a published version's and another run comes."""
+        if self._active and self._optimizer and self._stamp and self._active[0] != next_run:
+            self._resident.keep(self._active, self._stamp, self._params, self._optimizer)
+
+    def _read(self, spec: RunSpec, version: int, version_dir: Path | None) -> Outcome:
+        """The run's state at `version` from its files into the fresh layers (none at version 0)."""
+        self._stamp = stamp(version_dir) if version_dir is not None else None  # before reading
+        if version_dir is None:
+            return "fresh"
+        self._load(spec, version, version_dir)
+        return "miss"
 
     def _load(self, spec: RunSpec, version: int, version_dir: Path) -> None:
         adapter = version_dir / "adapter"
@@ -335,15 +359,23 @@ class PeftBackend(Backend):
     def mark_active(self, run: str, version: int, version_dir: Path) -> None:
         assert self._spec is not None and self._spec.name == run
         self._active = (run, version, self._spec.model_dump_json(), str(version_dir))
+        self._stamp = stamp(version_dir)
 
     def invalidate(self) -> None:
         self._active = None
+        self._resident.clear("the backend was invalidated")
         if self._optimizer is not None:
             self._optimizer.zero_grad(set_to_none=True)
 
     @property
     def active(self) -> tuple[str, int] | None:
         return (self._active[0], self._active[1]) if self._active else None
+
+    def holds(self, run: str, version: int, version_dir: Path) -> bool:
+        return self.active == (run, version) or self._resident.holds(run, version, version_dir)
+
+    def resident_stats(self) -> ResidentStats:
+        return self._resident.stats()
 
     def _require_model(self) -> PeftModel:
         assert self._model is not None, "no adapter is active; call activate() first"

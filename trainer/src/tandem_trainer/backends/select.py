@@ -43,18 +43,24 @@ def unsloth_problem(device: Device) -> str | None:
     return None
 
 
-def select_backend(settings: TrainerBackendSettings, *, device_index: int | None = None) -> Backend:
+def select_backend(settings: TrainerBackendSettings, *, device_index: int | None = None,
+                   shared_gpu: bool = False) -> Backend:
     """The backend `settings.kind` asks for; `auto` falls back to peft. `device_index` picks the
-    GPU of a data-parallel rank (default: the current CUDA device)."""
+    GPU of a data-parallel rank (default: the current CUDA device); `shared_gpu` (shared mode: the
+    GPU's free memory is inference's) keeps resident runs off the GPU unless a budget is set."""
+    from tandem_trainer.backends.resident import ResidentBudget
+
     device = resolve_device(settings.device)
     place = f"cuda:{device_index}" if device == "cuda" and device_index is not None else device
+    resident = ResidentBudget(runs=settings.resident_runs, device_bytes=settings.resident_device_bytes,
+                              host_bytes=settings.resident_host_bytes, shared_gpu=shared_gpu)
     if settings.kind in ("auto", "unsloth"):
         problem = unsloth_problem(device)
         if problem is None:  # pragma: no cover - needs CUDA and unsloth (GPU tests)
             from tandem_trainer.backends.unsloth import UnslothBackend
 
             log.info("backend %s: using unsloth", settings.kind)
-            return UnslothBackend(device=place, adapter_dtype=settings.adapter_dtype)
+            return UnslothBackend(device=place, adapter_dtype=settings.adapter_dtype, resident=resident)
         if settings.kind == "unsloth":
             raise TrainingBackendMissing(
                 f"backend.kind='unsloth' cannot be used: {problem}; "
@@ -64,4 +70,4 @@ def select_backend(settings: TrainerBackendSettings, *, device_index: int | None
     from tandem_trainer.backends.peft import PeftBackend
 
     return PeftBackend(device=place, gradient_checkpointing=settings.gradient_checkpointing,
-                       adapter_dtype=settings.adapter_dtype)
+                       adapter_dtype=settings.adapter_dtype, resident=resident)

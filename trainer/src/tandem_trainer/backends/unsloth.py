@@ -4,8 +4,8 @@ Unsloth patches transformers when it is imported, so this module is imported onl
 the backend is chosen, before anything else touches transformers. It loads the base model
 with `FastLanguageModel.from_pretrained` and puts LoRA on it with
 `FastLanguageModel.get_peft_model` once per LoRA shape; a later run with the same shape
-reuses those layers (re-initialised for a fresh run, or overwritten with a version's
-weights), because Unsloth expects to wrap a model once.
+reuses those layers (re-initialised for a fresh run, then overwritten with a version's
+weights or given a resident run's tensors), because Unsloth expects to wrap a model once.
 
 Adapters are saved the way the peft backend saves them: plain PEFT files, rslora off, no
 modules_to_save, no tokenizer files, so SGLang loads them as they are.
@@ -28,6 +28,7 @@ from unsloth import FastLanguageModel  # noqa: E402
 
 from tandem.runs import RunSpec  # noqa: E402
 from tandem_trainer.backends.peft import AdapterDtype, PeftBackend  # noqa: E402
+from tandem_trainer.backends.resident import ResidentBudget  # noqa: E402
 from tandem_trainer.errors import CheckpointError  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,9 @@ class UnslothBackend(PeftBackend):
     name = "unsloth"
 
     def __init__(self, device: str = "cuda", *, max_seq_length: int = 4096,
-                 adapter_dtype: AdapterDtype = "float32") -> None:
-        super().__init__(device=device, gradient_checkpointing=False, adapter_dtype=adapter_dtype)
+                 adapter_dtype: AdapterDtype = "float32", resident: ResidentBudget | None = None) -> None:
+        super().__init__(device=device, gradient_checkpointing=False, adapter_dtype=adapter_dtype,
+                         resident=resident)
         self.max_seq_length = max_seq_length
         self._wrapped: PeftModel | None = None
         self._wrapped_shape: tuple[int, float, float, tuple[str, ...]] | None = None

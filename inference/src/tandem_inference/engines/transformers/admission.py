@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 from tandem_inference.errors import AdapterLoadFailed, AdapterNotLoaded, EngineBusy, EngineUnavailable
 
-NOT_LOADED = "Got LoRA adapter that has never been loaded"  # SGLang's wording, which clients match
+NOT_LOADED = "Got LoRA adapter that has never been loaded"  # SGLang's wording, which its client matches (sglang.py)
 RELEASED = "engine memory is released; POST /resume_memory_occupation first"
 
 

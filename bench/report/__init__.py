@@ -1,0 +1,1 @@
+"""Report writers: tables, pages and plots from what the suite and the GPU checks left (results.json, logs)."""

@@ -1,0 +1,225 @@
+"""Scenario 1, policy-sync latency: from the trainer's optimizer step to the first response
+served by the new version, stage by stage, over 30+ versions, beside the floor.
+
+Stages per version, from the event stream (`adapter_ready` carries `stepped_at`,
+`published_at` and the publish's stages; `adapter_loaded` carries the engine's `load_ms` and
+the controller's stages) and from probers that keep sending one-token requests through the
+gateway. The trainer reads its clocks after synchronising CUDA:
+
+    step -> written    optimizer step done on the device -> version renamed into the store
+      stage            the adapter into host memory: finding its tensors, then `copy` (inside)
+      copy             device -> host buffers, in the adapter's dtype (inside `stage`)
+      prepare          the rest before the first byte is written: the step's statistics, the
+                       manifest, clearing stale staging directories (inside step -> written)
+      write            the files written from those buffers, with their checksums (inside)
+      rename           manifest + rename into place (inside; the fsync comes after the announcement)
+    written -> ready   -> registered and `adapter_ready` appended
+    ready -> loaded    -> the controller checked it, the engine loaded it while the checksums
+                          were verified, the alias switched
+      check, verify    the controller's checks before the load; the checksums beside it (inside)
+    loaded -> served   -> a response by the new version came back
+    step -> served     the whole path
+
+tandem's own overhead is step -> served minus the engine's load and the first forward (the
+duration of the request that first came back from the new version; a prober starts sending
+requests when `adapter_ready` appears and stops when the new version answers). The probe's wait,
+loaded -> served minus the first forward (0 when that request started before `adapter_loaded`
+was appended, after the switch), is shown beside it: the prober's request in flight at the
+switch went to the old version, so the first the new version answers may start later. The floor is what the
+same bytes cost without tandem: write the adapter file (fsync), read it back, and copy its
+tensors to the engine's device.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.benchlib import Ctx, bench_run, goal, new_version, plt, save_figure, stage_table, summary
+from tandem import Client
+from tandem.events import EventKind
+
+
+class Prober:
+    """Follows the event stream; on each `adapter_ready` of the run it sends one-token requests
+    back to back until the new version answers, and remembers that first response (its end
+    and its duration). Idle otherwise, so it does not load the machine while the trainer
+    writes the next version."""
+
+    def __init__(self, gateway_url: str, client: Client, run: str) -> None:
+        self.url, self.client, self.run_name = gateway_url, client, run
+        self.first: dict[int, tuple[float, float]] = {}  # version -> (end, duration)
+        self.requests = self.errors = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.after = client.events.last_id()
+
+    def __enter__(self) -> Prober:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+    def _loop(self) -> None:
+        body = {"model": self.run_name, "prompt": "1", "max_tokens": 1}
+        with httpx.Client(base_url=self.url, timeout=60) as http:
+            while not self.stop.is_set():
+                page = self.client.events.read(self.after, block_ms=200)
+                self.after = page.last_id
+                for event in page:
+                    if event.kind is EventKind.ADAPTER_READY and event.run == self.run_name and event.version:
+                        self._until_served(http, body, event.version)
+
+    def _until_served(self, http: httpx.Client, body: dict[str, Any], version: int) -> None:
+        deadline = time.time() + 60
+        while time.time() < deadline and not self.stop.is_set():
+            start = time.time()
+            try:
+                resp = http.post("/v1/completions", json=body)
+            except httpx.HTTPError:
+                self.errors += 1
+                continue
+            end = time.time()
+            self.requests += 1
+            if resp.status_code != 200:
+                self.errors += 1
+                continue
+            if int(resp.headers["x-tandem-version"]) >= version:
+                self.first[version] = (end, end - start)
+                return
+
+
+def floor_ms(adapter_dir: Path, device: str) -> float:
+    """Write the adapter's bytes (fsync), read them back, copy the tensors to `device`."""
+    import torch
+    from safetensors.torch import load
+
+    data = (adapter_dir / "adapter_model.safetensors").read_bytes()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "adapter_model.safetensors"
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        tensors = load(path.read_bytes())
+        on_device = [t.to(device) for t in tensors.values()]
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        elapsed = (time.perf_counter() - t0) * 1000
+    del on_device
+    return elapsed
+
+
+def run(ctx: Ctx) -> dict[str, Any]:
+    assert ctx.stack is not None and ctx.client is not None
+    versions = 8 if ctx.quick else 40
+    run = bench_run(ctx)
+    # the versions this call publishes: a state directory of an earlier call holds that call's too
+    mine: list[int] = []
+    with Prober(ctx.stack.gateway_url, ctx.client, run.name) as probers:
+        for i in range(1, versions + 1):
+            mine.append(new_version(run))
+            ctx.progress(f"version {i}/{versions}")
+        time.sleep(0.5)
+    events = ctx.client.events.history(run=run.name, count=100_000)
+    ready = {e.version: e for e in events if e.kind is EventKind.ADAPTER_READY}
+    loaded = {e.version: e for e in events if e.kind is EventKind.ADAPTER_LOADED}
+    store = ctx.store_root
+    rows = []
+    for v in mine:
+        if v not in ready or v not in loaded:
+            continue
+        r, ld = ready[v], loaded[v]
+        stepped = r.data.get("stepped_at")
+        published = r.data.get("published_at", r.ts)
+        first = probers.first.get(v)
+        row: dict[str, Any] = {
+            "version": v,
+            "step_to_written_ms": (published - stepped) * 1000 if stepped else None,
+            "written_to_ready_ms": (r.ts - published) * 1000,
+            "ready_to_loaded_ms": (ld.ts - r.ts) * 1000,
+            "engine_load_ms": ld.data.get("load_ms"),
+            "loaded_to_served_ms": (first[0] - ld.ts) * 1000 if first else None,
+            "first_forward_ms": first[1] * 1000 if first else None,
+            "publish_to_served_ms": (first[0] - published) * 1000 if first else None,
+            "step_to_served_ms": (first[0] - stepped) * 1000 if first and stepped else None,
+        }
+        published_stages, loaded_stages = r.data.get("stages_ms") or {}, ld.data.get("stages_ms") or {}
+        for key in ("stage", "copy", "prepare", "write", "rename"):
+            row[f"{key}_ms"] = published_stages.get(key)
+        for key in ("check", "verify"):
+            row[f"{key}_ms"] = loaded_stages.get(key)
+        if row["step_to_served_ms"] is not None:
+            row["probe_wait_ms"] = max(0.0, row["loaded_to_served_ms"] - row["first_forward_ms"])
+            row["overhead_ms"] = row["step_to_served_ms"] - (row["engine_load_ms"] or 0) - row["first_forward_ms"]
+        else:
+            row["probe_wait_ms"] = row["overhead_ms"] = None
+        adapter = store / run.name / f"v{v:06d}" / "adapter"
+        row["floor_ms"] = floor_ms(adapter, ctx.device) if adapter.is_dir() else None
+        row["adapter_bytes"] = sum(p.stat().st_size for p in adapter.glob("*")) if adapter.is_dir() else None
+        rows.append(row)
+    # the first version pays one-off costs (the engine wraps the base model on its first load)
+    steady = rows[1:] if len(rows) > 2 else rows
+    keys = ["step_to_written_ms", "stage_ms", "copy_ms", "prepare_ms", "write_ms", "rename_ms", "written_to_ready_ms",
+            "ready_to_loaded_ms",
+            "check_ms", "engine_load_ms", "verify_ms", "loaded_to_served_ms", "probe_wait_ms", "first_forward_ms",
+            "step_to_served_ms", "publish_to_served_ms", "overhead_ms", "floor_ms"]
+    stages = {k: summary([r[k] for r in steady if r.get(k) is not None]) for k in keys
+              if any(r.get(k) is not None for r in steady)}
+    overhead = stages["overhead_ms"]["p50"]
+    served = stages["publish_to_served_ms"]["p50"]
+    floor = stages["floor_ms"]["p50"]
+    on_gpu = ctx.device.startswith("cuda")
+    goals = [
+        goal("tandem's own overhead in the sync path, p50 ms", overhead, 30.0 if on_gpu else 20.0,
+             note="step -> served minus the engine's load and the first forward"),
+        goal("publish -> served p50 within 3x the floor (ratio)", served / floor if floor else float("inf"), 3.0,
+             note=f"publish -> served {served:.1f} ms, floor {floor:.2f} ms"),
+        goal("failed probe requests", float(probers.errors), 0.0),
+    ]
+    if ctx.shape == "8b":
+        step_to_served = stages["step_to_served_ms"]
+        goals += [goal("optimizer step -> first response by the new version, p50 ms", step_to_served["p50"], 500.0),
+                  goal("optimizer step -> first response by the new version, p95 ms", step_to_served["p95"], 800.0)]
+    plot_name = "sync_latency.png"
+    plot(rows, ctx.out / plot_name)
+    table = stage_table(stages)
+    table += (f"\n\n{len(rows)} versions (statistics leave out the first, which pays the engine's one-off "
+              f"wrap of the base model); {probers.requests} probe requests, "
+              f"{probers.errors} failed; adapter {rows[-1]['adapter_bytes'] if rows else 0} bytes.")
+    return {
+        "name": "sync", "title": "1. Policy sync latency", "summary": {k: v for k, v in stages.items()},
+        "rows": rows, "goals": goals, "table": table, "plots": [plot_name],
+        "probe_requests": probers.requests, "probe_errors": probers.errors,
+    }
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    pyplot = plt()
+    keys = [("step_to_written_ms", "step -> written"), ("written_to_ready_ms", "written -> adapter_ready"),
+            ("ready_to_loaded_ms", "adapter_ready -> loaded"), ("engine_load_ms", "engine load (inside)"),
+            ("loaded_to_served_ms", "loaded -> first response"), ("step_to_served_ms", "step -> served (total)"),
+            ("overhead_ms", "tandem overhead"), ("floor_ms", "floor: write+read+copy")]
+    fig, axes = pyplot.subplots(2, 4, figsize=(15, 6))
+    for ax, (key, title) in zip(axes.flat, keys, strict=True):
+        vals = [r[key] for r in rows[1:] if r[key] is not None]
+        ax.hist(vals, bins=20, color="#4c72b0")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("ms")
+    axes[0][0].set_ylabel("versions")
+    axes[1][0].set_ylabel("versions")
+    fig.suptitle("Policy sync latency per stage")
+    save_figure(fig, path)
+
+
+def replot(result: dict[str, Any], out: Path) -> None:
+    plot(result["rows"], out / "sync_latency.png")

@@ -1,0 +1,52 @@
+"""The inference controller's sections: the controller that follows the event stream and loads
+adapters (`TANDEM_CONTROLLER__*`), and this service as one replica among others, its name and
+heartbeat (`TANDEM_REPLICA__*`)."""
+
+from __future__ import annotations
+
+import socket
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ControllerSettings(BaseModel):
+    """The inference controller that follows the event stream and loads adapters."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    consumer: str = "inference"
+    """Name of the controller's cursor on the event stream; each replica keeps its own, `<consumer>:<replica.id>`."""
+    keep_versions: int = Field(2, ge=1, le=64)
+    """How many newest versions per run stay loaded (older ones are unloaded when idle)."""
+    block_ms: int = Field(1000, ge=1, le=60000)
+    """How long one blocking read of the event stream waits, in milliseconds."""
+    reconcile_s: float = Field(5.0, gt=0, le=3600)
+    """How often the controller reconciles with the registry and the engine, in seconds: it loads
+    a registered version that was never announced, loads again what the engine lost and unloads
+    adapters the engine holds that nothing routes to."""
+
+
+def _host_id() -> str:
+    """The host name as a replica id: its first 63 characters of letters, digits, `.`, `_`, `-`."""
+    name = "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "-" for c in socket.gethostname())
+    return name.lstrip("._-")[:63] or "replica"
+
+
+class ReplicaSettings(BaseModel):
+    """This inference service as one replica among others sharing the Redis (tandem.replicas)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    id: str = Field(default_factory=lambda: _host_id(), pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$",
+                    json_schema_extra={"shown_default": "the host name"})
+    """The replica's name in Redis, events (`adapter_loaded`) and responses (`x-tandem-replica`);
+    by default the host name (a container's or pod's name). Unique per replica."""
+    url: str | None = None
+    """Where this replica's gateway answers for a router; unset: http://<host name>:<gateway.port>."""
+    heartbeat_s: float = Field(2.0, gt=0, le=60)
+    """How often the replica writes its heartbeat (state and versions held), in seconds."""
+    ttl_s: float = Field(10.0, gt=0, le=600)
+    """How long a heartbeat lasts: a replica silent this long is gone, in seconds."""
+    agree_s: float = Field(10.0, gt=0, le=3600)
+    """Longest a replica holding a new version waits for the other ready replicas to hold it before it
+    serves it anyway, in seconds; a replica still without it then leaves rotation until it catches up."""

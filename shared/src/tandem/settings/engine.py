@@ -1,0 +1,117 @@
+"""The inference engine's section (`TANDEM_ENGINE__*`): which engine, how it is launched, its
+limits and timeouts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tandem.runs import DEFAULT_TARGETS
+from tandem.settings.secret import Secret
+
+#: The LoRA ranks vLLM can be started with (its `--max-lora-rank` choices, 0.33).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class EngineSettings(BaseModel):
+    """The inference engine (SGLang or vLLM on GPUs, or the transformers engine on CPU)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    kind: Literal["transformers", "sglang", "vllm"] = "transformers"
+    """Which engine serves rollouts: `sglang` or `vllm` (each in its own image, started and supervised
+    by the inference service), or `transformers` (tandem's own, for the CPU stack)."""
+    url: str = "http://127.0.0.1:30000"
+    """Base URL of the engine's HTTP API (private: never publish it)."""
+    launch: bool = False
+    """With kind=transformers: the inference service starts the engine as its own supervised child,
+    listening on host:port (one engine per replica), instead of reaching one at `url`. SGLang and vLLM
+    are always started by the service."""
+    model: str = ".tandem/models/tiny"
+    """Base model: a local path or a hub id."""
+    served_model_name: str = "base"
+    """Name the engine serves the base model under; no ':' allowed."""
+    host: str = "127.0.0.1"
+    """Interface the transformers engine binds to."""
+    port: int = Field(30000, ge=1, le=65535)
+    """Port the transformers engine binds to."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of the transformers engine."""
+    max_lora_rank: int = Field(64, ge=1, le=1024)
+    """Largest LoRA rank the engine accepts; larger adapters are rejected. vLLM takes only 1, 8, 16,
+    32, 64, 128, 256, 320 or 512."""
+    max_loaded_adapters: int = Field(8, ge=1, le=256)
+    """How many adapters the engine holds at once (vLLM: `--max-cpu-loras`)."""
+    admin_api_key: Secret = None
+    """Key that guards load/unload and memory routes of the engine. Unset: the transformers engine
+    answers those routes on loopback only. Every stack sets one (`tandem up` generates it). vLLM
+    has no admin key of its own: there it is vLLM's API key (`VLLM_API_KEY`), which guards its
+    `/v1` routes, generation included; its sleep and RPC routes stay unguarded, so vLLM listens on
+    loopback only."""
+    load_timeout_s: float = Field(60.0, gt=0, le=3600)
+    """Timeout of one adapter load, in seconds."""
+    unload_timeout_s: float = Field(30.0, gt=0, le=3600)
+    """Timeout of one adapter unload, in seconds."""
+    generate_timeout_s: float = Field(300.0, gt=0, le=86400)
+    """Timeout of one generation request, in seconds."""
+    max_new_tokens_limit: int = Field(4096, ge=1)
+    """Largest `max_tokens` a request may ask for."""
+    sglang_python: str = "python3"
+    """Interpreter of SGLang's own environment (SGLang and tandem never share one)."""
+    vllm_python: str = "python3"
+    """Interpreter of vLLM's own environment (vLLM, SGLang and tandem never share one)."""
+    lora_target_modules: tuple[str, ...] = DEFAULT_TARGETS
+    """Modules SGLang prepares LoRA buffers for; adapters may target a subset."""
+    max_loras_per_batch: int = Field(8, ge=1, le=256)
+    """Adapters SGLang mixes in one batch (the base model takes a slot); vLLM's `--max-loras`."""
+    tp_size: int = Field(1, ge=1, le=64)
+    """Tensor-parallel size of SGLang (or vLLM)."""
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1)
+    """Share of GPU memory SGLang reserves for weights and KV cache (vLLM: `--gpu-memory-utilization`);
+    unset = the engine's default."""
+    cuda_graph_max_bs: int | None = Field(None, ge=1)
+    """Largest batch size SGLang captures CUDA graphs for (vLLM: `--max-cudagraph-capture-size`);
+    small values shorten boot."""
+    disable_cuda_graph: bool = False
+    """Skip CUDA-graph capture (faster boot, slower decode; vLLM: `--enforce-eager`)."""
+    lora_backend: Literal["triton", "csgmv"] = "triton"
+    """SGLang's LoRA kernels (`--lora-backend`). NOTE: 0.5.12's default, csgmv, decodes wrong tokens
+    for every adapter but one in a mixed batch under CUDA graphs (its kernel grid is sized at graph
+    capture, sglang#28371, fixed in later releases); triton decodes each request of a mixed batch
+    as it decodes alone (docs/benchmarks.md, "Mixed-adapter batches")."""
+    extra_args: list[str] = Field(default_factory=list)
+    """More flags of the engine's command line (`sglang.launch_server`, `vllm serve`), passed as they are."""
+    boot_timeout_s: float = Field(900.0, gt=0)
+    """How long the launcher waits for the engine (SGLang, vLLM) to become healthy, in seconds."""
+    max_restarts: int = Field(5, ge=0)
+    """Restarts of a crashed engine within `restart_window_s` before the launcher gives up."""
+    restart_window_s: float = Field(600.0, gt=0)
+    """Window over which restarts are counted, in seconds."""
+    adapter_roots: list[Path] | None = None
+    """Directories the transformers engine loads adapters from (a JSON list: `["/adapters"]`);
+    `/load_lora_adapter` refuses a path outside them, symlinks resolved (400). Unset: the adapter
+    store (`store.root`)."""
+    weights_roots: list[Path] | None = None
+    """Directories the transformers engine reads `/update_weights_from_disk` checkpoints from (a
+    JSON list); it refuses a path outside them, symlinks resolved (400). Unset: the directory that holds the base
+    model (`engine.model`, when it is a local path; none for a hub id)."""
+
+    @model_validator(mode="after")
+    def _no_colon(self) -> EngineSettings:
+        if ":" in self.served_model_name:
+            raise ValueError(
+                f"engine.served_model_name {self.served_model_name!r} contains ':'; "
+                "SGLang splits OpenAI model names at ':'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_rank(self) -> EngineSettings:
+        if self.kind == "vllm" and self.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(
+                f"engine.max_lora_rank={self.max_lora_rank} with engine.kind=vllm: vLLM's --max-lora-rank takes "
+                f"only {', '.join(map(str, VLLM_LORA_RANKS))}; pick the smallest of them at or above your adapters' rank"
+            )
+        return self

@@ -1,0 +1,153 @@
+"""The settings of each service, composed of the sections below them: the trainer, the inference
+service and the client; with the environment they are read from (prefix `TANDEM_`, `__` for
+nesting, a shared `.env`), their cross-section rules and their redacted form."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tandem.settings.controller import ControllerSettings, ReplicaSettings
+from tandem.settings.engine import EngineSettings
+from tandem.settings.gateway import GatewaySettings
+from tandem.settings.gpus import GpuSettings
+from tandem.settings.secret import Secret, redact_url
+from tandem.settings.storage import RedisSettings, RetentionSettings, StoreSettings
+from tandem.settings.trainer import (
+    ParallelSettings,
+    TrackerSettings,
+    TrainerBackendSettings,
+    TrainerMetricsSettings,
+)
+
+#: Where `tandem up` (run from this directory) writes the gateway and Redis URLs of its stack.
+LOCAL_STACK_ENV = ".tandem/stack/client.env"
+
+_CONFIG = SettingsConfigDict(
+    env_prefix="TANDEM_", env_nested_delimiter="__", env_file=".env", extra="ignore",
+    use_attribute_docstrings=True,
+)
+
+
+class _ServiceSettings(BaseSettings):
+    model_config = _CONFIG
+
+    redis: RedisSettings = RedisSettings()
+    store: StoreSettings = StoreSettings()
+
+    def redacted(self) -> dict[str, Any]:
+        """The resolved settings as JSON-able data, secrets shown as '**********'."""
+        data: dict[str, Any] = json.loads(self.model_dump_json())
+        data["redis"]["url"] = redact_url(self.redis.url)
+        return data
+
+
+class TrainerSettings(_ServiceSettings):
+    """Settings of the trainer worker (`tandem-trainer`)."""
+
+    gpus: GpuSettings = GpuSettings()
+    backend: TrainerBackendSettings = TrainerBackendSettings()
+    job_timeout_s: int = Field(1800, ge=1, le=86400)
+    """Default timeout of one train job, in seconds (a job may set its own)."""
+    worker_name: str | None = None
+    """rq worker name; default: host and pid."""
+    redis_outage_s: float = Field(300.0, ge=0, le=86400)
+    """How long the trainer rides out a Redis outage, in seconds: each Redis command that fails
+    because Redis is away is tried again, with pauses growing to 2 s, for up to this long, so a job
+    that ends while Redis is away completes once Redis is back; past it the worker exits and its
+    restart recovers the job."""
+    parallel: ParallelSettings = ParallelSettings()
+    metrics: TrainerMetricsSettings = TrainerMetricsSettings()
+    tracker: TrackerSettings = TrackerSettings()
+    retention: RetentionSettings = RetentionSettings()
+
+    def redacted(self) -> dict[str, Any]:
+        data = super().redacted()
+        data["tracker"]["mlflow_uri"] = redact_url(self.tracker.mlflow_uri)
+        return data
+
+    @model_validator(mode="after")
+    def _ranks_fit_gpus(self) -> TrainerSettings:
+        ranks = self.parallel.ranks
+        if self.parallel.nodes > 1 and self.gpus.mode == "shared":
+            raise ValueError(
+                f"parallel.nodes={self.parallel.nodes} in shared mode: the trainer shares the one "
+                "inference GPU; training on several nodes needs split (or cpu) mode"
+            )
+        if ranks is None or ranks == 1:
+            return self
+        if self.gpus.mode == "shared":
+            raise ValueError(
+                f"parallel.ranks={ranks} in shared mode: the trainer shares the one inference GPU; "
+                "data-parallel training needs split mode with several gpus.trainer"
+            )
+        if self.gpus.mode == "split" and ranks != len(self.gpus.trainer):
+            raise ValueError(
+                f"parallel.ranks={ranks} but gpus.trainer={self.gpus.trainer} names "
+                f"{len(self.gpus.trainer)} GPU(s); a rank trains on one GPU each, so leave "
+                "parallel.ranks unset or list as many trainer GPUs"
+            )
+        return self
+
+
+class InferenceSettings(_ServiceSettings):
+    """Settings of the inference side: engine, controller and gateway."""
+
+    gpus: GpuSettings = GpuSettings()
+    engine: EngineSettings = EngineSettings()
+    controller: ControllerSettings = ControllerSettings()
+    gateway: GatewaySettings = GatewaySettings()
+    replica: ReplicaSettings = ReplicaSettings()
+
+    @model_validator(mode="after")
+    def _replica_url(self) -> InferenceSettings:
+        """Unset `replica.url`: this host's name and the gateway's port."""
+        if self.replica.url is None:
+            self.replica = self.replica.model_copy(
+                update={"url": f"http://{socket.gethostname()}:{self.gateway.port}"})
+        return self
+
+    @model_validator(mode="after")
+    def _engine_roots(self) -> InferenceSettings:
+        """Unset engine roots: the adapter store, and the directory that holds a local base model."""
+        if self.engine.adapter_roots is None:
+            self.engine = self.engine.model_copy(update={"adapter_roots": [self.store.root]})
+        if self.engine.weights_roots is None:
+            model = Path(self.engine.model)
+            roots = [model.resolve().parent] if model.exists() else []
+            self.engine = self.engine.model_copy(update={"weights_roots": roots})
+        return self
+
+
+class ClientSettings(_ServiceSettings):
+    """Settings of the client SDK (`tandem.Client`)."""
+
+    # `tandem up` writes the URLs of the stack it started (Redis with its password) to
+    # LOCAL_STACK_ENV; a `.env` and the environment override them.
+    model_config = SettingsConfigDict(**{**_CONFIG, "env_file": (LOCAL_STACK_ENV, ".env")})
+
+    gateway_url: str = "http://127.0.0.1:8000"
+    """Base URL of the gateway."""
+    api_key: Secret = None
+    """Gateway API key, if the gateway needs one."""
+    request_timeout_s: float = Field(300.0, gt=0)
+    """Timeout of one rollout request, in seconds."""
+    train_timeout_s: float = Field(1800.0, gt=0)
+    """How long a synchronous `train()` waits for the new version to serve, in seconds."""
+    silent_replica_s: float = Field(15.0, gt=0, le=3600)
+    """Once a replica serves the new version, how long `train()` still waits for a ready replica
+    that said nothing of it (neither held, served nor refused it), in seconds; then it is not
+    waited for. One that a serving replica went on without (after `replica.agree_s`, 10 s: its
+    `adapter_loaded` names it) is not waited for from then on."""
+
+
+SERVICES: dict[str, type[_ServiceSettings]] = {
+    "trainer": TrainerSettings,
+    "inference": InferenceSettings,
+    "client": ClientSettings,
+}
