@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from helpers.jobs import status
+from helpers.jobs import make_job, status
 from helpers.workers import wait_for
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -252,6 +252,16 @@ def test_an_optim_step_naming_other_gradients_is_refused_and_the_next_calls_work
         optim_step(trainer, "a", "step-2", [])
     forward_backward(trainer, "a", "fb-3", [make_datum(3)])
     assert optim_step(trainer, "a", "step-3", ["fb-3"]).version == 1
+
+
+def test_a_grpo_train_job_drops_the_runs_held_gradients_and_says_so(trainer, redis_conn, tiny_model, caplog) -> None:
+    create_runs(redis_conn, tiny_model, "a")
+    forward_backward(trainer, "a", "fb-1", [make_datum(1)])
+    caplog.set_level("WARNING", logger="tandem_trainer.backends")
+    assert trainer.train(make_job("grpo-1", run="a", step=1)).version == 1  # its own gradients only
+    assert "gradients.dropped run=a jobs=['fb-1']" in caplog.text and trainer.backend.gradient_jobs() == []
+    with pytest.raises(JobRejected, match=r"\['fb-1'\] were lost"):
+        optim_step(trainer, "a", "step-2", ["fb-1"])
 
 
 def test_load_state_copies_a_versions_weights_and_optimizer(trainer, redis_conn, tiny_model, tmp_path) -> None:

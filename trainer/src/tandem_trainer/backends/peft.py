@@ -319,8 +319,8 @@ class PeftBackend(Backend):
 
     def drop_gradients(self, why: str) -> list[str]:
         dropped, self._gradient_jobs = self._gradient_jobs, []
-        if self._optimizer is not None:
-            self._optimizer.zero_grad(set_to_none=True)
+        for _, p in self._params:  # (Unsloth reuses the parameters for the next adapter)
+            p.grad = None
         if dropped:
             run = self._active[0] if self._active else (self._spec.name if self._spec else "?")
             log.warning("gradients.dropped run=%s jobs=%s why=%s", run, dropped, why)
