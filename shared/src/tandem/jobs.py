@@ -33,11 +33,15 @@ from tandem import keys
 from tandem.connection import translated
 from tandem.errors import JobRefused, ValidationFailed, invalid
 from tandem.runs import check_run_name
-from tandem.tinker_jobs import FORWARD_BACKWARD_FUNC, LOAD_STATE_FUNC, OPTIM_STEP_FUNC
 from tandem.trajectories import TrajectoryGroup
 
 #: Dotted path of the function the trainer worker runs for each job.
 TRAIN_FUNC = "tandem_trainer.worker.run_train_job"
+
+#: The job functions of Tinker's training calls (`tandem.tinker_jobs`, which names them too).
+FORWARD_BACKWARD_FUNC = "tandem_trainer.worker.run_forward_backward_job"
+OPTIM_STEP_FUNC = "tandem_trainer.worker.run_optim_step_job"
+LOAD_STATE_FUNC = "tandem_trainer.worker.run_load_state_job"
 
 #: Every function the trainer worker runs, each with one argument (the payload): the queue's guard
 #: allows these and nothing else.

@@ -36,23 +36,25 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
+import redis
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from rq import Retry
 
+from tandem.connection import translated
+
+# The job functions the trainer worker runs for these kinds (the queue's guard allows them),
+# named beside the guard and named here too.
+from tandem.jobs import FORWARD_BACKWARD_FUNC as FORWARD_BACKWARD_FUNC
+from tandem.jobs import JOB_RETRIES, train_queue
+from tandem.jobs import LOAD_STATE_FUNC as LOAD_STATE_FUNC
+from tandem.jobs import OPTIM_STEP_FUNC as OPTIM_STEP_FUNC
 from tandem.runs import check_run_name
-
-if TYPE_CHECKING:
-    import redis
 
 #: Losses the trainer computes, by Tinker's names.
 LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo")
 LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo"]
-
-#: The job functions the trainer worker runs for these kinds (the queue's guard allows them).
-FORWARD_BACKWARD_FUNC = "tandem_trainer.worker.run_forward_backward_job"
-OPTIM_STEP_FUNC = "tandem_trainer.worker.run_optim_step_job"
-LOAD_STATE_FUNC = "tandem_trainer.worker.run_load_state_job"
 
 _JOB_ID = r"^[A-Za-z0-9_-]{1,128}$"
 
@@ -162,12 +164,6 @@ def enqueue(conn: redis.Redis, job: TinkerJob) -> str:
     """Put a validated Tinker job on the train queue, after the jobs already there; returns its id
     (rq's job id is the payload's `job_id`). Its result (the kind's `...Result` as JSON) is kept a
     week, as a train job's."""
-    # deferred: tandem.jobs imports this module for the job functions' names
-    from rq import Retry
-
-    from tandem.connection import translated
-    from tandem.jobs import JOB_RETRIES, train_queue
-
     func = job_func(job)
     with translated(conn, f"enqueue {func.rpartition('.')[2]} {job.job_id} of run {job.run!r}"):
         train_queue(conn).enqueue(

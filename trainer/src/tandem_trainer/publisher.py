@@ -19,16 +19,16 @@ import hashlib
 import logging
 import time
 import uuid
-from typing import Protocol
 
 import redis
-from pydantic import BaseModel, JsonValue
+from pydantic import JsonValue
 
 from tandem.adapters import ADAPTER_DIR, AdapterStore, Manifest
 from tandem.errors import AdapterRejected
 from tandem.events import Event, EventKind, EventStream
 from tandem.jobs import TrainJob, TrainResult, groups_digest
 from tandem.registry import Registry
+from tandem.tinker_jobs import LoadStateJob, OptimStepJob
 from tandem_trainer import failpoints
 from tandem_trainer.adapter_files import StagedAdapter
 from tandem_trainer.errors import CheckpointError, JobRejected
@@ -40,15 +40,8 @@ log = logging.getLogger(__name__)
 ANNOUNCE_SKEW_S = 60.0
 
 
-class NamedJob(Protocol):
-    """What publishing needs of a job of any kind that publishes (a `TrainJob`, a Tinker `optim_step`
-    or `load_state`): its run and its id."""
-
-    @property
-    def run(self) -> str: ...
-
-    @property
-    def job_id(self) -> str: ...
+#: A job of a kind that publishes versions: a train job, Tinker's `optim_step` and `load_state`.
+NamedJob = TrainJob | OptimStepJob | LoadStateJob
 
 
 def job_digest(job: NamedJob) -> str:
@@ -56,8 +49,6 @@ def job_digest(job: NamedJob) -> str:
     another kind's whole payload but its id, timing and sequence number."""
     if isinstance(job, TrainJob):
         return groups_digest(job)
-    if not isinstance(job, BaseModel):
-        raise TypeError(f"cannot digest a {type(job).__name__}")
     return hashlib.sha256(job.model_dump_json(exclude={"job_id", "timeout_s", "submitted_at", "seq"}).encode()
                           ).hexdigest()
 

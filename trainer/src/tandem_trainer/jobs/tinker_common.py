@@ -31,13 +31,14 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def parsed(model: type[M], payload: BaseModel | JsonValue, what: str) -> M:
-    """The payload as `model`: as it is when it is one, else validated; ValidationFailed names the field."""
+    """The payload as `model`: as it is when it is one, else validated; JobRejected names the field."""
     if isinstance(payload, model):
         return payload
     try:
         return model.model_validate(payload)
     except ValidationError as exc:
-        raise invalid(f"invalid {what} job", exc) from exc
+        failure = invalid(f"invalid {what} job", exc)
+        raise JobRejected(str(failure), field=failure.field) from exc
 
 
 def single_process(ctx: JobContext, kind: str) -> None:
