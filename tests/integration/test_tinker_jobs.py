@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import tandem_trainer.backends.peft as peft_module
+from tandem import keys
 from tandem.adapters import AdapterStore
 from tandem.events import EventKind, EventStream
 from tandem.jobs import train_queue
@@ -43,7 +44,7 @@ from tandem.tinker_jobs import (
 )
 from tandem_trainer.backends.peft import PeftBackend
 from tandem_trainer.backends.resident import ResidentBudget
-from tandem_trainer.errors import JobRejected
+from tandem_trainer.errors import JobRejected, LockTimeout
 from tandem_trainer.jobs.runner import Trainer
 
 pytestmark = pytest.mark.integration
@@ -252,6 +253,17 @@ def test_an_optim_step_naming_other_gradients_is_refused_and_the_next_calls_work
         optim_step(trainer, "a", "step-2", [])
     forward_backward(trainer, "a", "fb-3", [make_datum(3)])
     assert optim_step(trainer, "a", "step-3", ["fb-3"]).version == 1
+
+
+def test_a_job_that_never_got_its_runs_lock_drops_no_gradients(trainer, redis_conn, tiny_model) -> None:
+    create_runs(redis_conn, tiny_model, "a", "b")
+    forward_backward(trainer, "a", "fb-1", [make_datum(1)])
+    redis_conn.set(keys.run_lock("b"), "busy-worker#1|abc", px=600_000)  # a live worker holds b
+    job = ForwardBackwardJob(run="b", datums=[make_datum(2)], loss_fn="cross_entropy", timeout_s=1)
+    with pytest.raises(LockTimeout):
+        trainer.run("forward_backward", job)
+    assert trainer.backend.gradient_jobs() == ["fb-1"]  # the backend was never touched: nothing dropped
+    assert optim_step(trainer, "a", "step-1", ["fb-1"]).version == 1
 
 
 def test_a_grpo_train_job_drops_the_runs_held_gradients_and_says_so(trainer, redis_conn, tiny_model, caplog) -> None:
