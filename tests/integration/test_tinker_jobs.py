@@ -151,7 +151,8 @@ def test_forward_only_gives_the_models_logprobs_and_changes_nothing(trainer, red
             logits = base(input_ids=torch.tensor([d.tokens])).logits[0].float()
         targets = torch.tensor([int(t) for t in d.inputs["target_tokens"]])
         direct = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
-        torch.testing.assert_close(torch.tensor(out["logprobs"]), direct, rtol=1e-4, atol=1e-5)
+        tolerance = 1e-5 if DEVICE == "cpu" else 5e-2  # a GPU's backend runs the model in bfloat16
+        torch.testing.assert_close(torch.tensor(out["logprobs"]), direct, rtol=tolerance * 10, atol=tolerance)
 
     fb = forward_backward(trainer, "a", "fb-1", datums)  # the same weights, now with a backward pass
     assert fb.loss_fn_outputs == fwd.loss_fn_outputs and fb.metrics == fwd.metrics
