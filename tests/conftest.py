@@ -71,6 +71,16 @@ def client_conn(redis_conn, role_urls: dict[Role, str]):
     conn.close()
 
 
+@pytest.fixture
+def trainer_conn(redis_conn, role_urls: dict[Role, str]):
+    """A connection as the trainer's user (tandem.acl), to the flushed Redis of `redis_conn`."""
+    import redis
+
+    conn = redis.Redis.from_url(role_urls[Role.TRAINER])
+    yield conn
+    conn.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Qwen2 model, built once per session."""

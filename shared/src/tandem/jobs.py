@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from rq import Queue, Retry
+from rq import Retry
 from rq.exceptions import DeserializationError
 from rq.job import UNEVALUATED, Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -32,6 +32,7 @@ from rq.utils import import_attribute
 from tandem import keys
 from tandem.connection import translated
 from tandem.errors import JobRefused, ValidationFailed, invalid
+from tandem.fair_queue import FairQueue, job_meta
 from tandem.runs import check_run_name
 from tandem.trajectories import TrajectoryGroup
 
@@ -242,8 +243,14 @@ class GuardedJob(Job):
         """Never: a webhook would make the trainer send requests wherever the hash says."""
 
 
-def train_queue(conn: redis.Redis) -> Queue:
-    return Queue(keys.TRAIN_QUEUE, connection=conn, serializer=JSONSerializer, job_class=GuardedJob)
+def train_queue(conn: redis.Redis) -> FairQueue:
+    """The train queue: `GuardedJob`s, taken in fair turns across runs (tandem.fair_queue)."""
+    return FairQueue(keys.TRAIN_QUEUE, connection=conn, serializer=JSONSerializer, job_class=GuardedJob)
+
+
+def job_tokens(job: TrainJob) -> int:
+    """The tokens a train job trains on: its cost in the queue's fair turns."""
+    return sum(len(t.prompt_ids) + len(t.completion_ids) for g in job.groups for t in g.trajectories)
 
 
 def enqueue(conn: redis.Redis, job: TrainJob) -> str:
@@ -260,5 +267,6 @@ def enqueue(conn: redis.Redis, job: TrainJob) -> str:
             # it would publish after them and its rollouts could be refused as stale
             retry=Retry(max=JOB_RETRIES, enqueue_at_front=True),
             description=f"train {job.run} step {job.step}",
+            meta=job_meta(job.run, job_tokens(job)),
         )
     return job.job_id

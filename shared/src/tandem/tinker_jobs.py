@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rq import Retry
 
 from tandem.connection import translated
+from tandem.fair_queue import job_meta
 
 # The job functions the trainer worker runs for these kinds (the queue's guard allows them),
 # named beside the guard and named here too.
@@ -160,6 +161,11 @@ def job_func(job: TinkerJob) -> str:
     return OPTIM_STEP_FUNC if isinstance(job, OptimStepJob) else LOAD_STATE_FUNC
 
 
+def job_tokens(job: TinkerJob) -> int:
+    """The tokens a job trains on, its cost in the queue's fair turns (1 for a step or a load)."""
+    return sum(len(d.tokens) for d in job.datums) if isinstance(job, ForwardBackwardJob) else 1
+
+
 def enqueue(conn: redis.Redis, job: TinkerJob) -> str:
     """Put a validated Tinker job on the train queue, after the jobs already there; returns its id
     (rq's job id is the payload's `job_id`). Its result (the kind's `...Result` as JSON) is kept a
@@ -175,5 +181,6 @@ def enqueue(conn: redis.Redis, job: TinkerJob) -> str:
             failure_ttl=7 * 24 * 3600,
             retry=Retry(max=JOB_RETRIES, enqueue_at_front=True),
             description=f"{func.rpartition('.')[2]} {job.run} seq {job.seq}",
+            meta=job_meta(job.run, job_tokens(job)),
         )
     return job.job_id

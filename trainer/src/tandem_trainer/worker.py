@@ -37,6 +37,7 @@ from tandem.adapters import AdapterStore
 from tandem.connection import translated
 from tandem.errors import TandemError
 from tandem.events import EventStream
+from tandem.fair_queue import FairQueue
 from tandem.jobs import GuardedJob, train_queue
 from tandem.settings import TrainerSettings
 from tandem_trainer import failpoints
@@ -73,6 +74,7 @@ class TrainWorker(SimpleWorker):
     """rq's SimpleWorker on `GuardedJob`s: refused jobs fail at once, every failure is announced."""
 
     job_class = GuardedJob
+    queue_class = FairQueue  # jobs in fair turns across runs
     group: Group | None = None
     """Data-parallel training: the ranks this worker is rank 0 of."""
 
