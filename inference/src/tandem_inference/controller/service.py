@@ -98,6 +98,7 @@ class Controller:
                                                wait_s=settings.controller.slot_wait_s,
                                                evictions=self.metrics.evictions)
         """Room for each load: evicts the least recently used idle adapter (tandem_inference.controller.slots)."""
+        self.slots.advance = self._advance  # every load runs under the lock, as _advance must
         self.reconciler = Reconciler(settings, engine, table, registry, self.loader, self.announcer, self.unloader,
                                      self.metrics)
         self.agreement = Agreement(Replicas(conn), settings.replica.id, table, settings.replica.agree_s,

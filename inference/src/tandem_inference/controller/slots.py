@@ -9,7 +9,9 @@ with respect to checkouts, so what a request uses is never unloaded). When every
 request in flight, the load waits for one to end, up to `controller.slot_wait_s`; past it the
 load fails with `Overloaded` (`adapter_slots`): the gateway answers 429 with Retry-After.
 
-Versions newer than their run serves (held while the replicas agree) are never evicted. A run's
+Versions newer than their run serves (held while the replicas agree) are never evicted; when
+only they are left, the ones the replicas agree on are served first (the versions they replace
+become evictable). A run's
 serving version that was evicted still is what `<run>` means: a request for it (or for any
 registered version `<run>@vN`) that finds it not loaded has it loaded again on demand
 (Controller.checkout_on_demand), under a fresh name, checked as any load is.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from prometheus_client import Counter
 
@@ -50,6 +53,9 @@ class Slots:
         """Longest wait for a slot while every one serves a request (`controller.slot_wait_s`)."""
         self.evictions = evictions
         """Counter of adapters evicted for room, labelled run."""
+        self.advance: Callable[[], Awaitable[None]] | None = None
+        """Serves the held versions the replicas agree on (set by the controller): a held version
+        is never evicted, so when only held ones are left, serving them frees the older ones."""
 
     async def make_room(self, for_adapter: str) -> set[str]:
         """Return once the engine holds fewer than `limit` adapters; returns the runs that lost
@@ -67,6 +73,9 @@ class Slots:
             if await self._held_count() < self.limit:
                 continue
             victim = self.table.evict_idle()
+            if victim is None and self.advance is not None and self._any_held():
+                await self.advance()
+                victim = self.table.evict_idle()
             if victim is not None:
                 await self._evict(*victim)
                 touched.add(victim[0])
@@ -96,6 +105,9 @@ class Slots:
         self.evictions.labels(run).inc()
         log.info("adapter_evict end run=%s version=%d adapter=%s duration_ms=%.1f (least recently used, idle)",
                  run, version, name, (time.monotonic() - t0) * 1000)
+
+    def _any_held(self) -> bool:
+        return any(self.table.held(run) for run in self.table.runs())
 
     async def _held_count(self) -> int:
         """Adapters the engine holds (its own list: strays and retired ones take slots too)."""
