@@ -334,6 +334,7 @@ class Controller:
                 raise ModelNotFound(f"{model} could not be loaded (see its adapter_rejected event); it serves "
                                     "nowhere", known=missing.known)
             self.metrics.on_demand_loads.labels(run).inc()
+            await asyncio.to_thread(self.announcer.write_status, run)
             log.info("adapter_on_demand end run=%s version=%d duration_ms=%.1f", run, version,
                      (time.monotonic() - t0) * 1000)
             return self.table.checkout(model)
