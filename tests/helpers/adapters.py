@@ -8,6 +8,7 @@ manifest, registered, and announced with `adapter_ready`.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,38 @@ def publish(
         )
     if register and registry is not None:
         registry.register_version(manifest)
+    return manifest
+
+
+def reseeded(template: Path, out: Path, seed: int, *, scale: float = 0.5) -> Path:
+    """A copy of the adapter at `template` with every lora_B drawn anew from `seed` (and A kept):
+    another adapter of the same shape whose outputs differ, written in milliseconds instead of
+    building a peft model (for tests that publish hundreds of versions)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(template / "adapter_config.json", out / "adapter_config.json")
+    gen = torch.Generator().manual_seed(seed)
+    tensors = load_file(str(template / "adapter_model.safetensors"))
+    for name, tensor in sorted(tensors.items()):
+        if "lora_B" in name:
+            tensors[name] = torch.randn(tensor.shape, generator=gen, dtype=tensor.dtype) * scale
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    return out
+
+
+def publish_reseeded(store: AdapterStore, registry: Registry, template: Path, tiny_model: Path, run: str, version: int,
+                     *, seed: int, rank: int = 4) -> Manifest:
+    """Publish and register version `version` of `run` as `reseeded(template, seed)`."""
+    with store.staging(run, version) as staged:
+        reseeded(template, staged / "adapter", seed)
+        manifest = store.publish(
+            staged,
+            Manifest(run=run, version=version, parent=version - 1, step=version, job_id=f"job-{run}-{version}",
+                     base_model=str(tiny_model), lora_rank=rank),
+        )
+    registry.register_version(manifest)
     return manifest
 
 

@@ -38,7 +38,7 @@ from tandem_inference.engines.base import Sampling
 from tandem_inference.engines.calls import CallKind
 from tandem_inference.engines.transformers.client import TransformersEngine
 from tandem_inference.engines.transformers.server import create_engine_app
-from tandem_inference.errors import EngineTimeout, ModelNotFound
+from tandem_inference.errors import EngineTimeout, ModelNotFound, Overloaded
 from tandem_inference.routing import RoutingTable
 
 pytestmark = pytest.mark.integration
@@ -757,11 +757,13 @@ async def test_an_engine_that_refuses_loads_with_503_is_not_asked_again_at_once(
     assert controller.table.serving(run) == 0
 
 
-async def test_a_full_engine_makes_room_from_older_versions_and_says_which_setting_to_raise(
+async def test_a_full_engine_evicts_the_least_recently_used_idle_adapter_and_loads_on_demand(
     redis_conn: redis.Redis, settings: InferenceSettings, store: AdapterStore, tiny_model: Path
 ) -> None:
-    """Runs share the engine's `max_loaded_adapters`: older versions make room for new ones, and
-    once every slot serves a run the refusal names the setting; what serves keeps serving."""
+    """Runs share the engine's `max_loaded_adapters`: a new version evicts the least recently used
+    adapter no request holds, a run's evicted serving version still is what the run means and is
+    loaded again when asked for, and while every slot serves a request a load waits, then is
+    refused with a clear 429 (tandem_inference.controller.slots)."""
     registry, events = Registry(redis_conn), EventStream(redis_conn)
     a, b, c, d = (f"full{uuid.uuid4().hex[:6]}{x}" for x in "abcd")
     for name in (a, b, c, d):
@@ -770,31 +772,47 @@ async def test_a_full_engine_makes_room_from_older_versions_and_says_which_setti
     with serve_app(create_engine_app(small)) as url:
         async with httpx.AsyncClient() as http:
             engine = TransformersEngine(http, url)
-            limited = settings.model_copy(update={"engine": settings.engine.model_copy(
-                update={"url": url, "max_loaded_adapters": 3})})
+            limited = settings.model_copy(update={
+                "engine": settings.engine.model_copy(update={"url": url, "max_loaded_adapters": 3}),
+                "controller": settings.controller.model_copy(update={"slot_wait_s": 0.5})})
             controller = Controller(limited, redis_conn, engine, store, RoutingTable("base"))
             controller.start()
             try:
                 table = controller.table
-                for run, version in ((a, 1), (a, 2), (b, 1)):  # the engine is full
+                for run, version in ((a, 1), (a, 2), (b, 1), (b, 2)):  # a v1, the least recently used, makes room
                     announce(events, store, publish(store, registry, tiny_model, run, version))
                     await wait_until(lambda r=run, v=version: table.serving(r) == v, what=f"{run} v{version}")
-                announce(events, store, publish(store, registry, tiny_model, b, 2))
-                await wait_until(lambda: table.serving(b) == 2, what="b v2 serving on a full engine")
-                assert table.loaded(a) == [2] and table.serving(a) == 2  # a v1 made the room
-                assert f"{a}-v1" not in await engine.loaded_adapters()
+                assert table.loaded(a) == [2] and f"{a}-v1" not in await engine.loaded_adapters()
 
-                announce(events, store, publish(store, registry, tiny_model, c, 1))  # b v1 makes room
+                table.checkout(f"{b}@v1").release()  # b v1 used: a v2 is now the least recently used
+                announce(events, store, publish(store, registry, tiny_model, c, 1))
                 await wait_until(lambda: table.serving(c) == 1, what="c v1 serving")
-                assert sorted(await engine.loaded_adapters()) == sorted([f"{a}-v2", f"{b}-v2", f"{c}-v1"])
+                assert sorted(await engine.loaded_adapters()) == sorted([f"{b}-v1", f"{b}-v2", f"{c}-v1"])
+                assert table.serving(a) == 2 and table.evicted(a) == [2]  # `a` still means v2, not v1 or the base
 
-                announce(events, store, publish(store, registry, tiny_model, d, 1))  # every slot serves a run
-                await wait_until(lambda: events_of(events, EventKind.ADAPTER_REJECTED, d), what="d v1 refused")
-                message = events_of(events, EventKind.ADAPTER_REJECTED, d)[0].data["message"]
-                assert "TANDEM_ENGINE__MAX_LOADED_ADAPTERS" in message and "3 adapters" in message, message
-                assert (table.serving(a), table.serving(b), table.serving(c), table.serving(d)) == (2, 2, 1, 0)
-                (out,) = await engine.complete([5, 6, 7], Sampling(max_tokens=2, temperature=0), adapter=f"{a}-v2")
-                assert out.token_ids
+                with pytest.raises(ModelNotFound) as missing:
+                    table.checkout(a)
+                with await controller.checkout_on_demand(a, 2, missing.value) as hold:  # b v2 makes room
+                    assert hold.route.version == 2 and hold.route.adapter == f"{a}-v2-a1"  # a fresh name
+                    (out,) = await engine.complete([5, 6, 7], Sampling(max_tokens=2, temperature=0),
+                                                   adapter=hold.route.adapter)
+                    assert out.token_ids
+                assert f"{b}-v2" not in await engine.loaded_adapters() and table.evicted(b) == [2]
+
+                holds = [table.checkout(model) for model in (a, f"{b}@v1", c)]  # every slot in flight
+                announce(events, store, publish(store, registry, tiny_model, d, 1))
+                with pytest.raises(ModelNotFound) as missing:
+                    table.checkout(b)
+                with pytest.raises(Overloaded) as busy:
+                    await controller.checkout_on_demand(b, 2, missing.value)
+                assert busy.value.reason == "adapter_slots" and "TANDEM_ENGINE__MAX_LOADED_ADAPTERS" in str(busy.value)
+                assert sorted(await engine.loaded_adapters()) == sorted([f"{a}-v2-a1", f"{b}-v1", f"{c}-v1"])
+                for hold in holds:
+                    hold.release()
+                await wait_until(lambda: table.serving(d) == 1, what="d v1 serving once a slot is free")
+                with await controller.checkout_on_demand(b, 2, missing.value) as hold:
+                    assert hold.route.version == 2
+                assert not events_of(events, EventKind.ADAPTER_REJECTED, d)  # waiting for a slot refuses nothing
             finally:
                 await controller.stop()
 

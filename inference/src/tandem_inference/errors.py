@@ -21,7 +21,9 @@
         ├── EngineBootError            (engine launcher) the engine did not become healthy, its port is
         │                              taken, or it died more often than allowed
         ├── ModelNotFound              (gateway) a `model` that names no run or loaded version (404);
-        │                              carries the known names
+        │   │                          carries the known names
+        │   └── NotResident            a version of a known run that is not in the engine now (the
+        │                              gateway loads it on demand; 404 only where nothing can)
         ├── Overloaded                 (gateway) no room for more generation in flight or in the
         │                              queue (429 with Retry-After); carries the reason
         ├── ClientLeft                 (gateway) the client closed its connection before its response
@@ -146,13 +148,26 @@ class ModelNotFound(InferenceError):
         self.known = list(known or [])
 
 
+class NotResident(ModelNotFound):
+    """A version of a known run that is not loaded in the engine now: evicted for room, retired,
+    or never loaded here. The gateway has the controller load it on demand (when the registry has
+    it); without a controller it is a 404 like any other unknown version."""
+
+    def __init__(self, message: str, *, run: str, version: int, known: list[str] | None = None) -> None:
+        super().__init__(message, known=known)
+        self.run = run
+        self.version = version
+
+
 class Overloaded(InferenceError):
     """The gateway has no room for this request now (settings gateway.max_in_flight_*, queue)."""
 
     def __init__(self, message: str, *, reason: str, retry_after_s: int) -> None:
         super().__init__(message)
         self.reason = reason
-        """`queue_full` (refused at once) or `queue_timeout` (waited `gateway.queue_timeout_s`)."""
+        """`queue_full` (refused at once), `queue_timeout` (waited `gateway.queue_timeout_s`),
+        `adapter_slots` (every engine slot held by requests in flight for `controller.slot_wait_s`)
+        or `adapter_load` (the engine did not load the version in time)."""
         self.retry_after_s = retry_after_s
 
 

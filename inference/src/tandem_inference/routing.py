@@ -19,10 +19,19 @@ used (so an alias never points at a version the engine lacks), and leaves the ro
 before it is unloaded (so no request is sent to an unloaded version; SGLang would reload
 it silently from disk). Resolution and acquire happen under one lock, without awaiting, so
 the controller cannot retire a version between the two.
+
+Engine slots (`engine.max_loaded_adapters`) may be far fewer than the versions asked for. The
+table remembers when each loaded version was last checked out, and `evict_idle` takes the least
+recently used one that no request holds out of the routable set, atomically with checkout, so an
+adapter a request uses is never evicted. A run's serving version that was evicted still is what
+`<run>` means: resolving it, like resolving a pinned version that is not loaded, raises
+`NotResident`, and the gateway has the controller load it on demand
+(tandem_inference.controller.slots).
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
 from collections import defaultdict
@@ -31,7 +40,7 @@ from types import TracebackType
 from typing import Any
 
 from tandem.runs import RUN_NAME, adapter_name
-from tandem_inference.errors import ModelNotFound
+from tandem_inference.errors import ModelNotFound, NotResident
 
 _PINNED = re.compile(r"^(?P<run>[^@]+)@v?(?P<version>0|[1-9][0-9]{0,17})$")
 
@@ -92,6 +101,9 @@ class RoutingTable:
         self._loaded: dict[str, dict[int, str]] = defaultdict(dict)  # run -> version -> adapter name
         self._alias: dict[str, int] = {}  # run -> newest version the alias may point at
         self._in_flight: dict[Route, int] = defaultdict(int)
+        self._evicted: dict[str, set[int]] = defaultdict(set)  # run -> serving versions unloaded for room
+        self._used: dict[tuple[str, int], int] = {}  # (run, version) -> tick of its last checkout or load
+        self._ticks = itertools.count(1)
 
     # what the controller changes -------------------------------------------
     def add_run(self, run: str) -> None:
@@ -111,6 +123,8 @@ class RoutingTable:
             if run not in self._runs:
                 raise ValueError(f"unknown run {run!r}: add_run it (from the registry) before its versions")
             self._loaded[run][version] = adapter or adapter_name(run, version)
+            self._evicted[run].discard(version)
+            self._used[(run, version)] = next(self._ticks)
             if serve:
                 self._alias[run] = max(self._alias.get(run, 0), version)
 
@@ -131,7 +145,31 @@ class RoutingTable:
         """Stop routing to a version (before unloading it); returns its in-flight count."""
         with self._lock:
             self._loaded[run].pop(version, None)
+            self._evicted[run].discard(version)
+            self._used.pop((run, version), None)
             return self._in_flight.get(Route(run, version), 0)
+
+    def evict_idle(self, *, keep: frozenset[tuple[str, int]] = frozenset()) -> tuple[str, int, str] | None:
+        """Take the least recently used loaded version that no request holds out of the routable
+        set, to unload it for room; returns (run, version, adapter name), or None when every
+        loaded version is in flight, held (newer than its run serves) or in `keep`.
+
+        A run's serving version stays what `<run>` means (loaded again on demand: `NotResident`).
+        The check and the removal are one step under the lock, so a checkout either counted its
+        request first (the version is not evicted) or finds it gone (and loads it again)."""
+        with self._lock:
+            idle = [(self._used.get((run, v), 0), run, v)
+                    for run, versions in self._loaded.items() for v in versions
+                    if (run, v) not in keep and v <= self._serving(run)
+                    and not self._in_flight.get(Route(run, v), 0)]
+            if not idle:
+                return None
+            _, run, version = min(idle)
+            if version == self._serving(run):
+                self._evicted[run].add(version)
+            name = self._loaded[run].pop(version)
+            self._used.pop((run, version), None)
+            return run, version, name
 
     def drop_run(self, run: str) -> dict[int, str]:
         """Forget a deleted run: it resolves no more. Returns its routable versions (version ->
@@ -139,6 +177,9 @@ class RoutingTable:
         with self._lock:
             self._runs.discard(run)
             self._alias.pop(run, None)
+            self._evicted.pop(run, None)
+            for key in [k for k in self._used if k[0] == run]:
+                del self._used[key]
             return self._loaded.pop(run, {})
 
     # what anyone may read ---------------------------------------------------
@@ -155,6 +196,16 @@ class RoutingTable:
         with self._lock:
             return sorted(self._loaded.get(run, ()))
 
+    def evicted(self, run: str) -> list[int]:
+        """Serving versions unloaded for room (loaded again when a request asks), oldest first."""
+        with self._lock:
+            return sorted(self._evicted.get(run, ()))
+
+    def resident_count(self) -> int:
+        """Versions loaded and routable, over all runs."""
+        with self._lock:
+            return sum(len(versions) for versions in self._loaded.values())
+
     def adapter(self, run: str, version: int) -> str | None:
         """Adapter name a routable version was loaded under; None if it is not routable."""
         with self._lock:
@@ -166,9 +217,11 @@ class RoutingTable:
             return self._serving(run)
 
     def _serving(self, run: str) -> int:
-        """The newest loaded version the alias may point at (the next older one once it is retired)."""
+        """The newest loaded (or evicted for room) version the alias may point at (the next older
+        one once it is retired)."""
         alias = self._alias.get(run, 0)
-        return max((v for v in self._loaded.get(run, ()) if v <= alias), default=0)
+        known = [*self._loaded.get(run, ()), *self._evicted.get(run, ())]
+        return max((v for v in known if v <= alias), default=0)
 
     def in_flight(self, run: str | None, version: int) -> int:
         with self._lock:
@@ -194,6 +247,7 @@ class RoutingTable:
                 run: {
                     "serving_version": self._serving(run),
                     "loaded_versions": sorted(self._loaded.get(run, ())),
+                    "evicted_versions": sorted(self._evicted.get(run, ())),
                     "adapters": {str(v): name for v, name in sorted(self._loaded.get(run, {}).items())},
                     "in_flight": {str(r.version): n for r, n in self._in_flight.items()
                                   if r.run == run and n},
@@ -212,6 +266,8 @@ class RoutingTable:
         with self._lock:
             route = self._resolve(model)
             self._in_flight[route] += 1
+            if route.run is not None and route.version:
+                self._used[(route.run, route.version)] = next(self._ticks)
         return VersionHold(self, route)
 
     def _resolve(self, model: str) -> Route:
@@ -232,10 +288,10 @@ class RoutingTable:
         if version in loaded:
             return Route(run, version, loaded[version])
         versions = [f"{run}@v{v}" for v in sorted(loaded)]
-        raise ModelNotFound(
+        raise NotResident(
             f"version {version} of run {run!r} is not loaded; loaded: {versions or 'none'} "
             f"(plus {run}@v0, the base model)",
-            known=[f"{run}@v0", *versions],
+            run=run, version=version, known=[f"{run}@v0", *versions],
         )
 
     def _release(self, route: Route) -> None:

@@ -32,6 +32,7 @@ from tandem.settings import InferenceSettings
 from tandem_inference.controller.agreement import Held
 from tandem_inference.controller.announcements import Announcer
 from tandem_inference.controller.metrics import ControllerMetrics
+from tandem_inference.controller.slots import Slots
 from tandem_inference.controller.unloading import Unloader
 from tandem_inference.engines.base import Engine
 from tandem_inference.errors import AdapterLoadRefused, EngineClientError, EngineResponseError, EngineTimeout
@@ -105,6 +106,8 @@ class AdapterLoader:
         """(run, version) -> when to try again a version the store did not show (AdapterNotVisible:
         a shared store may lag); backoff 1 s doubling to 60 s, never given up."""
         self._max_rank: int | None = None
+        self.slots: Slots | None = None
+        """Makes room before each load (set by the controller); None: the engine's refusal stands."""
 
     async def load(
         self, run: str, version: int, *, path: str | None = None, ready_ts: float | None = None,
@@ -279,37 +282,15 @@ class AdapterLoader:
             raise AdapterRejected(f"{run} v{version}: its checksums could not be checked: {exc!r}") from exc
 
     async def _load_making_room(self, run: str, name: str, adapter_dir: Path) -> float:
-        """The engine's load; when the engine refuses it holding all the adapters it may
-        (`engine.max_loaded_adapters`), every run keeps only its serving version, those no
-        request uses are unloaded, and the load is sent once more. Still full -- each adapter
-        the serving version of a run -- the refusal says so and which setting to raise."""
-        try:
-            return await self.engine.load_adapter(name, str(adapter_dir))
-        except AdapterLoadRefused as exc:
-            limit = self.settings.engine.max_loaded_adapters
-            if await self._held_count() < limit:
-                raise  # refused for another reason: the engine's message says which
-            for other in self.table.runs():
-                self.unloader.retire_old(other, 1)
-            for touched in await self.unloader.unload_idle():
-                await asyncio.to_thread(self.announcer.write_status, touched)
-            if await self._held_count() < limit:
-                log.warning("the engine held its %d adapters; older versions were unloaded to load %s", limit, name)
-                return await self.engine.load_adapter(name, str(adapter_dir))
-            serving = sorted(r for r in self.table.runs() if self.table.serving(r) and r != run)
-            raise AdapterLoadRefused(
-                f"the engine holds {limit} adapters, the most it may (engine.max_loaded_adapters), and "
-                f"{'each serves a run' if serving else 'requests still use them'} ({', '.join(serving[:10])}"
-                f"{', ...' if len(serving) > 10 else ''}); raise TANDEM_ENGINE__MAX_LOADED_ADAPTERS "
-                f"or serve fewer runs from one engine",
-                adapter=name, status_code=exc.status_code, engine_message=exc.engine_message,
-            ) from exc
-
-    async def _held_count(self) -> int:
-        try:
-            return len(await self.engine.loaded_adapters())
-        except EngineClientError:
-            return 0
+        """The engine's load, after room was made for it (tandem_inference.controller.slots:
+        retired versions, then the least recently used adapters no request holds, are unloaded;
+        while every slot serves a request it waits, up to `controller.slot_wait_s`, then raises
+        Overloaded)."""
+        if self.slots is not None:
+            for touched in await self.slots.make_room(name):
+                if self.table.has_run(touched):
+                    await asyncio.to_thread(self.announcer.write_status, touched)
+        return await self.engine.load_adapter(name, str(adapter_dir))
 
     async def _max_lora_rank(self) -> int:
         """The engine's own limit where it says, else settings.engine.max_lora_rank."""

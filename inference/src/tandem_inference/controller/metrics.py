@@ -1,4 +1,5 @@
-"""The controller's Prometheus metrics: loads, rejections, timeouts, strays, unloads, serving versions."""
+"""The controller's Prometheus metrics: loads, rejections, timeouts, strays, unloads, evictions,
+on-demand loads, serving versions."""
 
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ class ControllerMetrics:
                               registry=registry)
         self.unloads = Counter("tandem_adapter_unloads", "Unload attempts by outcome.", ["run", "outcome"],
                                registry=registry)
+        self.evictions = Counter("tandem_adapter_evictions",
+                                 "Adapters unloaded for room: the least recently used one no request held.",
+                                 ["run"], registry=registry)
+        self.on_demand_loads = Counter("tandem_adapter_on_demand_loads",
+                                       "Versions loaded because a request asked for one the engine did not hold.",
+                                       ["run"], registry=registry)
         self.serving = Gauge("tandem_serving_version", "Version each run is routed to (0 = base).", ["run"],
                              registry=registry)
         self.loaded = Gauge("tandem_loaded_versions", "Versions the engine holds per run.", ["run"],

@@ -30,7 +30,7 @@ from tandem_inference.controller.loading import AdapterLoader, Outcome
 from tandem_inference.controller.metrics import ControllerMetrics
 from tandem_inference.controller.unloading import Unloader
 from tandem_inference.engines.base import Engine
-from tandem_inference.errors import EngineUnreachable
+from tandem_inference.errors import EngineUnreachable, Overloaded
 from tandem_inference.routing import RoutingTable
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,11 @@ class Reconciler:
                         [self.table.adapter(run, v) for run, v in lost])
             self.loader.forget_engine()
         for run, version in lost:
-            if await self.loader.load(run, version, announce=False) is not Outcome.LOADED:
+            try:
+                outcome = await self.loader.load(run, version, announce=False)
+            except Overloaded:  # every slot serves a request: loaded on demand when asked
+                outcome = Outcome.REFUSED
+            if outcome is not Outcome.LOADED:
                 self.table.retire(run, version)
         for name, path in held.items():
             await self._sort_held(name, path, runs, adopt=adopt)
@@ -94,6 +98,8 @@ class Reconciler:
                 await self._load_newest(run, hold)
             except (EngineUnreachable, BackendUnavailable):
                 raise
+            except Overloaded as exc:
+                log.warning("reconciling run %s: %s; the next reconcile tries again", run, exc)
             except Exception:  # noqa: BLE001 - one run's bad registry entry must not stop the others
                 log.exception("reconciling run %s failed; the next reconcile tries again", run)
             self.unloader.retire_old(run, self.settings.controller.keep_versions)

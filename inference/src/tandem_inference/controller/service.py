@@ -16,6 +16,11 @@ keep-window stop being routed at once and are unloaded when no request uses them
 (`run_deleted`, or missing from the registry at a reconcile) stops resolving at once and its
 adapters unload the same way.
 
+The engine's slots (`engine.max_loaded_adapters`) may be fewer than the versions asked for: every
+load first makes room, evicting the least recently used adapter no request holds, and a request
+for a registered version the engine does not hold has it loaded on demand
+(tandem_inference.controller.slots).
+
 The controller runs as a task of the inference service (tandem_inference.main), which starts
 and stops it; any failure (the engine gone, Redis down, a bug) starts its cycle over.
 """
@@ -45,10 +50,11 @@ from tandem_inference.controller.announcements import Announcer
 from tandem_inference.controller.loading import AdapterLoader, Outcome
 from tandem_inference.controller.metrics import ControllerMetrics
 from tandem_inference.controller.reconciliation import Reconciler, quoted
+from tandem_inference.controller.slots import SLOT_RETRY_AFTER_S, Slots
 from tandem_inference.controller.unloading import Unloader
 from tandem_inference.engines.base import Engine
-from tandem_inference.errors import EngineUnreachable
-from tandem_inference.routing import RoutingTable
+from tandem_inference.errors import EngineUnreachable, ModelNotFound, Overloaded
+from tandem_inference.routing import RoutingTable, VersionHold
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +93,12 @@ class Controller:
         self.announcer = Announcer(registry, self.events, table, self.metrics, replica=settings.replica.id)
         self.loader = AdapterLoader(settings, engine, store, table, registry, self.announcer, self.unloader,
                                     self.metrics)
+        self.slots = self.loader.slots = Slots(engine, table, self.unloader,
+                                               limit=settings.engine.max_loaded_adapters,
+                                               wait_s=settings.controller.slot_wait_s,
+                                               evictions=self.metrics.evictions)
+        """Room for each load: evicts the least recently used idle adapter (tandem_inference.controller.slots)."""
+        self.slots.advance = self._advance  # every load runs under the lock, as _advance must
         self.reconciler = Reconciler(settings, engine, table, registry, self.loader, self.announcer, self.unloader,
                                      self.metrics)
         self.agreement = Agreement(Replicas(conn), settings.replica.id, table, settings.replica.agree_s,
@@ -225,6 +237,8 @@ class Controller:
                 await self._on_ready(event)
         except (EngineUnreachable, BackendUnavailable):
             raise  # not the event's fault: it is handled again after recovery
+        except Overloaded as exc:  # every slot served a request: the periodic reconcile loads it later
+            log.warning("%s v%s waits for the next reconcile: %s", event.run, event.version, exc)
         except Exception:  # noqa: BLE001 - one bad event must not stop the controller
             log.exception("handling event %s (%s %s v%s) failed; skipping it",
                           event.id, event.kind, quoted(event.run), event.version)
@@ -268,16 +282,62 @@ class Controller:
             message = f"{run} v{version}: data.path {quoted(path)} is not a string"
             await self.loader.reject(run, version, message, event.job_id)
             return
-        outcome = await self.loader.load(run, version, path=path, ready_ts=event.ts, job_id=event.job_id,
+        await self._load_new(run, version, path=path, ready_ts=event.ts, job_id=event.job_id)
+
+    async def _load_new(self, run: str, version: int, *, path: str | None, ready_ts: float | None,
+                        job_id: str | None) -> Outcome:
+        """Load a version newer than the run serves, held until the replicas agree (agreement.py)."""
+        outcome = await self.loader.load(run, version, path=path, ready_ts=ready_ts, job_id=job_id,
                                          hold=self.agreement.hold)
         if outcome is Outcome.LOADED:
             if await asyncio.to_thread(self.agreement.others):  # replicas to agree with: tell them at once
                 if self.on_change is not None:
                     await self.on_change()
                 held = self.agreement.held.get((run, version))
-                await asyncio.to_thread(self.announcer.held, run, version, event.job_id,
+                await asyncio.to_thread(self.announcer.held, run, version, job_id,
                                         held.held_at if held is not None else time.time())
             await self._advance()
+        return outcome
+
+    # loading on demand ------------------------------------------------------
+    async def checkout_on_demand(self, run: str, version: int, missing: ModelNotFound) -> VersionHold:
+        """Load a registered version the engine does not hold (evicted for room, retired, or never
+        loaded here) and hold it for one request; `missing` is the table's refusal, raised when the
+        registry lacks the version or it cannot be loaded. Overloaded (429) while every engine
+        slot serves a request for longer than `controller.slot_wait_s`, or when the engine did not
+        load it in time. Loads are one at a time, so requests for one version share its load."""
+        model = f"{run}@v{version}"
+        async with self._lock:
+            try:
+                return self.table.checkout(model)  # loaded by a request that waited before this one
+            except ModelNotFound:
+                pass
+            if not self.table.has_run(run):
+                raise missing  # deleted meanwhile
+            manifest = await asyncio.to_thread(self.registry.manifest, run, version)
+            if manifest is None:
+                raise missing
+            if self.loader.rejected.get((run, version)) == manifest.created_at:
+                raise ModelNotFound(f"{model} was refused when it was loaded (see its adapter_rejected event); "
+                                    "it serves nowhere", known=missing.known)
+            t0 = time.monotonic()
+            if version > self.table.serving(run):  # its adapter_ready has not been handled yet
+                outcome = await self._load_new(run, version, path=None, ready_ts=manifest.created_at,
+                                               job_id=manifest.job_id)
+            else:
+                outcome = await self.loader.load(run, version, job_id=manifest.job_id, announce=False)
+            if outcome is Outcome.PENDING:
+                raise Overloaded(f"the engine did not load {model} within {self.settings.engine.load_timeout_s:g} s "
+                                 f"(engine.load_timeout_s); retry after {SLOT_RETRY_AFTER_S} s",
+                                 reason="adapter_load", retry_after_s=SLOT_RETRY_AFTER_S)
+            if outcome is Outcome.REFUSED:
+                raise ModelNotFound(f"{model} could not be loaded (see its adapter_rejected event); it serves "
+                                    "nowhere", known=missing.known)
+            self.metrics.on_demand_loads.labels(run).inc()
+            await asyncio.to_thread(self.announcer.write_status, run)
+            log.info("adapter_on_demand end run=%s version=%d duration_ms=%.1f", run, version,
+                     (time.monotonic() - t0) * 1000)
+            return self.table.checkout(model)
 
     async def advance(self) -> None:
         """Serve the held versions the replicas agree on; recheck whether this replica is behind."""

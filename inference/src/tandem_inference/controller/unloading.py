@@ -65,9 +65,11 @@ class Unloader:
 
     def retire_old(self, run: str, keep: int) -> None:
         """Stop routing to the run's versions outside the newest `keep` up to the serving one
-        (held versions newer than it stay); they unload once idle."""
+        (held versions newer than it stay; versions evicted for room count in the window); they
+        unload once idle."""
         serving = self.table.serving(run)
-        for version in [v for v in self.table.loaded(run) if v <= serving][:-keep]:
+        window = sorted(v for v in {*self.table.loaded(run), *self.table.evicted(run)} if v <= serving)[-keep:]
+        for version in [v for v in self.table.loaded(run) if v <= serving and v not in window]:
             name = self.table.adapter(run, version) or adapter_name(run, version)
             busy = self.table.retire(run, version)
             self.add(name, run, version, routed=True)
@@ -97,7 +99,7 @@ class Unloader:
                 else:
                     await self._failed(name, state, exc)
                     continue
-            del self.queued[name]
+            self.queued.pop(name, None)  # a concurrent call (making room for a load) may have unloaded it too
             touched.add(run)
             self.unloads.labels(run, "ok").inc()
             log.info("adapter_unload end run=%s version=%d adapter=%s duration_ms=%.1f",

@@ -53,7 +53,7 @@ class GatewayMetrics:
                                       registry=registry)
         self.refused = Counter("tandem_gateway_refused", "Requests refused with 429, by reason.", ["reason"],
                                registry=registry)
-        for reason in ("queue_full", "queue_timeout"):
+        for reason in ("queue_full", "queue_timeout", "adapter_slots", "adapter_load"):
             self.refused.labels(reason)
         self.queue_oldest_wait = Gauge("tandem_gateway_queue_oldest_wait_seconds",
                                        "How long the oldest waiting generation request has waited so far (0: none "

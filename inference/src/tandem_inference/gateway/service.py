@@ -24,7 +24,14 @@ from tandem.runs import RUN_NAME
 from tandem.settings import InferenceSettings
 from tandem_inference.controller.gpu_sharing import Admission
 from tandem_inference.engines.base import Engine, Sampling
-from tandem_inference.errors import ClientLeft, EngineClientError, ModelNotFound, Overloaded, RequestRefused
+from tandem_inference.errors import (
+    ClientLeft,
+    EngineClientError,
+    ModelNotFound,
+    NotResident,
+    Overloaded,
+    RequestRefused,
+)
 from tandem_inference.gateway import episodes, generation, prompts
 from tandem_inference.gateway.cancellation import unless_client_leaves
 from tandem_inference.gateway.capacity import Capacity
@@ -83,6 +90,9 @@ class Gateway:
         """Resolve `model` and hold its version; a run new to the table is looked up in Redis.
 
         Only registered runs exist: a name the registry lacks is 404 even if an event named it.
+        A registered version the engine does not hold (evicted for room, retired, never loaded
+        here) is loaded on demand by the controller (tandem_inference.controller.slots); 429 when
+        every engine slot stays busy past `controller.slot_wait_s`.
 
         In shared mode, while the GPU is lent to the trainer, this waits for it to come back.
         """
@@ -90,17 +100,27 @@ class Gateway:
             await self.admission.wait()
         run, _ = parse_model(model)
         try:
-            return self.table.checkout(model)
+            return await self._checkout_known(model)
         except ModelNotFound:
             if self.table.has_run(run):
                 raise  # a known run: the error lists its loaded versions
         runs = await self.registry_runs()
         if run in runs:
             self.table.add_run(run)
-            return self.table.checkout(model)
+            return await self._checkout_known(model)
         known = [self.table.base_model, *runs]
         raise ModelNotFound(f"unknown model {model!r}: no run {run!r}; known: {self.table.base_model!r} "
                             f"(the base model) and runs {runs}", known=known)
+
+    async def _checkout_known(self, model: str) -> VersionHold:
+        """The table's checkout; a version of a known run the engine does not hold now is loaded
+        on demand (without a controller it stays a 404)."""
+        try:
+            return self.table.checkout(model)
+        except NotResident as exc:
+            if self.controller is None:
+                raise
+            return await self.controller.checkout_on_demand(exc.run, exc.version, exc)
 
     async def registry_runs(self) -> list[str]:
         """Registered runs (valid names only); the table's runs, all registered, while Redis is down."""

@@ -20,6 +20,10 @@ class ControllerSettings(BaseModel):
     """How many newest versions per run stay loaded (older ones are unloaded when idle)."""
     block_ms: int = Field(1000, ge=1, le=60000)
     """How long one blocking read of the event stream waits, in milliseconds."""
+    slot_wait_s: float = Field(30.0, gt=0, le=3600)
+    """How long a load waits for a free engine slot (`engine.max_loaded_adapters`) while every
+    loaded adapter serves a request in flight, in seconds; past it a request that needed the load is
+    answered 429 (`adapter_slots`, with Retry-After) and a newest version is tried again later."""
     reconcile_s: float = Field(5.0, gt=0, le=3600)
     """How often the controller reconciles with the registry and the engine, in seconds: it loads
     a registered version that was never announced, loads again what the engine lost and unloads

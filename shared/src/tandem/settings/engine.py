@@ -43,7 +43,9 @@ class EngineSettings(BaseModel):
     """Largest LoRA rank the engine accepts; larger adapters are rejected. vLLM takes only 1, 8, 16,
     32, 64, 128, 256, 320 or 512."""
     max_loaded_adapters: int = Field(8, ge=1, le=256)
-    """How many adapters the engine holds at once (vLLM: `--max-cpu-loras`)."""
+    """How many adapters the engine holds at once: its slots. More versions than slots are served by
+    loading on demand and evicting the least recently used adapter no request holds (SGLang:
+    `--max-loaded-loras`, vLLM: `--max-cpu-loras`, each at least `max_loras_per_batch`)."""
     admin_api_key: Secret = None
     """Key that guards load/unload and memory routes of the engine. Unset: the transformers engine
     answers those routes on loopback only. Every stack sets one (`tandem up` generates it). vLLM

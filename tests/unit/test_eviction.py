@@ -1,0 +1,97 @@
+"""Eviction by recency in the routing table: which loaded version makes room for a load.
+
+The least recently used version (by checkout, or by load when never checked out) that no
+request holds goes first; versions in flight and versions held for the replicas' agreement
+never go. A run's serving version that was evicted still is what `<run>` means, and resolving
+it says it must be loaded again (NotResident), as a pinned version that is not loaded does.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem_inference.errors import ModelNotFound, NotResident
+from tandem_inference.routing import Route, RoutingTable
+
+
+@pytest.fixture
+def table() -> RoutingTable:
+    t = RoutingTable("base")
+    for run in ("a", "b", "c"):
+        t.add_run(run)
+    t.add_version("a", 1)  # loaded in this order: a v1, b v1, c v1, a v2
+    t.add_version("b", 1)
+    t.add_version("c", 1)
+    t.add_version("a", 2)
+    return t
+
+
+def test_the_least_recently_loaded_goes_first_when_nothing_was_used(table: RoutingTable) -> None:
+    assert table.evict_idle() == ("a", 1, "a-v1")
+    assert table.evict_idle() == ("b", 1, "b-v1")
+    assert table.evict_idle() == ("c", 1, "c-v1")
+    assert table.evict_idle() == ("a", 2, "a-v2")
+    assert table.evict_idle() is None
+    assert table.resident_count() == 0
+
+
+def test_a_checkout_makes_a_version_the_most_recently_used(table: RoutingTable) -> None:
+    table.checkout("a@v1").release()
+    table.checkout("b").release()
+    assert [table.evict_idle() for _ in range(4)] == [("c", 1, "c-v1"), ("a", 2, "a-v2"), ("a", 1, "a-v1"),
+                                                     ("b", 1, "b-v1")]
+
+
+def test_a_version_in_flight_is_never_evicted_until_released(table: RoutingTable) -> None:
+    hold = table.checkout("a@v1")  # the oldest, but in use
+    other = table.checkout("c")
+    assert table.evict_idle() == ("b", 1, "b-v1")
+    assert table.evict_idle() == ("a", 2, "a-v2")
+    assert table.evict_idle() is None  # every loaded version serves a request
+    assert table.adapter("a", 1) == "a-v1" and table.adapter("c", 1) == "c-v1"
+    hold.release()
+    assert table.evict_idle() == ("a", 1, "a-v1")
+    other.release()
+    assert table.evict_idle() == ("c", 1, "c-v1")
+
+
+def test_keep_spares_named_versions(table: RoutingTable) -> None:
+    assert table.evict_idle(keep=frozenset({("a", 1), ("b", 1)})) == ("c", 1, "c-v1")
+
+
+def test_a_held_version_newer_than_the_serving_one_is_never_evicted(table: RoutingTable) -> None:
+    table.add_version("b", 2, serve=False)  # waits for the replicas to agree
+    evicted = [table.evict_idle() for _ in range(5)]
+    assert ("b", 2, "b-v2") not in evicted and evicted[-1] is None
+    assert table.adapter("b", 2) == "b-v2" and table.held("b") == [2]
+
+
+def test_an_evicted_serving_version_still_is_what_the_run_means(table: RoutingTable) -> None:
+    table.checkout("a@v1").release()  # a v2 (serving) is now the least recently used of run a
+    assert table.evict_idle() == ("b", 1, "b-v1")
+    assert table.evict_idle() == ("c", 1, "c-v1")
+    assert table.evict_idle() == ("a", 2, "a-v2")
+    assert table.serving("a") == 2 and table.evicted("a") == [2] and table.loaded("a") == [1]
+    with pytest.raises(NotResident) as info:  # not v1, the version still loaded: v2 is loaded again
+        table.checkout("a")
+    assert (info.value.run, info.value.version) == ("a", 2)
+    assert table.in_flight("a", 2) == 0 and table.in_flight_total() == 0  # a refused checkout counts nothing
+    table.add_version("a", 2, "a-v2-a1")  # loaded again under a fresh name
+    assert table.evicted("a") == [] and table.resolve("a") == Route("a", 2)
+    assert table.resolve("a").adapter == "a-v2-a1"
+
+
+def test_a_pinned_version_that_is_not_loaded_is_not_resident(table: RoutingTable) -> None:
+    with pytest.raises(NotResident) as info:
+        table.checkout("c@v7")
+    assert (info.value.run, info.value.version) == ("c", 7)
+    assert isinstance(info.value, ModelNotFound) and "c@v1" in info.value.known  # a 404 where nothing loads it
+
+
+def test_retiring_or_dropping_forgets_evicted_versions(table: RoutingTable) -> None:
+    assert [table.evict_idle() for _ in range(4)][-1] == ("a", 2, "a-v2")
+    assert table.evicted("a") == [2] and table.evicted("b") == [1]
+    table.retire("a", 2)
+    assert table.evicted("a") == [] and table.serving("a") == 0
+    table.drop_run("b")
+    assert table.evicted("b") == [] and not table.has_run("b")
