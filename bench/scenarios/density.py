@@ -121,13 +121,22 @@ def one_count(ctx: Ctx, count: int, steps: int, digits: frozenset[int]) -> dict[
         t0 = time.time()
         for t in threads:
             t.join()
-        time.sleep(0.5)  # the last probes come back
+        settle(lanes, probers)
         for prober in probers.values():  # all at once: each then ends within its read's 200 ms
             prober.stop.set()
     row = measure(ctx, lanes, probers, t0, steps)
     row["max_tokens"] = max_tokens
     row["deleted"] = delete_runs(ctx, [lane.run.name for lane in lanes])
     return row
+
+
+def settle(lanes: list[Lane], probers: dict[str, Prober], timeout_s: float = 120.0) -> None:
+    """Wait until each run's last version has answered its prober: the run saw it loaded, but the prober
+    takes one version at a time and may still be on the one before (bounded by `timeout_s`)."""
+    deadline = time.time() + timeout_s
+    for lane in (lane for lane in lanes if not lane.error):  # a failed run's last version may never serve
+        while served_at(probers[lane.run.name], lane.steps_done) is None and time.time() < deadline:
+            time.sleep(0.05)
 
 
 def measure(ctx: Ctx, lanes: list[Lane], probers: dict[str, Prober], t0: float, steps: int) -> dict[str, Any]:
@@ -291,13 +300,17 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     left.set_ylabel("tokens per second")
     left.set_title("Aggregate throughput")
     left.legend(fontsize=8)
-    for x, r in zip(xs, rows, strict=True):
+    for x, r in zip(xs, rows, strict=True):  # each run's steps/min against the count's fastest run
         rates = [p["steps_per_min"] for p in r["per_run"]]
-        right.scatter([x + (i / max(1, len(rates) - 1) - 0.5) * 0.5 for i in range(len(rates))], rates, s=12)
+        spread = [x + (i / (len(rates) - 1) - 0.5) * 0.5 if len(rates) > 1 else x for i in range(len(rates))]
+        right.scatter(spread, [v / max(rates) if max(rates) else 0.0 for v in rates], s=12)
+    right.axhline(TARGETS["fairness"], color="grey", linestyle="--", linewidth=1, label="GPU target (min / max)")
     right.set_xticks(list(xs), labels)
+    right.set_ylim(0, 1.05)
     right.set_xlabel("runs on one base")
-    right.set_ylabel("steps per minute, each run")
-    right.set_title("Per-run throughput (fairness: min / max)")
+    right.set_ylabel("steps/min of each run / the fastest run's")
+    right.set_title("Per-run throughput share (fairness)")
+    right.legend(fontsize=8, loc="lower left")
     save_figure(fig, path)
 
 
