@@ -56,12 +56,13 @@ from tandem.dev import toy
 from tandem.errors import RunBusy
 from tandem.events import EventKind
 
-#: GPU targets at the largest count against one run: (ratio, target, at_most).
+#: GPU targets at the largest count against one run: rollout and train tokens/s at least these shares of one
+#: run's, step -> served p95 at most this multiple of one run's, fairness (min / max steps/min) at least this.
 TARGETS = {"rollout": 0.85, "train": 0.80, "served_p95": 2.0, "fairness": 0.8}
 PROMPTS_PER_STEP = 4
+GROUP_SIZE = 8
 #: How long a prober waits for a version to serve: 32 runs on 2 CPU cores took 90 s from step to loaded.
 PROBE_HORIZON_S = 600.0
-GROUP_SIZE = 8
 
 
 @dataclass
