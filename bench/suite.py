@@ -19,8 +19,8 @@ bench/results/<timestamp>/ with results.json, report.md and the PNG plots:
     8 replicas      one inference replica against two behind the router: throughput, latency,
                     publish -> served on every replica (stacks of its own, CPU only)
 
-    python bench/suite.py                      # the whole suite, < 10 min on 2 CPU cores
-    python bench/suite.py --quick              # every scenario, small (CI), < 2 min
+    python bench/suite.py                      # the whole suite, about 11 min on 2 CPU cores
+    python bench/suite.py --quick              # every scenario, small (CI), about 3 min
     python bench/suite.py --only sync,hotload
     python bench/suite.py --engine sglang --shape 0.5b --sglang-python /opt/sglang/bin/python \\
         --trainer-python /opt/trainer/bin/python          # GPUs, split mode (GPU 0 and 1)
