@@ -140,13 +140,13 @@ SGLANG_PYTHON ?= /opt/sglang/bin/python
 VLLM_PYTHON ?= /opt/vllm/bin/python
 TRAINER_PYTHON ?= /opt/trainer/bin/python
 GPU_BENCH = $(and $(filter command line environment,$(origin ENGINE)),$(filter sglang vllm,$(ENGINE)))
-bench: install ## the benchmark suite on the local CPU stack (7 min on 2 cores); report in bench/results/<timestamp>/ (ENGINE=sglang|vllm: on GPUs, SGLANG_PYTHON/VLLM_PYTHON/TRAINER_PYTHON)
+bench: install ## the benchmark suite on the local CPU stack (about 11 min on 2 cores); report in bench/results/<timestamp>/ (ENGINE=sglang|vllm: on GPUs, SGLANG_PYTHON/VLLM_PYTHON/TRAINER_PYTHON)
 	@case "$(if $(filter command line environment,$(origin ENGINE)),$(ENGINE))" in ""|sglang|vllm) ;; *) echo "make bench: ENGINE=$(ENGINE): pick sglang or vllm (on GPUs), or leave it out (the CPU suite)" >&2; exit 2;; esac
 	@$(if $(GPU_BENCH),nvidia-smi -L >/dev/null 2>&1 || { echo "make bench ENGINE=$(ENGINE): runs on NVIDIA GPUs and nvidia-smi lists none here; plain 'make bench' runs the CPU suite" >&2; exit 2; })
 	@$(if $(GPU_BENCH),for p in $(if $(filter vllm,$(ENGINE)),$(VLLM_PYTHON),$(SGLANG_PYTHON)) $(TRAINER_PYTHON); do test -x "$$p" || { echo "make bench ENGINE=$(ENGINE): no interpreter $$p; give $(if $(filter vllm,$(ENGINE)),VLLM_PYTHON,SGLANG_PYTHON)= and TRAINER_PYTHON= (environments from images/locks/, as /opt/<env>/bin/python in the images)" >&2; exit 2; }; done)
 	HF_HUB_OFFLINE=1 $(PY) bench/suite.py $(if $(GPU_BENCH),--engine $(ENGINE) --sglang-python $(SGLANG_PYTHON) --vllm-python $(VLLM_PYTHON) --trainer-python $(TRAINER_PYTHON)) $(BENCH_ARGS)
 
-bench-quick: install ## every benchmark scenario, small (2 min 51 s on 2 cores; CI keeps the suite working with it)
+bench-quick: install ## every benchmark scenario, small (about 3 min on 2 cores; CI keeps the suite working with it)
 	HF_HUB_OFFLINE=1 $(PY) bench/suite.py --quick $(BENCH_ARGS)
 
 # The secrets of .env, each random where it is empty or missing: Redis's admin password, one per Redis

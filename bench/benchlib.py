@@ -97,7 +97,9 @@ class Ctx:
     shape: str = "tiny"
     """The model's shape (a key of SHAPES), or "tiny"."""
     lr: float = 5e-3
-    """Learning rate of the toy task (pipeline scenario); larger shapes want less."""
+    """Learning rate of the toy task (pipeline and density scenarios); larger shapes want less."""
+    density_runs: tuple[int, ...] = ()
+    """Run counts of the density scenario (`--density-runs`); empty: its own (1, 8, 32; quick 1, 4)."""
     notes: list[str] = field(default_factory=list)
     vllm_python: str = "python3"
     """Interpreter of vLLM's environment (--engine vllm)."""

@@ -13,12 +13,14 @@ bench/results/<timestamp>/ with results.json, report.md and the PNG plots:
     9 agreement     rollout vs trainer logprobs of the same tokens at T 0.3/0.7/1.0, top_p 1/0.9
    10 throughput    rollout throughput at 1/8/64 clients x 1/4/16 resident adapters
    11 memory        the engine's memory (GPU, RSS) across 100 published versions: flat or leaking
+   12 density       1, 8 and 32 runs on one base, each rolling out and training at once: aggregate
+                    tokens/s, per-run steps/min, step -> served, fairness, against one run
     2 hotload       hot-load vs engine restart vs merged-weights reload (after the stack stops)
     8 replicas      one inference replica against two behind the router: throughput, latency,
                     publish -> served on every replica (stacks of its own, CPU only)
 
-    python bench/suite.py                      # the whole suite, < 10 min on 2 CPU cores
-    python bench/suite.py --quick              # every scenario, small (CI), < 2 min
+    python bench/suite.py                      # the whole suite, about 11 min on 2 CPU cores
+    python bench/suite.py --quick              # every scenario, small (CI), about 3 min
     python bench/suite.py --only sync,hotload
     python bench/suite.py --engine sglang --shape 0.5b --sglang-python /opt/sglang/bin/python \\
         --trainer-python /opt/trainer/bin/python          # GPUs, split mode (GPU 0 and 1)
@@ -53,11 +55,13 @@ from bench.benchlib import SGLANG_FLAGS, SHAPES, BenchStack, Ctx, bench_run, mac
 from bench.report import engine_log
 
 ON_STACK = ["sync", "swaps", "gateway_overhead", "prefix_cache", "pipeline", "load", "agreement", "throughput",
-            "memory"]
+            "memory", "density"]
 AFTER_STACK = ["hotload", "replicas"]
 #: Adapters the engine holds: bench's and the pipeline runs' two versions each (8), the throughput
-#: scenario's 16 runs one each, and room for the versions that load before older ones unload.
-MAX_LOADED_ADAPTERS = 32
+#: scenario's 16 runs one each, and the density scenario's 32 runs of its largest count (it deletes
+#: each count's runs after it) up to three each: a pipelined run's requests still hold its previous
+#: version while the next loads (at 64 the engine refused versions of 32 runs on 2 CPU cores).
+MAX_LOADED_ADAPTERS = 128
 ALIASES = {"gateway": "gateway_overhead", "prefix": "prefix_cache", "async": "pipeline"}
 #: gateway.queue_timeout_s of the suite's stack (30 s by default): short enough that the head of the
 #: load scenario's queue, which waits about max_queued_requests / served per s (10 s on 2 CPU
@@ -89,10 +93,23 @@ def parse() -> argparse.Namespace:
                         "'[\"--enable-lora-overlap-loading\"]')")
     p.add_argument("--release-tags", default=None,
                    help="shared mode: gpus.release_tags as JSON (default the settings' [\"kv_cache\"]; [] frees nothing)")
+    p.add_argument("--density-runs", type=run_counts, default=(),
+                   help="run counts of the density scenario, comma-separated (default 1,8,32; --quick 1,4)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=64,
                    help="the largest decode batch the engine captures a CUDA graph for: 64 covers the throughput "
                         "grid's 64 clients (at 8, both engines served 64 clients slower than 8)")
     return p.parse_args()
+
+
+def run_counts(text: str) -> tuple[int, ...]:
+    """--density-runs: comma-separated counts of runs, each 1 to 256 (the engine's most adapters)."""
+    try:
+        counts = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated numbers of runs, such as 1,8,32") from exc
+    if not counts or not all(1 <= c <= 256 for c in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more counts of runs from 1 to 256, such as 1,8,32")
+    return counts
 
 
 def mem_fraction(args: argparse.Namespace) -> float:
@@ -212,7 +229,7 @@ def main() -> int:
               sglang_python=args.sglang_python, vllm_python=args.vllm_python, trainer_python=args.trainer_python,
               engine_env=env, store_root=state / "adapters",
               run_name="bench", device=device, served_model="base", shape=args.shape,
-              lr=5e-3 if args.shape == "tiny" else 2e-3)
+              lr=5e-3 if args.shape == "tiny" else 2e-3, density_runs=args.density_runs)
     meta = {
         "timestamp": stamp, "quick": args.quick, "engine": args.engine, "shape": args.shape, "model": model,
         "mode": args.mode if gpu else "cpu", "machine": machine(), "packages": package_versions(),

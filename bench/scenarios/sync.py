@@ -50,11 +50,12 @@ class Prober:
     """Follows the event stream; on each `adapter_ready` of the run it sends one-token requests
     back to back until the new version answers, and remembers that first response (its end
     and its duration). Idle otherwise, so it does not load the machine while the trainer
-    writes the next version."""
+    writes the next version. A version not served within `horizon_s` of its `adapter_ready` is given up."""
 
-    def __init__(self, gateway_url: str, client: Client, run: str) -> None:
-        self.url, self.client, self.run_name = gateway_url, client, run
+    def __init__(self, gateway_url: str, client: Client, run: str, horizon_s: float = 60.0) -> None:
+        self.url, self.client, self.run_name, self.horizon_s = gateway_url, client, run, horizon_s
         self.first: dict[int, tuple[float, float]] = {}  # version -> (end, duration)
+        self.answered: dict[int, int] = {}  # version -> the version that answered (newer where it was skipped)
         self.requests = self.errors = 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
@@ -79,7 +80,7 @@ class Prober:
                         self._until_served(http, body, event.version)
 
     def _until_served(self, http: httpx.Client, body: dict[str, Any], version: int) -> None:
-        deadline = time.time() + 60
+        deadline = time.time() + self.horizon_s
         while time.time() < deadline and not self.stop.is_set():
             start = time.time()
             try:
@@ -92,8 +93,9 @@ class Prober:
             if resp.status_code != 200:
                 self.errors += 1
                 continue
-            if int(resp.headers["x-tandem-version"]) >= version:
+            if (served := int(resp.headers["x-tandem-version"])) >= version:
                 self.first[version] = (end, end - start)
+                self.answered[version] = served
                 return
 
 
