@@ -53,7 +53,8 @@ def _job(svc: TinkerService, job_id: str) -> tuple[str, Any]:
             if status == JobStatus.FINISHED:
                 return "finished", job.return_value()
             if status in _FAILED and not job.retries_left:
-                lines = (job.exc_info or "").strip().splitlines()
+                latest = job.latest_result()
+                lines = ((latest.exc_string if latest is not None else None) or "").strip().splitlines()
                 return "failed", lines[-1] if lines else f"the job ended {status}"
     except NoSuchJobError:
         return "failed", f"trainer job {job_id} is gone from the queue (expired or deleted)"
@@ -101,31 +102,26 @@ def _save(svc: TinkerService, future: Future) -> Future | None:
             return _failed(future, f"job {future.after_job}'s result names no version ({value!r})")
         future = future.model_copy(update={"version": version})
         svc.state.put_future(future)
-    run = future.model_id or ""
+    model = svc.state.model(future.model_id or "")
     version = version or 0
-    if future.kind == "save_weights_for_sampler" and version > 0 and not serves(svc, run, version):
+    if future.kind == "save_weights_for_sampler" and version > 0 and not serves(svc, model.run, version):
         return None
-    return _named(svc, future, run, version)
+    return _named(svc, future, model.model_id, model.run, version)
 
 
-def _named(svc: TinkerService, future: Future, run: str, version: int) -> Future:
-    if future.kind == "save_weights":
-        name = future.name or f"step-{version}"
-        path = f"tinker://{run}/weights/{name}"
-        svc.state.put_checkpoint(run, f"weights/{name}", version, run)
-        return future.model_copy(update={"result": {"path": path, "type": "save_weights"}})
-    if future.name is None:  # save_weights_and_get_sampling_client: an ephemeral save, a session pinned to it
-        name = f"ephemeral-v{version}"
-        svc.state.put_checkpoint(run, f"sampler_weights/{name}", version, run)
+def _named(svc: TinkerService, future: Future, model_id: str, run: str, version: int) -> Future:
+    """Record the checkpoint's name (`tinker://<model_id>/<kind>/<name>` -> run, version) and answer it."""
+    kind = "weights" if future.kind == "save_weights" else "sampler_weights"
+    name = future.name or (f"step-{version}" if kind == "weights" else f"ephemeral-v{version}")
+    svc.state.put_checkpoint(model_id, f"{kind}/{name}", version, run)
+    result: dict[str, Any] = {"path": f"tinker://{model_id}/{kind}/{name}", "type": future.kind}
+    if kind == "sampler_weights" and future.name is None:
+        # save_weights_and_get_sampling_client: an ephemeral save and a sampling session pinned to it
         session = SamplingSession(sampling_session_id=new_id("sampling"), run=run, version=version,
-                                  base_model=svc.state.model(run).base_model)
+                                  base_model=svc.state.model(model_id).base_model)
         svc.state.put_sampling_session(session)
-        return future.model_copy(update={"result": {"path": f"tinker://{run}/sampler_weights/{name}",
-                                                    "sampling_session_id": session.sampling_session_id,
-                                                    "type": "save_weights_for_sampler"}})
-    svc.state.put_checkpoint(run, f"sampler_weights/{future.name}", version, run)
-    return future.model_copy(update={"result": {"path": f"tinker://{run}/sampler_weights/{future.name}",
-                                                "type": "save_weights_for_sampler"}})
+        result["sampling_session_id"] = session.sampling_session_id
+    return future.model_copy(update={"result": result})
 
 
 def serves(svc: TinkerService, run: str, version: int) -> bool:

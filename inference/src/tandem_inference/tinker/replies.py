@@ -62,6 +62,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _redis(request: Request, exc: BackendUnavailable) -> JSONResponse:
         return tinker_error(request, 503, f"Redis is unavailable: {exc}", category="server")
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("tinker.error route=%s %s", request.url.path, type(exc).__name__)
+        return tinker_error(request, 500, f"internal error in tandem's Tinker service ({type(exc).__name__}: {exc}); "
+                            "its log has the traceback", category="server")
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = exc.errors()

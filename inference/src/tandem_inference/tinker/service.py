@@ -13,14 +13,11 @@ from typing import Any
 import httpx
 import redis
 from pydantic import ValidationError
-from rq import Retry
 from tinker import types as tt
 
 from tandem import tinker_jobs as tj
-from tandem.connection import translated
 from tandem.engine_card import EngineCard
 from tandem.errors import TandemError
-from tandem.jobs import JOB_RETRIES, train_queue
 from tandem.registry import Registry
 from tandem.runs import LoraConfig, RunSpec
 from tandem.settings import TinkerSettings
@@ -30,8 +27,8 @@ from tandem_inference.tinker.state import Future, ModelRecord, SamplingSession, 
 
 log = logging.getLogger(__name__)
 
-_FUNCS = {"forward_backward": tj.FORWARD_BACKWARD_FUNC, "optim_step": tj.OPTIM_STEP_FUNC,
-          "load_weights": tj.LOAD_STATE_FUNC}
+_JOBS: dict[str, type[tj.ForwardBackwardJob] | type[tj.OptimStepJob] | type[tj.LoadStateJob]] = {
+    "forward_backward": tj.ForwardBackwardJob, "optim_step": tj.OptimStepJob, "load_weights": tj.LoadStateJob}
 
 
 class TinkerService:
@@ -120,16 +117,35 @@ class TinkerService:
         return self._submit(m, seq, kind, {"name": name, "sampling_session_seq_id": sampling_session_seq_id})
 
     def load_weights(self, req: tt.LoadWeightsRequest) -> Future:
-        if req.model_id is None:
-            raise BadRequest("load_weights without model_id (a new model from a checkpoint) is not supported yet; "
-                             "create the model, then load_weights into it", param="model_id")
-        m = self.state.model(req.model_id)
+        """Load a `weights` checkpoint into a model: an existing one (model_id), or a new one that the
+        SDK names `<session_id>:train:<model_seq_id>` (create_training_client_from_state*)."""
         source_run, version = self.resolve_path(req.path, want="weights")
         if version < 1:
             raise BadRequest(f"path {req.path!r} names the untrained base weights; nothing to load", param="path")
+        if req.model_id is not None:
+            m = self.state.model(req.model_id)
+        elif req.session_id is not None and req.model_seq_id is not None:
+            m = self._model_from(source_run, req.session_id, req.model_seq_id, req.base_model)
+        else:
+            raise BadRequest("load_weights needs model_id, or session_id with model_seq_id", param="model_id")
         job = tj.LoadStateJob(run=m.run, seq=req.seq_id or 0, source_run=source_run, source_version=version,
                               with_optimizer=req.optimizer)
         return self._submit(m, req.seq_id, "load_weights", {"job": job.model_dump(mode="json"), "path": req.path})
+
+    def _model_from(self, source_run: str, session_id: str, model_seq_id: int, base_model: str | None) -> ModelRecord:
+        """A new model for a checkpoint of `source_run`: a run with its spec (base model, LoRA shape)."""
+        self.state.touch_session(session_id)
+        source = self.registry.get_run(source_run)
+        if base_model is not None and base_model != source.base_model:
+            self._check_base(base_model)
+        run = f"tinker-{model_seq_id}-{new_id('m')[2:14]}"
+        spec = source.model_copy(update={"name": run})
+        self.registry.create_run(spec, exist_ok=False)
+        record = ModelRecord(model_id=f"{session_id}:train:{model_seq_id}", run=run, session_id=session_id,
+                             base_model=source.base_model, rank=source.lora.r)
+        self.state.put_model(record)
+        log.info("tinker.create_model model_id=%s run=%s from=%s", record.model_id, run, source_run)
+        return record
 
     def resolve_path(self, path: str, *, want: str | None = None) -> tuple[str, int]:
         """(run, version) a `tinker://<model_id>/<weights|sampler_weights>/<name>` path names."""
@@ -156,14 +172,14 @@ class TinkerService:
         """Apply one request in its turn: enqueue its job, or bind its save to the job before it."""
         future = self.state.future(op["request_id"])
         kind = op["kind"]
-        if kind in _FUNCS:
+        if kind in _JOBS:
             payload = dict(op["job"])
             if kind == "optim_step":
                 payload["gradients_from"] = order.gradients
                 order.gradients = []
             if kind == "load_weights":
                 order.gradients = []
-            self._enqueue(_FUNCS[kind], payload, f"tinker {kind} {payload['run']} seq {payload['seq']}")
+            tj.enqueue(self.conn, _JOBS[kind].model_validate(payload))
             if kind == "forward_backward" and not payload.get("forward_only"):
                 order.gradients.append(payload["job_id"])
             if kind != "forward_backward":
@@ -172,22 +188,15 @@ class TinkerService:
         else:  # a save: the version the job before it publishes, or the newest now
             future.after_job = order.publisher
             if order.publisher is None:
-                future.version = self.registry.latest_version(future.model_id or "")
+                future.version = self.registry.latest_version(self.state.model(future.model_id or "").run)
         future.applied = True
         self.state.put_future(future)
-
-    def _enqueue(self, func: str, payload: dict[str, Any], description: str) -> None:
-        with translated(self.conn, f"enqueue job {payload['job_id']}"):
-            train_queue(self.conn).enqueue(
-                func, payload, job_id=payload["job_id"], job_timeout=payload.get("timeout_s", 1800),
-                result_ttl=7 * 24 * 3600, failure_ttl=7 * 24 * 3600,
-                retry=Retry(max=JOB_RETRIES, enqueue_at_front=True), description=description)
 
     # sampling sessions --------------------------------------------------------------------------
     def create_sampling_session(self, base_model: str | None, model_path: str | None) -> SamplingSession:
         if model_path:
             run, version = self.resolve_path(model_path)
-            base = self.state.model(run).base_model if run else ""
+            base = self.registry.get_run(run).base_model
             session = SamplingSession(sampling_session_id=new_id("sampling"), run=run, version=version,
                                       base_model=base)
         elif base_model:
