@@ -183,3 +183,34 @@ def test_refusals_in_tinkers_shape(url: str, sdk: Any, tiny_model: Path, redis_c
     # nothing was lost: no job was enqueued by any refusal
     assert queued(redis_conn) == []
     assert json.loads(json.dumps(keys.TINKER))
+
+
+def test_a_zstd_protobuf_forward_backward_is_read_and_bad_zstd_refused(url: str, sdk: Any, tiny_model: Path,
+                                                                      redis_conn: redis.Redis) -> None:
+    import zstandard
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    tc = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    request = tt.ForwardBackwardRequest(
+        forward_backward_input=tt.ForwardBackwardInput(data=[datum([4, 5, 6])], loss_fn="importance_sampling",
+                                                       loss_fn_config={"clip_low_threshold": 0.8}),
+        model_id=tc.model_id, seq_id=1)
+    proto = forward_backward_request_to_proto(request).SerializeToString()
+    headers = {"X-API-Key": f"tml-{API_KEY}", "Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"}
+    with httpx.Client(base_url=url, headers=headers) as http:
+        bad = refusal(http.post("/api/v1/forward_backward", content=b"not zstd"), 422)
+        assert "zstd" in bad["error"]
+        assert queued(redis_conn) == []
+        ok = http.post("/api/v1/forward_backward", content=zstandard.ZstdCompressor().compress(proto))
+        assert ok.status_code == 200, ok.text
+    (job,) = queued(redis_conn)
+    fb = tinker_jobs.ForwardBackwardJob.model_validate(job["payload"])
+    assert fb.loss_fn == "importance_sampling" and fb.loss_fn_config == {"clip_low_threshold": pytest.approx(0.8)}
+    assert fb.datums[0].tokens == [4, 5] and fb.datums[0].inputs["target_tokens"] == [5.0, 6.0]
+
+
+def test_an_unsupported_loss_is_refused_by_name(sdk: Any, tiny_model: Path, redis_conn: redis.Redis) -> None:
+    tc = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    with pytest.raises(tinker.UnprocessableEntityError, match="dro"):
+        tc.forward_backward([datum([4, 5, 6])], "dro").result()
+    assert queued(redis_conn) == []
