@@ -18,8 +18,8 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-SECRETS = ("REDIS_PASSWORD", "REDIS_CLIENT_PASSWORD", "REDIS_INFERENCE_PASSWORD", "REDIS_TRAINER_PASSWORD", "REDIS_TINKER_PASSWORD",
-           "ENGINE_ADMIN_KEY")
+SECRETS = ("REDIS_PASSWORD", "REDIS_CLIENT_PASSWORD", "REDIS_INFERENCE_PASSWORD", "REDIS_TRAINER_PASSWORD",
+           "REDIS_TINKER_PASSWORD", "ENGINE_ADMIN_KEY")
 
 
 def make_env(tmp_path: Path) -> str:

@@ -13,6 +13,6 @@ process of the service answers for them. Modules:
     futures    resolving a future from its job, its version, its stored result
     sampling   asample through the gateway's /v1/completions
     wire       the protobuf wire format (forward_backward in, ForwardBackwardOutput / SampleResponse out)
-    state      the Redis records; replies and errors: the error shape and the refusals
+    state      the Redis records; replies: the error shape (the refusals are in tandem_inference.errors)
     main       `python -m tandem_inference.tinker`
 """

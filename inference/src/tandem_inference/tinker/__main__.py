@@ -1,3 +1,4 @@
 from tandem_inference.tinker.main import main
 
-main()
+if __name__ == "__main__":
+    main()

@@ -18,8 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.errors import BackendUnavailable
 from tandem_inference.bodies import error_response
+from tandem_inference.errors import TinkerRefusal, TinkerUnsupported
 from tandem_inference.gateway.body_limit import BodyLimit
-from tandem_inference.tinker.errors import TinkerRefusal, Unsupported
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def unsupported(request: Request) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TinkerRefusal)
     async def _refused(request: Request, exc: TinkerRefusal) -> JSONResponse:
-        extra = {"supported": list(SUPPORTED)} if isinstance(exc, Unsupported) else {}
+        extra = {"supported": list(SUPPORTED)} if isinstance(exc, TinkerUnsupported) else {}
         status = exc.status_code if type(exc) is not TinkerRefusal else 503
         return tinker_error(request, status, str(exc), param=exc.param,
                             category="user" if status < 500 else "server", **extra)

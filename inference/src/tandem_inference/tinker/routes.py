@@ -20,8 +20,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from tinker import types as tt
 
+from tandem_inference.errors import TinkerInvalid, TinkerNotFound
 from tandem_inference.tinker import futures, sampling, wire
-from tandem_inference.tinker.errors import BadRequest, NotFound
 from tandem_inference.tinker.service import TinkerService
 from tandem_inference.tinker.state import Future, new_id
 
@@ -52,13 +52,13 @@ async def parse(request: Request, model: type[M]) -> M:
     try:
         raw = await request.json()
     except ValueError as exc:
-        raise BadRequest(f"the body is not JSON ({exc}); send a JSON object", param="body") from exc
+        raise TinkerInvalid(f"the body is not JSON ({exc}); send a JSON object", param="body") from exc
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise BadRequest(f"invalid {model.__name__}: {where}: {first['msg']} ({exc.error_count()} problem(s))",
+        raise TinkerInvalid(f"invalid {model.__name__}: {where}: {first['msg']} ({exc.error_count()} problem(s))",
                          param=where) from exc
 
 
@@ -155,7 +155,7 @@ def _json_forward_backward(body: bytes) -> tuple[str, int | None, str, dict[str,
         return (str(raw["model_id"]), raw.get("seq_id"), wire.check_loss(str(fbi["loss_fn"])), config, datums,
                 bool(raw.get("forward_only", False)))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise BadRequest(f"the body is not a ForwardBackwardRequest, in JSON or protobuf (Content-Type: "
+        raise TinkerInvalid(f"the body is not a ForwardBackwardRequest, in JSON or protobuf (Content-Type: "
                          f"{wire.PROTO}): {type(exc).__name__}: {exc}", param="body") from exc
 
 
@@ -176,10 +176,10 @@ async def save_weights(request: Request) -> dict[str, Any]:
 async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
     req = await parse(request, tt.SaveWeightsForSamplerRequest)
     if req.kind != "snapshot":
-        raise BadRequest(f"kind {req.kind!r} is not supported: every tandem version is an immutable snapshot "
+        raise TinkerInvalid(f"kind {req.kind!r} is not supported: every tandem version is an immutable snapshot "
                          "(running rollouts keep the version they started on)", param="kind")
     if req.path is None and req.sampling_session_seq_id is None:
-        raise BadRequest("give path (a checkpoint name) or sampling_session_seq_id", param="path")
+        raise TinkerInvalid("give path (a checkpoint name) or sampling_session_seq_id", param="path")
     svc = service(request)
     return untyped(await run_in_threadpool(svc.save, req.model_id, req.seq_id, "save_weights_for_sampler",
                                            req.path, req.sampling_session_seq_id))
@@ -215,7 +215,7 @@ async def asample(request: Request) -> dict[str, Any]:
         await run_in_threadpool(svc._check_base, req.base_model)
         run, version = None, 0
     else:
-        raise BadRequest("give sampling_session_id, model_path or base_model", param="model_path")
+        raise TinkerInvalid("give sampling_session_id, model_path or base_model", param="model_path")
     model = f"{run}@v{version}" if run and version else (run or (await run_in_threadpool(svc.card)).served_name)
     body = sampling.completion_body(req, model)
     proto = await run_in_threadpool(sampling.sample, svc.gateway, body, svc.settings.tinker.sample_timeout_s)
@@ -257,7 +257,7 @@ async def retrieve_futures(request: Request) -> dict[str, Any]:
     ids = await run_in_threadpool(svc.state.session_futures, session_id)
     foreign = [r for r in req.retrieved_request_ids if r not in ids]
     if foreign:
-        raise NotFound(f"request ids {foreign[:5]} are not futures of sampling session {session_id!r}",
+        raise TinkerNotFound(f"request ids {foreign[:5]} are not futures of sampling session {session_id!r}",
                        param="retrieved_request_ids")
     completions = [{"state": "finished", "request_id": r} for r in ids[req.prev_cursor:]]
     return {"completions": completions, "cursor": len(ids)}

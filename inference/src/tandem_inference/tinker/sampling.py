@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 from tinker import types as tt
 
+from tandem_inference.errors import TinkerInvalid, TinkerRefusal
 from tandem_inference.tinker import wire
-from tandem_inference.tinker.errors import BadRequest, TinkerRefusal
 
 #: SampleRequest's extras the engine cannot serve, with the value that means "not asked".
 _EXTRAS: dict[str, Any] = {"prompt_logprobs": (None, False), "topk_prompt_logprobs": (0,),
@@ -27,25 +27,25 @@ def prompt_tokens(prompt: tt.ModelInput) -> list[int]:
     tokens: list[int] = []
     for j, chunk in enumerate(prompt.chunks):
         if not isinstance(chunk, tt.EncodedTextChunk):
-            raise BadRequest(f"prompt.chunks.{j} is a {getattr(chunk, 'type', type(chunk).__name__)} chunk; tandem "
+            raise TinkerInvalid(f"prompt.chunks.{j} is a {getattr(chunk, 'type', type(chunk).__name__)} chunk; tandem "
                              "samples from token chunks (EncodedTextChunk) only", param=f"prompt.chunks.{j}")
         tokens.extend(int(t) for t in chunk.tokens)
     if not tokens:
-        raise BadRequest("prompt has no tokens", param="prompt")
+        raise TinkerInvalid("prompt has no tokens", param="prompt")
     return tokens
 
 
 def completion_body(req: tt.SampleRequest, model: str) -> dict[str, Any]:
-    """The gateway's /v1/completions body for a SampleRequest, or BadRequest naming what cannot be served."""
+    """The gateway's /v1/completions body for a SampleRequest, or TinkerInvalid naming what cannot be served."""
     for name, neutral in _EXTRAS.items():
         if getattr(req, name, None) not in neutral:
-            raise BadRequest(f"{name} is not supported by tandem's engines; leave it unset", param=name)
+            raise TinkerInvalid(f"{name} is not supported by tandem's engines; leave it unset", param=name)
     p = req.sampling_params
     if p.seed is not None:
-        raise BadRequest("sampling_params.seed is not supported: tandem's engines do not promise a seeded sample; "
+        raise TinkerInvalid("sampling_params.seed is not supported: tandem's engines do not promise a seeded sample; "
                          "leave it unset (temperature 0 is deterministic)", param="sampling_params.seed")
     if p.top_k not in (-1, 0):
-        raise BadRequest(f"sampling_params.top_k {p.top_k} is not supported; leave it -1 (top_p is)",
+        raise TinkerInvalid(f"sampling_params.top_k {p.top_k} is not supported; leave it -1 (top_p is)",
                          param="sampling_params.top_k")
     stop: list[str] | None = None
     if isinstance(p.stop, str):
@@ -53,14 +53,14 @@ def completion_body(req: tt.SampleRequest, model: str) -> dict[str, Any]:
     elif p.stop is not None:
         values = list(p.stop)
         if not values:
-            raise BadRequest("sampling_params.stop=[] (sampling past EOS) is not supported; leave stop unset",
+            raise TinkerInvalid("sampling_params.stop=[] (sampling past EOS) is not supported; leave stop unset",
                              param="sampling_params.stop")
         if not all(isinstance(v, str) for v in values):
-            raise BadRequest("sampling_params.stop holds token ids; tandem's gateway stops on strings: give the "
+            raise TinkerInvalid("sampling_params.stop holds token ids; tandem's gateway stops on strings: give the "
                              "stop strings instead", param="sampling_params.stop")
         stop = [str(v) for v in values]
     if not 1 <= req.num_samples <= 64:
-        raise BadRequest(f"num_samples {req.num_samples} is out of range; give 1 to 64", param="num_samples")
+        raise TinkerInvalid(f"num_samples {req.num_samples} is out of range; give 1 to 64", param="num_samples")
     body: dict[str, Any] = {"model": model, "prompt": prompt_tokens(req.prompt), "n": req.num_samples,
                             "temperature": p.temperature, "top_p": p.top_p, "logprobs": 0}
     if p.max_tokens is not None:
@@ -82,7 +82,7 @@ def sample(gateway: httpx.Client, body: dict[str, Any], timeout_s: float) -> byt
         reply = {}
     if resp.status_code >= 400:
         message = (reply.get("error") or {}).get("message") if isinstance(reply, dict) else None
-        error = BadRequest if resp.status_code < 500 else TinkerRefusal
+        error = TinkerInvalid if resp.status_code < 500 else TinkerRefusal
         raise error(f"the gateway refused the sample ({resp.status_code}): {message or resp.text[:300]}",
                     param=(reply.get("error") or {}).get("param") if isinstance(reply, dict) else None)
     ext = reply.get("tandem") or {}

@@ -21,7 +21,7 @@ from tandem.errors import TandemError
 from tandem.registry import Registry
 from tandem.runs import LoraConfig, RunSpec
 from tandem.settings import TinkerSettings
-from tandem_inference.tinker.errors import BadRequest, NotFound, TinkerRefusal
+from tandem_inference.errors import TinkerInvalid, TinkerNotFound, TinkerRefusal
 from tandem_inference.tinker.order import Order, Sequencer
 from tandem_inference.tinker.state import Future, ModelRecord, SamplingSession, State, new_id
 
@@ -59,10 +59,10 @@ class TinkerService:
         self.state.touch_session(req.session_id)
         lora = req.lora_config or tt.LoraConfig(rank=32)
         if not (1 <= lora.rank <= self.settings.tinker.max_lora_rank):
-            raise BadRequest(f"lora_config.rank {lora.rank} is out of range; give 1 to "
+            raise TinkerInvalid(f"lora_config.rank {lora.rank} is out of range; give 1 to "
                              f"{self.settings.tinker.max_lora_rank} (tinker.max_lora_rank)", param="lora_config.rank")
         if not (lora.train_attn and lora.train_mlp):
-            raise BadRequest("lora_config: tandem trains LoRA on attention and MLP together; leave train_attn and "
+            raise TinkerInvalid("lora_config: tandem trains LoRA on attention and MLP together; leave train_attn and "
                              "train_mlp true", param="lora_config")
         run = f"tinker-{req.model_seq_id}-{new_id('m')[2:14]}"
         try:
@@ -70,7 +70,7 @@ class TinkerService:
                            lora=LoraConfig(r=lora.rank, alpha=2.0 * lora.rank), seed=lora.seed or 0)
             spec = self.card().fit(spec, self.settings.tinker.gateway_url)
         except (ValidationError, TandemError) as exc:
-            raise BadRequest(f"base_model {req.base_model!r} / lora_config cannot be trained here: {exc}",
+            raise TinkerInvalid(f"base_model {req.base_model!r} / lora_config cannot be trained here: {exc}",
                              param="base_model") from exc
         self.registry.create_run(spec, exist_ok=False)
         self.state.put_model(ModelRecord(model_id=run, run=run, session_id=req.session_id,
@@ -99,12 +99,12 @@ class TinkerService:
         m = self.state.model(req.model_id)
         params = req.optim_params
         if not isinstance(params, tt.AdamParams):
-            raise BadRequest(f"optimizer {getattr(params, 'type', type(params).__name__)!r} is not supported; "
+            raise TinkerInvalid(f"optimizer {getattr(params, 'type', type(params).__name__)!r} is not supported; "
                              "tandem steps with Adam (AdamParams)", param="adam_params")
         try:
             adam = tj.AdamParams.model_validate(params.model_dump())
         except ValidationError as exc:
-            raise BadRequest(f"adam_params: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}",
+            raise TinkerInvalid(f"adam_params: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}",
                              param="adam_params") from exc
         job = tj.OptimStepJob(run=m.run, seq=req.seq_id or 0, adam=adam)
         return self._submit(m, req.seq_id, "optim_step", {"job": job.model_dump(mode="json")})
@@ -113,7 +113,7 @@ class TinkerService:
              sampling_session_seq_id: int | None = None) -> Future:
         m = self.state.model(model_id)
         if name is not None and not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-            raise BadRequest(f"path {name!r}: a checkpoint name is letters, digits, '-', '_' and '.'", param="path")
+            raise TinkerInvalid(f"path {name!r}: a checkpoint name is letters, digits, '-', '_' and '.'", param="path")
         return self._submit(m, seq, kind, {"name": name, "sampling_session_seq_id": sampling_session_seq_id})
 
     def load_weights(self, req: tt.LoadWeightsRequest) -> Future:
@@ -121,13 +121,13 @@ class TinkerService:
         SDK names `<session_id>:train:<model_seq_id>` (create_training_client_from_state*)."""
         source_run, version = self.resolve_path(req.path, want="weights")
         if version < 1:
-            raise BadRequest(f"path {req.path!r} names the untrained base weights; nothing to load", param="path")
+            raise TinkerInvalid(f"path {req.path!r} names the untrained base weights; nothing to load", param="path")
         if req.model_id is not None:
             m = self.state.model(req.model_id)
         elif req.session_id is not None and req.model_seq_id is not None:
             m = self._model_from(source_run, req.session_id, req.model_seq_id, req.base_model)
         else:
-            raise BadRequest("load_weights needs model_id, or session_id with model_seq_id", param="model_id")
+            raise TinkerInvalid("load_weights needs model_id, or session_id with model_seq_id", param="model_id")
         job = tj.LoadStateJob(run=m.run, seq=req.seq_id or 0, source_run=source_run, source_version=version,
                               with_optimizer=req.optimizer)
         return self._submit(m, req.seq_id, "load_weights", {"job": job.model_dump(mode="json"), "path": req.path})
@@ -153,10 +153,10 @@ class TinkerService:
         parts = path[len(prefix):].split("/") if path.startswith(prefix) else []
         if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights") or (want and parts[1] != want):
             kinds = f"{want}" if want else "weights or sampler_weights"
-            raise BadRequest(f"path {path!r} is not tinker://<model_id>/{kinds}/<name>", param="path")
+            raise TinkerInvalid(f"path {path!r} is not tinker://<model_id>/{kinds}/<name>", param="path")
         found = self.state.checkpoint(parts[0], f"{parts[1]}/{parts[2]}")
         if found is None:
-            raise NotFound(f"no checkpoint {path!r}: model {parts[0]!r} saved none by that name", param="path")
+            raise TinkerNotFound(f"no checkpoint {path!r}: model {parts[0]!r} saved none by that name", param="path")
         return found
 
     def _submit(self, m: ModelRecord, seq: int | None, kind: str, op: dict[str, Any]) -> Future:
@@ -203,7 +203,7 @@ class TinkerService:
             self._check_base(base_model)
             session = SamplingSession(sampling_session_id=new_id("sampling"), base_model=base_model)
         else:
-            raise BadRequest("give model_path (a sampler checkpoint) or base_model", param="model_path")
+            raise TinkerInvalid("give model_path (a sampler checkpoint) or base_model", param="model_path")
         self.state.put_sampling_session(session)
         return session
 
@@ -211,4 +211,4 @@ class TinkerService:
         try:
             self.card().fit(RunSpec(name="check", base_model=base_model), self.settings.tinker.gateway_url)
         except (ValidationError, TandemError) as exc:
-            raise BadRequest(f"base_model {base_model!r} is not served here: {exc}", param="base_model") from exc
+            raise TinkerInvalid(f"base_model {base_model!r} is not served here: {exc}", param="base_model") from exc

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from tandem import keys
 from tandem.connection import translated
-from tandem_inference.tinker.errors import NotFound
+from tandem_inference.errors import TinkerNotFound
 
 Kind = Literal["create_model", "forward_backward", "optim_step", "save_weights", "save_weights_for_sampler",
                "load_weights", "sample"]
@@ -96,7 +96,7 @@ class State:
     def touch_session(self, session_id: str) -> None:
         with translated(self.conn, f"renew session {session_id!r}"):
             if not self.conn.expire(keys.tinker_session(session_id), self.ttl_s):
-                raise NotFound(f"unknown session_id {session_id!r}; create a session first", param="session_id")
+                raise TinkerNotFound(f"unknown session_id {session_id!r}; create a session first", param="session_id")
 
     # models -------------------------------------------------------------------------------------
     def put_model(self, record: ModelRecord) -> None:
@@ -105,7 +105,7 @@ class State:
     def model(self, model_id: str) -> ModelRecord:
         raw = self._get(keys.tinker_model(model_id))
         if raw is None:
-            raise NotFound(f"unknown model_id {model_id!r}; create it with create_model (or create_lora_training_client)",
+            raise TinkerNotFound(f"unknown model_id {model_id!r}; create it with create_model (or create_lora_training_client)",
                            param="model_id")
         return ModelRecord.model_validate_json(raw)
 
@@ -116,7 +116,7 @@ class State:
     def future(self, request_id: str) -> Future:
         raw = self._get(keys.tinker_future(request_id))
         if raw is None:
-            raise NotFound(f"unknown request_id {request_id!r}: no such future (or it expired)", param="request_id")
+            raise TinkerNotFound(f"unknown request_id {request_id!r}: no such future (or it expired)", param="request_id")
         return Future.model_validate_json(raw)
 
     # sampling sessions --------------------------------------------------------------------------
@@ -126,7 +126,7 @@ class State:
     def sampling_session(self, sampling_session_id: str) -> SamplingSession:
         raw = self._get(keys.tinker_sampling_session(sampling_session_id))
         if raw is None:
-            raise NotFound(f"unknown sampling_session_id {sampling_session_id!r}; create one with "
+            raise TinkerNotFound(f"unknown sampling_session_id {sampling_session_id!r}; create one with "
                            "create_sampling_session or save_weights_and_get_sampling_client", param="sampling_session_id")
         return SamplingSession.model_validate_json(raw)
 

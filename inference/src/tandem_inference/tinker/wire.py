@@ -4,7 +4,7 @@
 or as JSON; either becomes a `tandem.tinker_jobs.ForwardBackwardJob`'s datums. Results the SDK
 asks for as protobuf (`ForwardBackwardOutput`, `SampleResponse`: `Accept: application/x-protobuf`)
 are written here. Anything the trainer cannot take (images, audio, sparse tensors of another
-shape, a tensor whose length is not the datum's) is refused with `BadRequest` naming it.
+shape, a tensor whose length is not the datum's) is refused with `TinkerInvalid` naming it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from tandem.tinker_jobs import LOSSES, Datum
-from tandem_inference.tinker.errors import BadRequest
+from tandem_inference.errors import TinkerInvalid
 
 PROTO = "application/x-protobuf"
 
@@ -29,11 +29,11 @@ def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
     if not encoding or encoding == "identity":
         return body
     if encoding != "zstd":
-        raise BadRequest(f"Content-Encoding {encoding!r} is not supported; send zstd or none", param="content-encoding")
+        raise TinkerInvalid(f"Content-Encoding {encoding!r} is not supported; send zstd or none", param="content-encoding")
     try:
         return zstandard.ZstdDecompressor().decompress(body, max_output_size=limit)
     except zstandard.ZstdError as exc:
-        raise BadRequest(f"the body is not zstd within {limit} bytes ({exc})", param="content-encoding") from exc
+        raise TinkerInvalid(f"the body is not zstd within {limit} bytes ({exc})", param="content-encoding") from exc
 
 
 def parse_forward_backward(body: bytes) -> tuple[str, int | None, str, dict[str, float], list[Datum], bool]:
@@ -42,11 +42,11 @@ def parse_forward_backward(body: bytes) -> tuple[str, int | None, str, dict[str,
     try:
         msg.ParseFromString(body)
     except DecodeError as exc:
-        raise BadRequest(f"the body is not a Tinker ForwardBackwardRequest in protobuf ({exc})") from exc
+        raise TinkerInvalid(f"the body is not a Tinker ForwardBackwardRequest in protobuf ({exc})") from exc
     config: dict[str, float] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for key, value in msg.loss_fn_config_v2.items():
         if value.WhichOneof("value") == "text":
-            raise BadRequest(f"loss_fn_config.{key} is text ({value.text!r}); tandem's losses take numbers",
+            raise TinkerInvalid(f"loss_fn_config.{key} is text ({value.text!r}); tandem's losses take numbers",
                              param=f"loss_fn_config.{key}")
     datums = [_datum(i, d) for i, d in enumerate(msg.data)]
     return msg.model_id, (msg.seq_id or None), check_loss(msg.loss_fn), config, datums, msg.forward_only
@@ -54,7 +54,7 @@ def parse_forward_backward(body: bytes) -> tuple[str, int | None, str, dict[str,
 
 def check_loss(name: str) -> str:
     if name not in LOSSES:
-        raise BadRequest(f"loss_fn {name!r} is not supported; tandem computes {', '.join(LOSSES)}", param="loss_fn")
+        raise TinkerInvalid(f"loss_fn {name!r} is not supported; tandem computes {', '.join(LOSSES)}", param="loss_fn")
     return name
 
 
@@ -63,7 +63,7 @@ def _datum(i: int, d: Any) -> Datum:
     for j, chunk in enumerate(d.model_input):
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
-            raise BadRequest(f"data.{i}.model_input.chunks.{j} is a {kind or 'chunk of no kind'}; tandem trains on "
+            raise TinkerInvalid(f"data.{i}.model_input.chunks.{j} is a {kind or 'chunk of no kind'}; tandem trains on "
                              "token chunks (EncodedTextChunk) only", param=f"data.{i}.model_input")
         tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
     inputs = {name: _tensor(f"data.{i}.loss_fn_inputs.{name}", t) for name, t in d.loss_fn_inputs.items()}
@@ -73,15 +73,15 @@ def _datum(i: int, d: Any) -> Datum:
 def datum(i: int, tokens: list[int], inputs: dict[str, list[float]]) -> Datum:
     """A trainer datum, each input as long as the tokens (Tinker's `target_tokens` convention)."""
     if not tokens:
-        raise BadRequest(f"data.{i}.model_input has no tokens", param=f"data.{i}.model_input")
+        raise TinkerInvalid(f"data.{i}.model_input has no tokens", param=f"data.{i}.model_input")
     if "target_tokens" not in inputs:
-        raise BadRequest(f"data.{i}.loss_fn_inputs has no target_tokens", param=f"data.{i}.loss_fn_inputs")
+        raise TinkerInvalid(f"data.{i}.loss_fn_inputs has no target_tokens", param=f"data.{i}.loss_fn_inputs")
     for name, values in inputs.items():
         if len(values) != len(tokens):
-            raise BadRequest(f"data.{i}.loss_fn_inputs.{name} has {len(values)} values for {len(tokens)} tokens; "
+            raise TinkerInvalid(f"data.{i}.loss_fn_inputs.{name} has {len(values)} values for {len(tokens)} tokens; "
                              "give one per input token", param=f"data.{i}.loss_fn_inputs.{name}")
         if not all(np.isfinite(values)):
-            raise BadRequest(f"data.{i}.loss_fn_inputs.{name} holds a value that is not finite",
+            raise TinkerInvalid(f"data.{i}.loss_fn_inputs.{name} holds a value that is not finite",
                              param=f"data.{i}.loss_fn_inputs.{name}")
     return Datum(tokens=tokens, inputs=inputs)
 
@@ -89,14 +89,14 @@ def datum(i: int, tokens: list[int], inputs: dict[str, list[float]]) -> Datum:
 def _tensor(where: str, t: Any) -> list[float]:
     dtype = _NUMPY.get(t.dtype)
     if dtype is None:
-        raise BadRequest(f"{where} has dtype {t.dtype}; send float32 or int64", param=where)
+        raise TinkerInvalid(f"{where} has dtype {t.dtype}; send float32 or int64", param=where)
     if t.HasField("sparse_csr"):
-        raise BadRequest(f"{where} is sparse; tandem takes dense tensors", param=where)
+        raise TinkerInvalid(f"{where} is sparse; tandem takes dense tensors", param=where)
     if len(t.dense) % np.dtype(dtype).itemsize:
-        raise BadRequest(f"{where} has {len(t.dense)} bytes, not whole {np.dtype(dtype).name} values", param=where)
+        raise TinkerInvalid(f"{where} has {len(t.dense)} bytes, not whole {np.dtype(dtype).name} values", param=where)
     arr = np.frombuffer(t.dense, dtype=dtype)
     if len(t.shape) > 1:
-        raise BadRequest(f"{where} has shape {list(t.shape)}; tandem takes one value per token", param=where)
+        raise TinkerInvalid(f"{where} has shape {list(t.shape)}; tandem takes one value per token", param=where)
     return [float(v) for v in arr.tolist()]
 
 
