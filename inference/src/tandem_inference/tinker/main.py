@@ -1,7 +1,8 @@
 """The Tinker service's entry point: `tandem-tinker` or `python -m tandem_inference.tinker`.
 
 Reads TinkerSettings (TANDEM_TINKER__*, the gateway's API key, Redis as the tandem-tinker user),
-refuses to listen beyond loopback without an API key, then serves the app with uvicorn.
+refuses to listen beyond loopback without an API key, then serves the app with uvicorn. A failure
+tandem explains (Redis away, its credentials refused) is one log line and exit status 1.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 
+from tandem.errors import TandemError
 from tandem.logs import configure
 from tandem.settings import TinkerSettings
 
@@ -25,12 +27,19 @@ def _loopback(host: str) -> bool:
 
 
 def main() -> None:
+    configure()
+    try:
+        _serve(TinkerSettings())
+    except TandemError as exc:
+        log.error("tinker service stopped: %s", exc)
+        raise SystemExit(1) from None
+
+
+def _serve(settings: TinkerSettings) -> None:
     import uvicorn
 
     from tandem_inference.tinker.app import create_tinker_app, gateway_client
 
-    settings = TinkerSettings()
-    configure()
     if settings.gateway.api_key is None and not _loopback(settings.tinker.host) \
             and not settings.gateway.allow_unauthenticated:
         raise SystemExit(f"tinker.host {settings.tinker.host!r} is beyond loopback and gateway.api_key is unset: set "

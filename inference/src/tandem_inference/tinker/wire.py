@@ -9,6 +9,7 @@ shape, a tensor whose length is not the datum's) is refused with `TinkerInvalid`
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import numpy as np
@@ -30,10 +31,16 @@ def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
         return body
     if encoding != "zstd":
         raise TinkerInvalid(f"Content-Encoding {encoding!r} is not supported; send zstd or none", param="content-encoding")
-    try:
-        return zstandard.ZstdDecompressor().decompress(body, max_output_size=limit)
+    try:  # streamed and bounded: a frame's own size claim is not trusted (a small body may inflate far)
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)) as reader:
+            out = reader.read(limit + 1)
     except zstandard.ZstdError as exc:
-        raise TinkerInvalid(f"the body is not zstd within {limit} bytes ({exc})", param="content-encoding") from exc
+        raise TinkerInvalid(f"the body is not zstd ({exc}); send zstd or no Content-Encoding",
+                            param="content-encoding") from exc
+    if len(out) > limit:
+        raise TinkerInvalid(f"the body inflates past {limit} bytes (tinker.max_body_bytes); send fewer datums per call",
+                            param="body")
+    return bytes(out)
 
 
 def parse_forward_backward(body: bytes) -> tuple[str, int | None, str, dict[str, float], list[Datum], bool]:
