@@ -70,16 +70,13 @@ class Sequencer:
                 apply(op, order)
                 self._save(key, order, {f"seen:{seq}": request_id})
                 return request_id
-            updates = {f"seen:{seq}": request_id, f"op:{seq}": json.dumps(op)}
-            raw.update(updates)
-            drop = []
-            while f"op:{nxt}" in raw:
+            parked = {f"seen:{seq}": request_id, f"op:{seq}": json.dumps(op)}
+            self._save(key, order, parked)  # parked first: a failure below loses no request
+            raw.update(parked)
+            while f"op:{nxt}" in raw:  # each applied request is recorded before the next is applied
                 apply(json.loads(raw[f"op:{nxt}"]), order)
-                drop.append(f"op:{nxt}")
-                updates.pop(f"op:{nxt}", None)
+                self._save(key, order, {"next": str(nxt + 1)}, [f"op:{nxt}"])
                 nxt += 1
-            updates["next"] = str(nxt)
-            self._save(key, order, updates, drop)
             return request_id
 
     def _save(self, key: str, order: Order, updates: dict[str, str], drop: list[str] | None = None) -> None:
