@@ -101,3 +101,6 @@ def test_a_datum_the_trainer_refuses_fails_its_future_with_the_trainers_message(
     # the model goes on: the next call trains
     out = tc.forward_backward([datum([5, 6, 7])], "cross_entropy").result(timeout=300)
     assert len(out.loss_fn_outputs) == 1
+    seen = tc.forward([datum([5, 6, 7])], "cross_entropy").result(timeout=300)  # forward only: the same logprobs
+    assert seen.loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx(out.loss_fn_outputs[0]["logprobs"].tolist(),
+                                                                         abs=1e-5)
