@@ -28,6 +28,11 @@
         │                              queue (429 with Retry-After); carries the reason
         ├── ClientLeft                 (gateway) the client closed its connection before its response
         │                              started; its engine calls were closed (answered 499)
+        ├── TinkerRefusal              (tinker service) a Tinker call refused, answered in Tinker's error
+        │   │                          shape (503 itself: the gateway did not answer)
+        │   ├── TinkerInvalid          a body that does not fit: a shape, an unknown loss, a bad tensor (422)
+        │   ├── TinkerNotFound         an unknown session, model, future, checkpoint or sampling session (404)
+        │   └── TinkerUnsupported      a route or option tandem does not serve (404; lists what it serves)
         └── RequestRefused             (gateway) a request refused for a value it asks for (422 unless
             │                          a subclass says otherwise); carries the field at fault
             └── EpisodeRefused         an episode request that cannot go on (422 for a request
@@ -206,3 +211,27 @@ class EpisodeTooLong(EpisodeRefused):
     """The turn would make the episode longer than gateway.episode_max_tokens."""
 
     status_code = 400
+
+
+class TinkerRefusal(InferenceError):
+    """A Tinker call refused, answered in Tinker's error shape (tandem_inference.tinker.replies).
+
+    Statuses 400 and 409 are never used: the SDK retries them (a bare 400 three times, 409 always)."""
+
+    status_code = 503
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class TinkerInvalid(TinkerRefusal):
+    status_code = 422
+
+
+class TinkerNotFound(TinkerRefusal):
+    status_code = 404
+
+
+class TinkerUnsupported(TinkerRefusal):
+    status_code = 404
