@@ -166,7 +166,8 @@ bench-quick: install ## every benchmark scenario, small (2 min 51 s on 2 cores; 
 
 # The secrets of .env, each random where it is empty or missing: Redis's admin password, one per Redis
 # role (docs/operations.md, "Redis roles and what each may do"), the engine's admin key.
-ENV_SECRETS := REDIS_PASSWORD REDIS_CLIENT_PASSWORD REDIS_INFERENCE_PASSWORD REDIS_TRAINER_PASSWORD ENGINE_ADMIN_KEY
+ENV_SECRETS := REDIS_PASSWORD REDIS_CLIENT_PASSWORD REDIS_INFERENCE_PASSWORD REDIS_TRAINER_PASSWORD REDIS_TINKER_PASSWORD \
+	ENGINE_ADMIN_KEY
 
 .env: .env.example FORCE ## write .env from .env.example with random secrets; an existing .env is kept, with the secrets it lacks added
 	@umask 077; if [ -f $@ ]; then cp $@ $@.tmp; else cp .env.example $@.tmp; fi; made=""; \

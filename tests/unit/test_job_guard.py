@@ -1,4 +1,5 @@
-"""The train queue's rq job class: it resolves no name but tandem's train function.
+"""The train queue's rq job class: it resolves no name but the trainer's job functions (the train
+function and Tinker's three).
 
 No Redis: a job is built or restored in memory (the client never connects).
 """
@@ -18,7 +19,8 @@ from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 
 from tandem.errors import JobRefused
-from tandem.jobs import TRAIN_FUNC, GuardedJob
+from tandem.jobs import JOB_FUNCS, TRAIN_FUNC, GuardedJob
+from tandem.tinker_jobs import FORWARD_BACKWARD_FUNC, LOAD_STATE_FUNC, OPTIM_STEP_FUNC
 
 pytestmark = pytest.mark.unit
 
@@ -43,6 +45,25 @@ def test_a_train_job_is_allowed() -> None:
     job = GuardedJob.create(TRAIN_FUNC, kwargs={"payload": PAYLOAD}, connection=CONN, serializer=JSONSerializer)
     assert isinstance(job, GuardedJob) and job.refusal() is None
     assert job.named_run() == "r"
+
+
+@pytest.mark.parametrize("func", [FORWARD_BACKWARD_FUNC, OPTIM_STEP_FUNC, LOAD_STATE_FUNC])
+def test_a_job_of_tinkers_training_calls_is_allowed_with_one_payload(func: str) -> None:
+    assert JOB_FUNCS == (TRAIN_FUNC, FORWARD_BACKWARD_FUNC, OPTIM_STEP_FUNC, LOAD_STATE_FUNC)
+    job = created(func, PAYLOAD)
+    assert job.refusal() is None and job.named_run() == "r"
+    refusal = created(func, PAYLOAD, 1).refusal()
+    assert refusal is not None and f"{func} takes one argument, the payload" in refusal
+    with pytest.raises(JobRefused, match="callbacks are not allowed"):
+        created(func, PAYLOAD, on_success=Callback("tandem_never_imported.hook")).func  # noqa: B018
+    assert "tandem_never_imported" not in sys.modules
+
+
+def test_a_name_beside_the_allowed_ones_is_refused() -> None:
+    for func in ("tandem_trainer.worker.run_job", "tandem_trainer.worker._run_job", "tandem_trainer.worker.setup",
+                 FORWARD_BACKWARD_FUNC + "x"):
+        refusal = created(func, PAYLOAD).refusal()
+        assert refusal is not None and f"function {func!r} is not allowed" in refusal and OPTIM_STEP_FUNC in refusal
 
 
 def test_another_function_is_refused_and_never_imported() -> None:
@@ -125,14 +146,14 @@ RQ_FIELDS = ["data", "created_at", "origin", "status", "timeout", "result_ttl", 
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.sampled_from(RQ_FIELDS), st.binary(max_size=40) | st.sampled_from(
     [b"", b"0", b"-1", b"1e9", b"null", b"[]", b"{}", utcformat(now()).encode(), b"queued", b"os.system"])),
-       st.sampled_from([TRAIN_FUNC, "os.system", "builtins.eval"]))
+       st.sampled_from([*JOB_FUNCS, "os.system", "builtins.eval"]))
 def test_any_job_hash_either_is_a_train_job_or_is_refused(fields: dict[str, bytes], func: str) -> None:
     if "data" not in fields:
         fields["data"] = zlib.compress(json.dumps([func, None, [PAYLOAD], {}]).encode())
     job = restored(fields)  # never raises, whatever the hash holds
     refusal = job.refusal()
     if refusal is None:
-        assert job.func_name == TRAIN_FUNC and job.instance is None
+        assert job.func_name in JOB_FUNCS and job.instance is None
         assert not any(fields.get(f"{k}_callback_name") for k in ("success", "failure", "stopped"))
     else:
         with pytest.raises(JobRefused):

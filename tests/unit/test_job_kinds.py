@@ -13,7 +13,7 @@ import pkgutil
 import pytest
 
 import tandem_trainer.jobs
-from tandem.jobs import TRAIN_FUNC
+from tandem.jobs import JOB_FUNCS, TRAIN_FUNC
 from tandem_trainer.jobs.base import JobKind
 from tandem_trainer.jobs.kinds import KINDS, TRAIN
 from tandem_trainer.jobs.train import TrainKind
@@ -41,3 +41,13 @@ def test_the_train_kind_is_registered_and_the_queues_job_function_exists() -> No
     assert KINDS["train"] is TRAIN and isinstance(TRAIN, TrainKind)
     module, _, function = TRAIN_FUNC.rpartition(".")
     assert callable(getattr(importlib.import_module(module), function))
+
+
+def test_every_job_function_the_guard_allows_exists_and_runs_a_registered_kind() -> None:
+    import tandem_trainer.worker as worker
+
+    assert set(KINDS) == {"train", "forward_backward", "optim_step", "load_state"}
+    for func in JOB_FUNCS:
+        module, _, function = func.rpartition(".")
+        assert module == "tandem_trainer.worker" and callable(getattr(worker, function))
+        assert function.removeprefix("run_").removesuffix("_job") in KINDS

@@ -18,7 +18,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-SECRETS = ("REDIS_PASSWORD", "REDIS_CLIENT_PASSWORD", "REDIS_INFERENCE_PASSWORD", "REDIS_TRAINER_PASSWORD",
+SECRETS = ("REDIS_PASSWORD", "REDIS_CLIENT_PASSWORD", "REDIS_INFERENCE_PASSWORD", "REDIS_TRAINER_PASSWORD", "REDIS_TINKER_PASSWORD",
            "ENGINE_ADMIN_KEY")
 
 
@@ -62,8 +62,9 @@ def test_an_env_from_before_the_redis_roles_gains_their_passwords_and_keeps_the_
 
 def test_an_empty_secret_is_filled_where_it_stands(tmp_path: Path) -> None:
     (tmp_path / ".env").write_text("REDIS_PASSWORD=\nREDIS_CLIENT_PASSWORD=c\nREDIS_INFERENCE_PASSWORD=i\n"
-                                   "REDIS_TRAINER_PASSWORD=t\nENGINE_ADMIN_KEY=k\n")
+                                   "REDIS_TRAINER_PASSWORD=t\nREDIS_TINKER_PASSWORD=x\nENGINE_ADMIN_KEY=k\n")
     make_env(tmp_path)
     lines = (tmp_path / ".env").read_text().splitlines()
     assert re.fullmatch(r"REDIS_PASSWORD=[0-9a-f]{32}", lines[0]) and lines[1:] == [
-        "REDIS_CLIENT_PASSWORD=c", "REDIS_INFERENCE_PASSWORD=i", "REDIS_TRAINER_PASSWORD=t", "ENGINE_ADMIN_KEY=k"]
+        "REDIS_CLIENT_PASSWORD=c", "REDIS_INFERENCE_PASSWORD=i", "REDIS_TRAINER_PASSWORD=t", "REDIS_TINKER_PASSWORD=x",
+        "ENGINE_ADMIN_KEY=k"]

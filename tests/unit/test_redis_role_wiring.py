@@ -96,6 +96,8 @@ def test_tandem_ups_services_each_get_their_roles_url_and_the_engine_none(
         "engine": None,
         "inference": f"redis://tandem-inference:{secrets['redis_inference_password']}@127.0.0.1:{port}/0",
         "trainer": f"redis://tandem-trainer:{secrets['redis_trainer_password']}@127.0.0.1:{port}/0",
+        **({"tinker": f"redis://tandem-tinker:{secrets['redis_tinker_password']}@127.0.0.1:{port}/0"}
+           if stack.tinker_url else {}),
     }
     assert "TANDEM_REDIS__PASSWORD" not in env
     assert stack.redis_url == f"redis://tandem-client:{secrets['redis_client_password']}@127.0.0.1:{port}/0"
@@ -113,7 +115,9 @@ def test_the_replicas_engines_get_no_redis_url(tmp_path: Path, monkeypatch: pyte
     stack = Composition(StackConfig(state_dir=tmp_path, gateway_port=0, redis_port=0, replicas=2))
     env = stack.env()
     plan = {svc.name: {**env, **svc.env} for svc in stack.plan() if svc.name != "router"}
-    assert {name for name, e in plan.items() if "TANDEM_REDIS__URL" in e} == {"inference-1", "inference-2", "trainer"}
+    tinker = {"tinker"} if stack.tinker_url else set()
+    assert {name for name, e in plan.items() if "TANDEM_REDIS__URL" in e} == {"inference-1", "inference-2", "trainer",
+                                                                             *tinker}
     assert plan["inference-1"]["TANDEM_REDIS__URL"] == stack.redis_urls[Role.INFERENCE]
 
 

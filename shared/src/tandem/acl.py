@@ -9,6 +9,8 @@
     trainer    tandem-trainer    run the rq worker, read and write the registry, append to and read the
                                  event stream, its liveness keys and locks, the GPU lease; read the
                                  replicas' heartbeats, take a deleted run off the deleted runs
+    tinker     tandem-tinker     what the client may, and its own keys (sessions, models, futures,
+                                 checkpoint names: tandem:tinker:*)
     admin      default           everything: the operator and its tools (redis-cli, rq-dashboard)
 
 No role but admin may run a command of the `@dangerous` category (FLUSHALL, CONFIG, SHUTDOWN, DEBUG,
@@ -36,6 +38,7 @@ class Role(StrEnum):
     CLIENT = "client"
     INFERENCE = "inference"
     TRAINER = "trainer"
+    TINKER = "tinker"
 
 
 #: The Redis user of each role.
@@ -72,22 +75,31 @@ _READ_EVENTS = f"(%R~{keys.EVENTS} +xread +xrange +xrevrange)"
 #: The GPU lease of shared mode and its bells, taken in turns by inference and the trainer.
 _GPU_LEASE = f"({_LEASE} +hsetnx +hget +hset +pexpire +exists +del +lpush +ltrim +blpop)"
 
+#: The client's rules (the Tinker service has them too).
+_CLIENT = [
+    _BASE,
+    "+info",  # rq's check of the server's version
+    _READ_REGISTRY,
+    _READ_EVENTS,
+    f"(%R~{keys.REPLICAS} %R~{keys.replica('*')} +smembers +mget)",
+    f"(~{keys.RUNS} +sadd)",
+    # SETNX, not SET: a client creates a run spec and never overwrites a key
+    f"(~{_RUN} +setnx)",
+    f"(~{keys.run_steps('*')} +incrby)",  # redis-py's INCR
+    # rq: enqueue a job on the train queue, read its state, cancel it (to the canceled registry)
+    f"(~rq:queues ~rq:job:* ~{_RQ_QUEUE} ~rq:canceled:{keys.TRAIN_QUEUE} ~rq:deferred:{keys.TRAIN_QUEUE}"
+    f" ~rq:scheduled:{keys.TRAIN_QUEUE} +hset +hget +hgetall +hmget +hexists +exists +rpush +lpush +lrem"
+    " +sadd +zadd +zrem +watch)",
+    "(%R~rq:results:* +xrevrange +xrange)",  # a job's result, which the trainer writes
+]
+
 _RULES = {
-    Role.CLIENT: [
-        _BASE,
-        "+info",  # rq's check of the server's version
-        _READ_REGISTRY,
-        _READ_EVENTS,
-        f"(%R~{keys.REPLICAS} %R~{keys.replica('*')} +smembers +mget)",
-        f"(~{keys.RUNS} +sadd)",
-        # SETNX, not SET: a client creates a run spec and never overwrites a key
-        f"(~{_RUN} +setnx)",
-        f"(~{keys.run_steps('*')} +incrby)",  # redis-py's INCR
-        # rq: enqueue a job on the train queue, read its state, cancel it (to the canceled registry)
-        f"(~rq:queues ~rq:job:* ~{_RQ_QUEUE} ~rq:canceled:{keys.TRAIN_QUEUE} ~rq:deferred:{keys.TRAIN_QUEUE}"
-        f" ~rq:scheduled:{keys.TRAIN_QUEUE} +hset +hget +hgetall +hmget +hexists +exists +rpush +lpush +lrem"
-        " +sadd +zadd +zrem +watch)",
-        "(%R~rq:results:* +xrevrange +xrange)",  # a job's result, which the trainer writes
+    Role.CLIENT: _CLIENT,
+    Role.TINKER: [
+        # the client's rules (create a run, enqueue its jobs, follow them, read registry, events, replicas)
+        *_CLIENT,
+        f"(~{keys.TINKER}:* +get +set +del +expire +hset +hget +hgetall +hdel +hsetnx +hincrby +rpush +lrange"
+        " +exists +watch)",
     ],
     Role.INFERENCE: [
         _BASE,

@@ -8,7 +8,8 @@ before it trains.
 
 Redis is a code-execution boundary: rq imports and calls whatever function and callbacks a
 job hash names. The train queue therefore carries `GuardedJob`, an rq job class that
-resolves no name but `TRAIN_FUNC` and refuses everything else before anything runs.
+resolves no name but the trainer's job functions (`JOB_FUNCS`: `TRAIN_FUNC`, and the functions of
+Tinker's training calls, `tandem.tinker_jobs`) and refuses everything else before anything runs.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ from tandem.trajectories import TrajectoryGroup
 
 #: Dotted path of the function the trainer worker runs for each job.
 TRAIN_FUNC = "tandem_trainer.worker.run_train_job"
+
+#: The job functions of Tinker's training calls (`tandem.tinker_jobs`, which names them too).
+FORWARD_BACKWARD_FUNC = "tandem_trainer.worker.run_forward_backward_job"
+OPTIM_STEP_FUNC = "tandem_trainer.worker.run_optim_step_job"
+LOAD_STATE_FUNC = "tandem_trainer.worker.run_load_state_job"
+
+#: Every function the trainer worker runs, each with one argument (the payload): the queue's guard
+#: allows these and nothing else.
+JOB_FUNCS = (TRAIN_FUNC, FORWARD_BACKWARD_FUNC, OPTIM_STEP_FUNC, LOAD_STATE_FUNC)
 
 #: How often rq retries a job whose worker died (the retry is idempotent).
 JOB_RETRIES = 3
@@ -121,7 +131,7 @@ def parse_job(payload: Any) -> TrainJob:
 
 
 class GuardedJob(Job):
-    """An rq job that can run only `TRAIN_FUNC`, called with one argument (the payload).
+    """An rq job that can run only one of `JOB_FUNCS`, called with one argument (the payload).
 
     A job that names another function, an instance method, a success/failure/stopped
     callback, a webhook or a repeat, or whose hash rq cannot read (garbage in any field, data
@@ -162,15 +172,16 @@ class GuardedJob(Job):
         self.to_dict()  # what rq writes back when the job ends must serialize
 
     def refusal(self) -> str | None:
-        """Why this job may not run, or None for a train job."""
-        how = f"the trainer runs only {TRAIN_FUNC}(payload); enqueue train jobs with tandem.jobs.enqueue"
+        """Why this job may not run, or None for a job of the trainer's (`JOB_FUNCS`)."""
+        how = (f"the trainer runs only {', '.join(JOB_FUNCS)} (payload); enqueue train jobs with "
+               "tandem.jobs.enqueue, Tinker's with tandem.tinker_jobs.enqueue")
         if self.unreadable is not None:
             return f"{self.unreadable}; {how}"
         try:
             func, instance, args, kwargs = self.func_name, self.instance, self.args, self.kwargs
         except DeserializationError as exc:
             return f"the job's data is not rq JSON ({exc.__cause__}); {how}"
-        if func != TRAIN_FUNC or instance is not None:
+        if func not in JOB_FUNCS or instance is not None:
             return f"function {func!r} is not allowed: {how}"
         callbacks = {"on_success": self._success_callback_name, "on_failure": self._failure_callback_name,
                      "on_stopped": self._stopped_callback_name}
@@ -182,11 +193,11 @@ class GuardedJob(Job):
         if self.repeats_left:
             return f"repeats are not allowed ({self.repeats_left} asked): {how}, once"
         if not isinstance(args, list | tuple) or not isinstance(kwargs, dict):
-            return (f"{TRAIN_FUNC} takes one argument, the payload, with positional arguments as a list and "
+            return (f"{func} takes one argument, the payload, with positional arguments as a list and "
                     f"keywords as a mapping; got {type(args).__name__} {reprlib.repr(args)} and "
                     f"{type(kwargs).__name__} {reprlib.repr(kwargs)}: {how}")
         if not (len(args) == 1 and not kwargs) and not (not args and list(kwargs) == ["payload"]):
-            return f"{TRAIN_FUNC} takes one argument, the payload; got {len(args)} positional and keywords {sorted(kwargs)}"
+            return f"{func} takes one argument, the payload; got {len(args)} positional and keywords {sorted(kwargs)}"
         return None
 
     def payload(self) -> Any:
@@ -213,7 +224,7 @@ class GuardedJob(Job):
         problem = self.refusal()
         if problem is not None:
             raise JobRefused(problem)
-        return import_attribute(TRAIN_FUNC)
+        return import_attribute(next(f for f in JOB_FUNCS if f == self.func_name))  # refusal() found it there
 
     @property
     def success_callback(self) -> SuccessCallbackType | None:

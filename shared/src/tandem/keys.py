@@ -111,3 +111,46 @@ def run_episodes(name: str) -> str:
     expires with the newest of them). Apart from the run's keys: a client reads those, never an
     episode id."""
     return f"{PREFIX}:run-episodes:{name}"
+
+
+# Tinker's API (tandem_inference.tinker) ----------------------------------------------------------
+
+#: Every key of the Tinker service starts with this.
+TINKER = f"{PREFIX}:tinker"
+
+
+def tinker_session(session_id: str) -> str:
+    """JSON of a Tinker session (its SDK version, when it was created)."""
+    return f"{TINKER}:session:{session_id}"
+
+
+def tinker_model(model_id: str) -> str:
+    """JSON of a Tinker model: the run it is, its session, base model and LoRA rank."""
+    return f"{TINKER}:model:{model_id}"
+
+
+def tinker_order(model_id: str) -> str:
+    """Hash of a model's request order: the next `seq_id` to enqueue, the seq_id -> future of every
+    request seen, the requests parked until their turn, the forward_backward jobs since the last
+    optim_step, the last job that publishes a version."""
+    return f"{TINKER}:order:{model_id}"
+
+
+def tinker_future(request_id: str) -> str:
+    """JSON of a future: what it waits on (an rq job, a version to serve) or its stored result."""
+    return f"{TINKER}:future:{request_id}"
+
+
+def tinker_checkpoints(model_id: str) -> str:
+    """Hash `weights/<name>` or `sampler_weights/<name>` -> JSON {version, ...} of a model's checkpoints."""
+    return f"{TINKER}:checkpoints:{model_id}"
+
+
+def tinker_sampling_session(sampling_session_id: str) -> str:
+    """JSON of a sampling session: the run and version (or base model) it samples."""
+    return f"{TINKER}:sampling:{sampling_session_id}"
+
+
+def tinker_session_futures(session_id: str) -> str:
+    """List of the sampling futures of a sampling session, in the order they were created."""
+    return f"{TINKER}:sampling:{session_id}:futures"

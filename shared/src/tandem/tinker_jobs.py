@@ -20,6 +20,13 @@ its `seq_id` order):
   model) the run's next version, with or without its optimizer state; pending gradients are
   dropped.
 
+`enqueue` puts any of them on the train queue, with the train job's retry policy: a job whose
+worker died is retried, at the head of the queue. A retried `optim_step` or `load_state` finds the
+version its first attempt published (by `job_id`); a retried `forward_backward` runs again, its
+gradients held with the run's only if the trainer still holds the earlier ones (else the
+`optim_step` is refused, naming the jobs whose gradients were lost). A job rejected for its input
+(`train_failed` with `field`, rq's FAILED) is never retried.
+
 Datums are Tinker's, flattened: the model input's tokens, and `inputs` keyed by Tinker's
 `loss_fn_inputs` names (`target_tokens`, `weights`, `advantages`, `logprobs`, ...), each a list
 as long as `tokens`.
@@ -31,18 +38,23 @@ import time
 import uuid
 from typing import Literal
 
+import redis
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from rq import Retry
 
+from tandem.connection import translated
+
+# The job functions the trainer worker runs for these kinds (the queue's guard allows them),
+# named beside the guard and named here too.
+from tandem.jobs import FORWARD_BACKWARD_FUNC as FORWARD_BACKWARD_FUNC
+from tandem.jobs import JOB_RETRIES, train_queue
+from tandem.jobs import LOAD_STATE_FUNC as LOAD_STATE_FUNC
+from tandem.jobs import OPTIM_STEP_FUNC as OPTIM_STEP_FUNC
 from tandem.runs import check_run_name
 
 #: Losses the trainer computes, by Tinker's names.
 LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo")
 LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo"]
-
-#: The job functions the trainer worker runs for these kinds (the queue's guard allows them).
-FORWARD_BACKWARD_FUNC = "tandem_trainer.worker.run_forward_backward_job"
-OPTIM_STEP_FUNC = "tandem_trainer.worker.run_optim_step_job"
-LOAD_STATE_FUNC = "tandem_trainer.worker.run_load_state_job"
 
 _JOB_ID = r"^[A-Za-z0-9_-]{1,128}$"
 
@@ -136,3 +148,32 @@ class LoadStateResult(BaseModel):
     run: str
     version: int
     """The version of `run` that now holds the loaded state."""
+
+
+TinkerJob = ForwardBackwardJob | OptimStepJob | LoadStateJob
+
+
+def job_func(job: TinkerJob) -> str:
+    """The trainer's job function for `job`'s kind."""
+    if isinstance(job, ForwardBackwardJob):
+        return FORWARD_BACKWARD_FUNC
+    return OPTIM_STEP_FUNC if isinstance(job, OptimStepJob) else LOAD_STATE_FUNC
+
+
+def enqueue(conn: redis.Redis, job: TinkerJob) -> str:
+    """Put a validated Tinker job on the train queue, after the jobs already there; returns its id
+    (rq's job id is the payload's `job_id`). Its result (the kind's `...Result` as JSON) is kept a
+    week, as a train job's."""
+    func = job_func(job)
+    with translated(conn, f"enqueue {func.rpartition('.')[2]} {job.job_id} of run {job.run!r}"):
+        train_queue(conn).enqueue(
+            func,
+            job.model_dump(mode="json"),
+            job_id=job.job_id,
+            job_timeout=job.timeout_s,
+            result_ttl=7 * 24 * 3600,
+            failure_ttl=7 * 24 * 3600,
+            retry=Retry(max=JOB_RETRIES, enqueue_at_front=True),
+            description=f"{func.rpartition('.')[2]} {job.run} seq {job.seq}",
+        )
+    return job.job_id

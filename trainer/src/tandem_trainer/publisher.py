@@ -15,6 +15,7 @@ not the registry is adopted. That makes a retried job publish at most one versio
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import uuid
@@ -27,6 +28,7 @@ from tandem.errors import AdapterRejected
 from tandem.events import Event, EventKind, EventStream
 from tandem.jobs import TrainJob, TrainResult, groups_digest
 from tandem.registry import Registry
+from tandem.tinker_jobs import LoadStateJob, OptimStepJob
 from tandem_trainer import failpoints
 from tandem_trainer.adapter_files import StagedAdapter
 from tandem_trainer.errors import CheckpointError, JobRejected
@@ -37,6 +39,18 @@ log = logging.getLogger(__name__)
 #: announcement in the stream (entry ids are Redis's milliseconds).
 ANNOUNCE_SKEW_S = 60.0
 
+
+#: A job of a kind that publishes versions: a train job, Tinker's `optim_step` and `load_state`.
+NamedJob = TrainJob | OptimStepJob | LoadStateJob
+
+
+def job_digest(job: NamedJob) -> str:
+    """What makes a job the job it is, for its manifest: a train job's groups (`groups_digest`),
+    another kind's whole payload but its id, timing and sequence number."""
+    if isinstance(job, TrainJob):
+        return groups_digest(job)
+    return hashlib.sha256(job.model_dump_json(exclude={"job_id", "timeout_s", "submitted_at", "seq"}).encode()
+                          ).hexdigest()
 
 
 def result_of(manifest: Manifest, *, reused: bool, train_s: float = 0.0,
@@ -57,7 +71,7 @@ class Publisher:
         self.registry, self.events = Registry(conn), EventStream(conn)
 
     # publishing ---------------------------------------------------------------
-    def publish(self, job: TrainJob, manifest: Manifest, adapter: StagedAdapter, *,
+    def publish(self, job: NamedJob, manifest: Manifest, adapter: StagedAdapter, *,
                 train_s: float, stepped_at: float, stage_ms: float) -> TrainResult:
         """Write the staged adapter into a new version, rename it into place, announce it, fsync it.
 
@@ -121,7 +135,7 @@ class Publisher:
         ))
 
     # finding what a job already did ---------------------------------------------
-    def reused(self, job: TrainJob) -> TrainResult | None:
+    def reused(self, job: NamedJob) -> TrainResult | None:
         """The version this job already published, announced (again, if a crash cut that off)."""
         version = self.registry.version_of_job(job.run, job.job_id)
         manifest = self.registry.manifest(job.run, version) if version is not None else None
@@ -131,12 +145,16 @@ class Publisher:
                 "(retention.keep_versions) has removed since; the job is not trained again", field="job_id")
         if manifest is None:
             return None
-        if manifest.job_digest is not None and manifest.job_digest != groups_digest(job):
+        if manifest.job_digest is not None and manifest.job_digest != job_digest(job):
+            if isinstance(job, TrainJob):
+                raise JobRejected(
+                    f"job_id {job.job_id!r} already trained {job.run} v{manifest.version} on other groups; a retry "
+                    "must send the same groups, and a new step needs a new job_id (leave job_id out for one)",
+                    field="job_id",
+                )
             raise JobRejected(
-                f"job_id {job.job_id!r} already trained {job.run} v{manifest.version} on other groups; a retry "
-                "must send the same groups, and a new step needs a new job_id (leave job_id out for one)",
-                field="job_id",
-            )
+                f"job_id {job.job_id!r} already published {job.run} v{manifest.version} from another payload; a "
+                "retry must send the same payload, and a new call needs a new job_id", field="job_id")
         if not self.announced(manifest):
             log.warning("announce.resumed run=%s version=%d job_id=%s: registered but never announced",
                         manifest.run, manifest.version, manifest.job_id)
@@ -163,7 +181,7 @@ class Publisher:
             for event in self.events.since(manifest.created_at - ANNOUNCE_SKEW_S)
         )
 
-    def adopt_orphans(self, job: TrainJob) -> TrainResult | None:
+    def adopt_orphans(self, job: NamedJob) -> TrainResult | None:
         """Register versions that reached the store but not the registry; ours is returned.
 
         Only a crash between rename and register leaves such a version, and it always sits

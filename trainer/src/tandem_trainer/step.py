@@ -99,6 +99,8 @@ def _train_step(backend: Backend, order: StepOrder, group: Group | None, clock: 
             raise
         error = _describe(exc)
     activate_s = time.perf_counter() - activating
+    # gradients a run holds from Tinker's forward_backward are not this job's: a GRPO step never applies them
+    backend.drop_gradients(f"a train job of run {spec.name} steps it")
     stats, grad_norms = LossStats(), []
     for _ in range(spec.loss.epochs):
         local = LossStats()

@@ -2,15 +2,17 @@
 
 The worker is an rq `SimpleWorker`: jobs run in the worker process itself (it never forks,
 so CUDA is safe) and one process-global Trainer keeps the base model resident across jobs.
-It runs only tandem's train function: the queue's job class (`tandem.jobs.GuardedJob`)
-refuses any other function, callback or webhook, and any job hash rq cannot read. Every job
+It runs only tandem's job functions (the train function and Tinker's three, `JOB_FUNCS`): the
+queue's job class (`tandem.jobs.GuardedJob`) refuses any other function, callback or webhook,
+and any job hash rq cannot read. Every job
 that fails gets a `train_failed` event naming it, from the train function when the failure
 is its own, else from the worker; a refused job is never retried. Its Redis connections ride
 out an outage of up to `redis_outage_s` (outage.py); recovery.py hands back the jobs of dead
 workers, and a thread removes deleted runs' directories from the store (store_cleanup.py).
-The job function names its kind of job (`tandem_trainer.jobs.kinds`: today `train`), and the
-job's payload, the JSON form of that kind's model (a `TrainJob`), goes to `Trainer.run` as rq
-decoded it, to be validated there once.
+Each job function names its kind of job (`tandem_trainer.jobs.kinds`: `train`, and Tinker's
+`forward_backward`, `optim_step`, `load_state`), and the job's payload, the JSON form of that
+kind's model (a `TrainJob`, or one of `tandem.tinker_jobs`), goes to `Trainer.run` as rq decoded
+it, to be validated there once.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from tandem_trainer.backends.select import select_backend
 from tandem_trainer.errors import TrainerConfigError
 from tandem_trainer.gpu_sharing import SharedGpu
 from tandem_trainer.jobs.failures import not_retried
-from tandem_trainer.jobs.kinds import TRAIN
+from tandem_trainer.jobs.kinds import FORWARD_BACKWARD, LOAD_STATE, OPTIM_STEP, TRAIN
 from tandem_trainer.jobs.runner import Trainer
 from tandem_trainer.metrics import TrainerMetrics, serve_metrics
 from tandem_trainer.outage import ride_out_outages
@@ -164,6 +166,21 @@ def _trainer() -> Trainer:
 def run_train_job(payload: JsonValue) -> dict[str, JsonValue]:
     """rq job function (`tandem.jobs.TRAIN_FUNC`): train one job, return its TrainResult as JSON."""
     return _run_job(TRAIN.name, payload)
+
+
+def run_forward_backward_job(payload: JsonValue) -> dict[str, JsonValue]:
+    """rq job function (`tandem.tinker_jobs.FORWARD_BACKWARD_FUNC`): a ForwardBackwardResult as JSON."""
+    return _run_job(FORWARD_BACKWARD.name, payload)
+
+
+def run_optim_step_job(payload: JsonValue) -> dict[str, JsonValue]:
+    """rq job function (`tandem.tinker_jobs.OPTIM_STEP_FUNC`): an OptimStepResult as JSON."""
+    return _run_job(OPTIM_STEP.name, payload)
+
+
+def run_load_state_job(payload: JsonValue) -> dict[str, JsonValue]:
+    """rq job function (`tandem.tinker_jobs.LOAD_STATE_FUNC`): a LoadStateResult as JSON."""
+    return _run_job(LOAD_STATE.name, payload)
 
 
 def _run_job(kind: str, payload: JsonValue) -> dict[str, JsonValue]:

@@ -101,7 +101,9 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"{_shown_path(client_env)}; the admin's password is in {_shown_path(stack.state / 'secrets.json')})\n"
               f"  metrics  {stack.gateway_url}/metrics (gateway), "
               f"http://127.0.0.1:{stack.trainer_metrics_port}/metrics (trainer)\n"
-              f"{found};\n"
+              + (f"  tinker   {stack.tinker_url} (tinker.ServiceClient(base_url=...), api_key='tml-' + the gateway's "
+                 "key, or any tml- key without one)\n" if stack.tinker_url else "")
+              + f"{found};\n"
               f"elsewhere: Client(gateway_url, redis_url) with the URLs from {_shown_path(client_env)}.\n"
               "A service that dies is started again. Ctrl-C stops every service.", flush=True)
         stack.supervise(lambda: False)

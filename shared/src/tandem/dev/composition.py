@@ -87,6 +87,8 @@ class StackConfig:
     engine_port: int = 0
     trainer_metrics_port: int = 0
     """Port of the trainer's /metrics on loopback (0: a free one)."""
+    tinker_port: int = 0
+    """Port of the Tinker service on loopback (0: a free one); it runs where the `tinker` package is installed."""
     redis_port: int = 0
     redis_url: str | None = None
     """Use this Redis instead of starting one: every service and client.env get this URL (its
@@ -120,6 +122,9 @@ class Composition:
         self.gateway_port = config.gateway_port or free_port()
         self.redis_port = config.redis_port or free_port()
         self.trainer_metrics_port = config.trainer_metrics_port or free_port()
+        self.tinker_port = config.tinker_port or free_port()
+        self.tinker_url: str | None = f"http://127.0.0.1:{self.tinker_port}" if _has_tinker() else None
+        """The Tinker service's URL (tinker.ServiceClient(base_url=...)), None where `tinker` is not installed."""
         self.roles = config.redis_url is None and self._redis_has_selectors()
         """Whether this stack's Redis has a user per role (redis-server 7.0 or newer)."""
         local = f"redis://127.0.0.1:{self.redis_port}/0"
@@ -136,7 +141,7 @@ class Composition:
         self.engine_url = f"http://127.0.0.1:{self.engine_port}"
         self.replicas: list[tuple[int, int]] = []
         """(engine port, gateway port) of each replica when there are several."""
-        taken = {self.engine_port, self.gateway_port, self.redis_port, self.trainer_metrics_port}
+        taken = {self.engine_port, self.gateway_port, self.redis_port, self.trainer_metrics_port, self.tinker_port}
         for _ in range(config.replicas if config.replicas > 1 else 0):
             ports = []
             for low in (30000, None):
@@ -221,6 +226,11 @@ class Composition:
         named = {"TANDEM_WORKER_NAME": "trainer"} if self.config.redis_url is None else {}
         services.append(Service("trainer", [py, "-m", "tandem_trainer.main"], env={**named, **self.redis_env(Role.TRAINER)},
                                 ready=functools.partial(probes.trainer_ready, self.admin_redis_url)))
+        if self.tinker_url is not None:  # Tinker's API in front of the gateway and the trainer
+            env = {"TANDEM_TINKER__HOST": "127.0.0.1", "TANDEM_TINKER__PORT": str(self.tinker_port),
+                   "TANDEM_TINKER__GATEWAY_URL": self.gateway_url, **self.redis_env(Role.TINKER)}
+            services.append(Service("tinker", [py, "-m", "tandem_inference.tinker"], env=env,
+                                    ready=functools.partial(probes.http_ok, f"{self.tinker_url}/api/v1/healthz")))
         return services
 
     def _engine(self, name: str, url: str, env: dict[str, str] | None = None) -> Service:
@@ -287,5 +297,14 @@ class Composition:
             "# this file when run from the directory above .tandem/; a .env there and the environment override it.\n"
             f"TANDEM_GATEWAY_URL={self.gateway_url}\n"
             f"TANDEM_REDIS__URL={self.redis_url}\n"
+            + (f"# The Tinker service (tinker.ServiceClient(base_url=...), or TINKER_BASE_URL):\n"
+               f"TINKER_BASE_URL={self.tinker_url}\n" if self.tinker_url else "")
         ))
         return path
+
+
+def _has_tinker() -> bool:
+    """Whether the `tinker` SDK (the Tinker service's protobuf definitions) is installed here."""
+    import importlib.util
+
+    return importlib.util.find_spec("tinker") is not None

@@ -13,23 +13,32 @@ them into the settings of each service:
     engine      engine: the inference engine
     controller  controller, replica: the inference controller, this replica among others
     gateway     gateway: the OpenAI-compatible gateway
+    tinker      tinker: the Tinker-compatible service
     gpus        gpus: which GPUs each side uses, shared mode's hand-over
     trainer     backend, metrics, tracker, parallel: the trainer's sections
-    root        TrainerSettings, InferenceSettings, ClientSettings and SERVICES
+    root        TrainerSettings, InferenceSettings, ClientSettings, TinkerSettings and SERVICES
 """
 
 from tandem.settings.controller import ControllerSettings, ReplicaSettings
 from tandem.settings.engine import VLLM_LORA_RANKS, EngineSettings
 from tandem.settings.gateway import GatewaySettings
 from tandem.settings.gpus import GpuSettings, ReleaseTag
-from tandem.settings.root import LOCAL_STACK_ENV, SERVICES, ClientSettings, InferenceSettings, TrainerSettings
+from tandem.settings.root import (
+    LOCAL_STACK_ENV,
+    SERVICES,
+    ClientSettings,
+    InferenceSettings,
+    TinkerSettings,
+    TrainerSettings,
+)
 from tandem.settings.secret import Secret, redact_url
 from tandem.settings.storage import RedisSettings, RetentionSettings, StoreSettings
+from tandem.settings.tinker import TinkerServiceSettings
 from tandem.settings.trainer import ParallelSettings, TrackerSettings, TrainerBackendSettings, TrainerMetricsSettings
 
 __all__ = [
     "LOCAL_STACK_ENV", "SERVICES", "VLLM_LORA_RANKS", "ClientSettings", "ControllerSettings", "EngineSettings",
     "GatewaySettings", "GpuSettings", "InferenceSettings", "ParallelSettings", "RedisSettings", "ReleaseTag",
-    "ReplicaSettings", "RetentionSettings", "Secret", "StoreSettings", "TrackerSettings", "TrainerBackendSettings",
-    "TrainerMetricsSettings", "TrainerSettings", "redact_url",
+    "ReplicaSettings", "RetentionSettings", "Secret", "StoreSettings", "TinkerServiceSettings", "TinkerSettings",
+    "TrackerSettings", "TrainerBackendSettings", "TrainerMetricsSettings", "TrainerSettings", "redact_url",
 ]

@@ -18,6 +18,7 @@ from tandem.settings.gateway import GatewaySettings
 from tandem.settings.gpus import GpuSettings
 from tandem.settings.secret import Secret, redact_url
 from tandem.settings.storage import RedisSettings, RetentionSettings, StoreSettings
+from tandem.settings.tinker import TinkerServiceSettings
 from tandem.settings.trainer import (
     ParallelSettings,
     TrackerSettings,
@@ -146,8 +147,17 @@ class ClientSettings(_ServiceSettings):
     `adapter_loaded` names it) is not waited for from then on."""
 
 
+class TinkerSettings(_ServiceSettings):
+    """Settings of the Tinker-compatible service (`tandem-tinker`): its own section, and the
+    gateway's, whose API key it takes."""
+
+    tinker: TinkerServiceSettings = TinkerServiceSettings()
+    gateway: GatewaySettings = GatewaySettings()
+
+
 SERVICES: dict[str, type[_ServiceSettings]] = {
     "trainer": TrainerSettings,
     "inference": InferenceSettings,
     "client": ClientSettings,
+    "tinker": TinkerSettings,
 }

@@ -98,6 +98,31 @@ class Backend(ABC):
         Returns the gradient norm before clipping.
         """
 
+    # gradients held across jobs (the Tinker kinds: forward_backward, then optim_step) --------
+    @abstractmethod
+    def gradient_jobs(self) -> list[str]:
+        """The jobs whose gradients the active adapter holds, accumulated and not yet applied, in
+        the order they were accumulated. They stay with the run: a switch to another run sets them
+        aside with its weights (resident.py) and a switch back restores them; `step`, `invalidate`,
+        `drop_gradients` and a new version of the run replacing the adapter end them."""
+
+    @abstractmethod
+    def hold_gradients(self, job_id: str) -> None:
+        """Record that the gradients just accumulated on the active adapter are job `job_id`'s."""
+
+    @abstractmethod
+    def drop_gradients(self, why: str) -> list[str]:
+        """Zero the active adapter's gradients and forget their jobs, logging `why` when there were
+        any; returns the jobs dropped."""
+
+    @abstractmethod
+    def set_adam(self, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+        """Set the active optimizer's hyper-parameters for the next `step` (its moments stay)."""
+
+    @abstractmethod
+    def reset_optimizer(self) -> None:
+        """Forget the active optimizer's state (its moments and step count): a fresh optimizer."""
+
     @abstractmethod
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         """The active adapter's trainable parameters, in a fixed order (what data-parallel ranks

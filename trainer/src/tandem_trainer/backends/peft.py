@@ -77,6 +77,8 @@ class PeftBackend(Backend):
         self._active: tuple[str, int, str, str] | None = None
         self._stamp: Stamp | None = None
         """The active version's manifest (resident.stamp) when memory was known to equal its files."""
+        self._gradient_jobs: list[str] = []
+        """The jobs whose gradients the active adapter's parameters hold (`hold_gradients`)."""
         self._resident = ResidentRuns(self.device, resident or ResidentBudget())
         self._host = HostBuffers(self.device)
         self._file_keys: tuple[list[tuple[str, torch.nn.Parameter]], dict[str, torch.nn.Parameter]] | None = None
@@ -148,6 +150,7 @@ class PeftBackend(Backend):
 
         `unload` restores the base model object that `_wrap` wrapped, in place.
         """
+        self.drop_gradients("the run's adapter is replaced (another version of it, or another base model)")
         if self._model is not None:
             self._model.unload()
             if self._base is not None and hasattr(self._base, "peft_config"):
@@ -203,6 +206,7 @@ class PeftBackend(Backend):
         )
         outcome = self._resident.restore(entry, self._params, self._optimizer) if entry else None
         self._stamp = entry.stamp if entry and outcome else None
+        self._gradient_jobs = list(entry.gradient_jobs) if entry and outcome else []
         outcome = outcome or self._read(spec, version, version_dir)
         self._active = key
         self._resident.switches[outcome] += 1
@@ -213,13 +217,18 @@ class PeftBackend(Backend):
         return True
 
     def _set_aside(self, next_run: str) -> None:
-        """Keep the training run's state when it is a published version's and another run comes."""
-        if self._active and self._optimizer and self._stamp and self._active[0] != next_run:
-            self._resident.keep(self._active, self._stamp, self._params, self._optimizer)
+        """Keep the training run's state when it is a published version's (or version 0 holding
+        gradients) and another run comes; its accumulated gradients go with it."""
+        if not (self._active and self._optimizer and self._stamp and self._active[0] != next_run):
+            return
+        if self._active[1] == 0 and not self._gradient_jobs:
+            return  # a fresh adapter is made again at no cost
+        self._resident.keep(self._active, self._stamp, self._params, self._optimizer, tuple(self._gradient_jobs))
+        self._gradient_jobs = []
 
     def _read(self, spec: RunSpec, version: int, version_dir: Path | None) -> Outcome:
         """The run's state at `version` from its files into the fresh layers (none at version 0)."""
-        self._stamp = stamp(version_dir) if version_dir is not None else None  # before reading
+        self._stamp = stamp(version_dir)  # before reading (resident.FRESH for version 0)
         if version_dir is None:
             return "fresh"
         self._load(spec, version, version_dir)
@@ -291,6 +300,7 @@ class PeftBackend(Backend):
     def step(self, max_grad_norm: float) -> float:
         assert self._optimizer is not None
         self._active = None  # the weights no longer equal any published version
+        self._gradient_jobs = []  # applied below, or dropped with the step
         params = [p for _, p in self._params]
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
         if not torch.isfinite(torch.tensor(norm)):
@@ -299,6 +309,31 @@ class PeftBackend(Backend):
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def gradient_jobs(self) -> list[str]:
+        return list(self._gradient_jobs)
+
+    def hold_gradients(self, job_id: str) -> None:
+        assert self._model is not None, "gradients are held by an active adapter"
+        self._gradient_jobs.append(job_id)
+
+    def drop_gradients(self, why: str) -> list[str]:
+        dropped, self._gradient_jobs = self._gradient_jobs, []
+        for _, p in self._params:  # (Unsloth reuses the parameters for the next adapter)
+            p.grad = None
+        if dropped:
+            run = self._active[0] if self._active else (self._spec.name if self._spec else "?")
+            log.warning("gradients.dropped run=%s jobs=%s why=%s", run, dropped, why)
+        return dropped
+
+    def set_adam(self, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+        assert self._optimizer is not None
+        for group in self._optimizer.param_groups:
+            group.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def reset_optimizer(self) -> None:
+        assert self._optimizer is not None
+        self._optimizer.state.clear()
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for _, p in self._params]
@@ -362,10 +397,9 @@ class PeftBackend(Backend):
         self._stamp = stamp(version_dir)
 
     def invalidate(self) -> None:
+        self.drop_gradients("the backend was invalidated (a job failed)")
         self._active = None
         self._resident.clear("the backend was invalidated")
-        if self._optimizer is not None:
-            self._optimizer.zero_grad(set_to_none=True)
 
     @property
     def active(self) -> tuple[str, int] | None:

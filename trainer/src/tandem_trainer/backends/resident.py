@@ -8,8 +8,10 @@ and reads nothing from the store.
 
 An entry (`ResidentRun`) is one run's state at one published version, as training left it:
 its parameters in the dtype they train in (float32: the version's master weights), its
-optimizer's state dict and, for jobs that accumulate gradients across calls, the gradients not
-yet applied (`gradients`, None today). It is keyed by what the store holds (the run, the
+optimizer's state dict and, for jobs that accumulate gradients across calls (the Tinker
+`forward_backward` kind), the gradients not yet applied (`gradients`) and the jobs they came from
+(`gradient_jobs`). Version 0 (a fresh adapter, no files) is set aside only while it holds
+gradients; its stamp is `FRESH`. It is keyed by what the store holds (the run, the
 version, the run's spec and the version's directory) and stamped with the version's manifest
 (inode, mtime, size: one stat, no read) as of when memory was known to equal the files. It is
 used only for exactly that key while the stamp still holds, so a version published by another
@@ -66,10 +68,15 @@ Outcome = Literal["hit", "spill", "miss", "fresh"]
 """How a switch found the run: on the device, in host memory (spilled), not resident (read from the
 store), or at version 0 (a fresh adapter: nothing to find)."""
 OUTCOMES: tuple[Outcome, ...] = ("hit", "spill", "miss", "fresh")
+#: The stamp of version 0 (`version_dir` None): a fresh adapter has no files to change.
+FRESH: Stamp = (0, 0, 0)
 
 
-def stamp(version_dir: Path) -> Stamp | None:
-    """The version's manifest as the file system sees it (one stat); None when it is gone."""
+def stamp(version_dir: Path | None) -> Stamp | None:
+    """The version's manifest as the file system sees it (one stat); None when it is gone; `FRESH`
+    for version 0 (no directory)."""
+    if version_dir is None:
+        return FRESH
     try:
         st = (version_dir / MANIFEST).stat()
     except OSError:
@@ -106,6 +113,8 @@ class ResidentRun:
     """The optimizer's `state_dict()`."""
     gradients: dict[str, torch.Tensor] | None = None
     """Gradients accumulated and not yet applied: nothing in the store holds them."""
+    gradient_jobs: tuple[str, ...] = ()
+    """The jobs whose gradients `gradients` sums, in the order they were accumulated."""
     place: Literal["device", "host"] = "device"
     nbytes: int = field(init=False)
 
@@ -115,7 +124,9 @@ class ResidentRun:
     @property
     def unsaved(self) -> str | None:
         """What this entry holds that the store does not, if anything: it must not be evicted."""
-        return "accumulated gradients" if self.gradients is not None else None
+        if self.gradients is None and not self.gradient_jobs:
+            return None
+        return f"accumulated gradients of jobs {list(self.gradient_jobs)}"
 
     def _parts(self) -> list[Any]:
         return [self.weights, self.optimizer, self.gradients]
@@ -157,7 +168,7 @@ class ResidentRuns:
         """The run's entry, out of the cache, if it holds exactly `key` and its files did not change;
         an entry of the run that does not is dropped."""
         entry = self._entries.pop(key[0], None)
-        if entry is not None and (entry.key != key or version_dir is None or stamp(version_dir) != entry.stamp):
+        if entry is not None and (entry.key != key or stamp(version_dir) != entry.stamp):
             why = "its version's files changed" if entry.key == key else "the run wants another version or spec"
             self._dropped(entry, why)
             entry = None
@@ -204,12 +215,13 @@ class ResidentRuns:
         self._count()
 
     def keep(self, key: Key, stamp: Stamp, params: list[tuple[str, torch.nn.Parameter]],
-             optimizer: torch.optim.Optimizer) -> None:
+             optimizer: torch.optim.Optimizer, gradient_jobs: tuple[str, ...] = ()) -> None:
         """Set the training run's state aside (`key` and `stamp`: the version it equals), moved out of
-        its parameters and optimizer without a copy."""
-        if self.keeps_any:
-            weights, state = set_aside(params, optimizer)
-            self.put(ResidentRun(key, stamp, weights, state))
+        its parameters and optimizer without a copy, its accumulated gradients with it (those are
+        kept even when no run is to be kept: `resident_runs=1`)."""
+        if self.keeps_any or gradient_jobs:
+            weights, state, gradients = set_aside(params, optimizer)
+            self.put(ResidentRun(key, stamp, weights, state, gradients, gradient_jobs))
 
     def restore(self, entry: ResidentRun, params: list[tuple[str, torch.nn.Parameter]],
                 optimizer: torch.optim.Optimizer) -> Outcome | None:
@@ -227,6 +239,7 @@ class ResidentRuns:
             entry.place, outcome = "device", "spill"
         for name, p in params:
             p.data = entry.weights[name]
+            p.grad = entry.gradients.get(name) if entry.gradients is not None else None
         optimizer.load_state_dict(entry.optimizer)  # keeps tensors already on the parameters' device and dtype
         return outcome
 
@@ -299,16 +312,20 @@ class ResidentRuns:
 
 # moving a run's state in and out of the model ----------------------------------------
 def set_aside(params: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer) -> tuple[
-        dict[str, torch.Tensor], dict[str, Any]]:
-    """The training run's weights and optimizer state, moved out (no copy).
+        dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor] | None]:
+    """The training run's weights, optimizer state and gradients (None when it has none), moved out
+    (no copy).
 
     Each parameter gets new storage, so that LoRA layers used again for another run (Unsloth's,
     re-initialised in place) never write into what was set aside."""
-    weights = {}
+    weights, gradients = {}, {}
     for name, p in params:
         weights[name] = p.data
+        if p.grad is not None:
+            gradients[name] = p.grad
+            p.grad = None
         p.data = torch.empty_like(p.data)
-    return weights, optimizer.state_dict()
+    return weights, optimizer.state_dict(), gradients or None
 
 
 def host_available_bytes() -> int:

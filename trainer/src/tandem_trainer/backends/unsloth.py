@@ -81,7 +81,9 @@ class UnslothBackend(PeftBackend):
         return model
 
     def _drop_adapter(self) -> None:
-        """Keep Unsloth's LoRA layers in place (they are reused); forget the optimizer and state."""
+        """Keep Unsloth's LoRA layers in place (they are reused); forget the optimizer and state, and
+        the gradients, which the reused parameters would otherwise carry into the next adapter."""
+        self.drop_gradients("the run's adapter is replaced (another version of it, or another base model)")
         self._model, self._optimizer, self._params, self._spec, self._active = None, None, [], None, None
 
 

@@ -11,6 +11,10 @@
     failures.py      what names a failed job, what its failure is reported as, whether a retry may help
     train.py         the `train` kind: one GRPO step from trajectory groups
     train_checks.py  what a train job is checked for before it trains
+    forward_backward.py, optim_step.py, load_state.py
+                     Tinker's training calls (tandem.tinker_jobs): gradients held with the run, one
+                     Adam step published, a version loaded as the run's next; tinker_common.py
+                     what they share (one process only, the run's newest version activated)
 
 A new kind is a module here with a `JobKind` subclass: its `name`, `parse` (the payload's pydantic
 model, which lives in `tandem` so that the sending side validates with the same), `run` (the work,

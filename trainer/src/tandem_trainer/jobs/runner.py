@@ -5,9 +5,10 @@ The queue carries a job's payload as JSON; the frame validates it once, with the
 model (a caller that holds the model passes it as it is), and a payload that does not validate
 is rejected naming the field. Then the kind does its work (kinds.py). Every job logs a
 `<kind>.start` line and, as it ends, the kind's `<kind>.end` line or a `<kind>.failed` line with
-a `train_failed` event, and counts in the job metrics. A failure that is not the input's leaves
-the backend's version in memory untrusted (partial gradients, a half-done step): it is forgotten
-on every rank, to be loaded again by the next job.
+a `train_failed` event, and counts in the job metrics. A failure that is not the input's, nor a
+wait for the run's lock or the GPU that ran out (`UNTOUCHED`), leaves the backend's version in
+memory untrusted (partial gradients, a half-done step): it is forgotten on every rank, to be
+loaded again by the next job, and the gradients any run held are dropped with it.
 """
 
 from __future__ import annotations
@@ -17,16 +18,20 @@ import time
 
 from pydantic import BaseModel, JsonValue
 
-from tandem.errors import ValidationFailed
+from tandem.errors import LeaseTimeout, ValidationFailed
 from tandem.events import Event, EventKind
 from tandem.jobs import TrainJob, TrainResult
-from tandem_trainer.errors import JobRejected
+from tandem_trainer.errors import JobRejected, LockTimeout
 from tandem_trainer.jobs.base import Attempt, JobKind, P, R
 from tandem_trainer.jobs.context import JobContext
 from tandem_trainer.jobs.failures import names, not_retried, translate
 from tandem_trainer.jobs.kinds import KINDS, TRAIN
 
 log = logging.getLogger(__name__)
+
+#: Failures that leave the backend as it was (bad input; the run's lock or the GPU lease never
+#: came): memory is still trusted, and the gradients runs hold (Tinker's forward_backward) stay.
+UNTOUCHED = (JobRejected, LockTimeout, LeaseTimeout)
 
 
 class Trainer(JobContext):
@@ -60,7 +65,7 @@ class Trainer(JobContext):
             job = self._validated(kind, payload)
             result = kind.run(self, job, attempt)
         except Exception as exc:
-            if not isinstance(exc, JobRejected):
+            if not isinstance(exc, UNTOUCHED):
                 self.invalidate()  # partial gradients or a half-done step: reload next time
             failure = translate(exc)
             self._failed(kind, attempt, failure, retries_left=0 if not_retried(exc) else retries_left)

@@ -18,12 +18,13 @@ from pydantic import JsonValue
 
 from tandem.adapters import Manifest
 from tandem.errors import AdapterRejected, VersionExists
-from tandem.jobs import TrainJob, TrainResult
+from tandem.jobs import TrainResult
 from tandem.runs import RunSpec
 from tandem_trainer import failpoints
 from tandem_trainer.adapter_files import StagedAdapter
 from tandem_trainer.errors import CheckpointError
 from tandem_trainer.jobs.context import JobContext
+from tandem_trainer.publisher import NamedJob
 from tandem_trainer.store_cleanup import retire_old_versions
 
 log = logging.getLogger(__name__)
@@ -82,12 +83,12 @@ def _missing(ctx: JobContext, run: str, version: int) -> str | None:
 
 
 # publishing -------------------------------------------------------------------
-def publish(ctx: JobContext, job: TrainJob, spec: RunSpec, trained: Trained) -> TrainResult:
+def publish(ctx: JobContext, job: NamedJob, spec: RunSpec, trained: Trained) -> TrainResult:
     """Publish the trained version and announce it, then attach its optimizer state, retire old
     versions, and log its step to the metrics and the tracker (off the path to serving: after the
     announcement)."""
     result = _publish(ctx, job, trained)
-    _save_state(ctx, job, trained.manifest.version, result.parent)
+    _save_state(ctx, job, trained.manifest, result.parent)
     retire_old_versions(ctx.store, ctx.registry, job.run, result.version, ctx.settings.retention, ctx.metrics)
     ctx.metrics.record_step(job.run, result.version, result.metrics)
     if ctx.tracker is not None:
@@ -95,7 +96,7 @@ def publish(ctx: JobContext, job: TrainJob, spec: RunSpec, trained: Trained) -> 
     return result
 
 
-def _publish(ctx: JobContext, job: TrainJob, trained: Trained) -> TrainResult:
+def _publish(ctx: JobContext, job: NamedJob, trained: Trained) -> TrainResult:
     t0 = time.perf_counter()
     result = ctx.publisher.publish(job, trained.manifest, trained.adapter, train_s=trained.train_s,
                                    stepped_at=trained.stepped_at, stage_ms=trained.stage_ms)
@@ -106,16 +107,17 @@ def _publish(ctx: JobContext, job: TrainJob, trained: Trained) -> TrainResult:
     return result
 
 
-def _track(ctx: JobContext, job: TrainJob, spec: RunSpec, result: TrainResult, stepped_at: float) -> None:
+def _track(ctx: JobContext, job: NamedJob, spec: RunSpec, result: TrainResult, stepped_at: float) -> None:
     """Hand the step to the experiment tracker's queue, which never waits on the tracker; the
     tracker's thread logs and counts what fails (trackers/outbox.py): it costs only its curve."""
     assert ctx.tracker is not None
     ctx.tracker.log_step(spec, result, stepped_at, ctx.events)
 
 
-def _save_state(ctx: JobContext, job: TrainJob, version: int, parent: int) -> None:
+def _save_state(ctx: JobContext, job: NamedJob, manifest: Manifest, parent: int) -> None:
     """Attach the optimizer state to the published version; a failure costs only the state."""
-    state: dict[str, JsonValue] = {"run": job.run, "version": version, "parent": parent, "step": job.step,
+    version = manifest.version
+    state: dict[str, JsonValue] = {"run": job.run, "version": version, "parent": parent, "step": manifest.step,
                                    "job_id": job.job_id}
     t0 = time.perf_counter()
     try:

@@ -1,0 +1,3 @@
+from tandem_inference.tinker.main import main
+
+main()

@@ -1,0 +1,96 @@
+"""One model's requests, applied in their `seq_id` order, whatever order they arrive in.
+
+The SDK numbers a training client's requests (`seq_id` 1, 2, ...) and pipelines them: a
+forward_backward and the optim_step after it may arrive in either order, and the chunks of one
+forward_backward arrive together. A request whose turn has come is applied at once (its trainer
+job enqueued, or its save bound to the job before it); one that arrives early is parked in Redis
+(`keys.tinker_order`) and applied when the requests before it have arrived. The same seq_id sent
+again (the SDK retries a POST whose answer it lost) gets the future it got the first time.
+
+The train queue is FIFO with one trainer worker, so enqueueing in seq_id order is training in it.
+An optim_step applies the forward_backward jobs enqueued since the model's last optim_step
+(`gradients_from`), which the order hash keeps.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from tandem import keys
+from tandem.connection import translated
+
+#: The SDK's first seq_id on a model (its request ids count from 0, each sent as id + 1).
+FIRST_SEQ = 1
+
+Apply = Callable[[dict[str, Any], "Order"], None]
+"""Applies one parked request (its op) with the model's order state at hand."""
+
+
+class Order:
+    """A model's order state while its lock is held: the forward_backward jobs since the last
+    optim_step, and the last job that publishes a version."""
+
+    def __init__(self, raw: dict[str, str]) -> None:
+        self.gradients: list[str] = json.loads(raw.get("gradients", "[]"))
+        self.publisher: str | None = raw.get("publisher") or None
+
+
+class Sequencer:
+    """Applies each model's requests in seq_id order (one lock per model in this process)."""
+
+    def __init__(self, conn: redis.Redis, ttl_s: int) -> None:
+        self.conn = conn
+        self.ttl_s = ttl_s
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def _lock(self, model_id: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(model_id, threading.Lock())
+
+    def submit(self, model_id: str, seq: int | None, request_id: str, op: dict[str, Any], apply: Apply) -> str:
+        """The request's future id: `request_id`, or the one its seq_id got before."""
+        key = keys.tinker_order(model_id)
+        with self._lock(model_id), translated(self.conn, f"order the requests of model {model_id!r}"):
+            raw = {_s(k): _s(v) for k, v in self.conn.hgetall(key).items()}
+            if seq is not None and f"seen:{seq}" in raw:
+                return raw[f"seen:{seq}"]
+            order = Order(raw)
+            if seq is None:
+                apply(op, order)
+                self._save(key, order, {})
+                return request_id
+            nxt = int(raw.get("next", FIRST_SEQ))
+            if seq < nxt:  # a training client that numbers from 1 again on the same model: apply it now
+                apply(op, order)
+                self._save(key, order, {f"seen:{seq}": request_id})
+                return request_id
+            updates = {f"seen:{seq}": request_id, f"op:{seq}": json.dumps(op)}
+            raw.update(updates)
+            drop = []
+            while f"op:{nxt}" in raw:
+                apply(json.loads(raw[f"op:{nxt}"]), order)
+                drop.append(f"op:{nxt}")
+                updates.pop(f"op:{nxt}", None)
+                nxt += 1
+            updates["next"] = str(nxt)
+            self._save(key, order, updates, drop)
+            return request_id
+
+    def _save(self, key: str, order: Order, updates: dict[str, str], drop: list[str] | None = None) -> None:
+        fields: dict[Any, Any] = {**updates, "gradients": json.dumps(order.gradients), "publisher": order.publisher or ""}
+        with self.conn.pipeline() as pipe:
+            pipe.hset(key, mapping=fields)
+            for field in drop or []:
+                pipe.hdel(key, field)
+            pipe.expire(key, self.ttl_s)
+            pipe.execute()
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,93 @@
+"""`asample` through tandem's gateway: the prompt's token ids to `/v1/completions` for run@vN (or
+the base model), and its reply's token ids, logprobs and finish reasons back as Tinker's samples.
+
+The gateway's own rules apply (admission, the engine's limits); what the engine cannot do is
+refused here by name before anything is sent: stop token ids, `stop=[]` (no EOS), a seed,
+top_k, prompt logprobs, top-k logprobs and the other extras of `SampleRequest`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+from tinker import types as tt
+
+from tandem_inference.tinker import wire
+from tandem_inference.tinker.errors import BadRequest, TinkerRefusal
+
+#: SampleRequest's extras the engine cannot serve, with the value that means "not asked".
+_EXTRAS: dict[str, Any] = {"prompt_logprobs": (None, False), "topk_prompt_logprobs": (0,),
+                           "topk_sample_logprobs": (0,), "target_prompt_logprobs": (None,),
+                           "prompt_alt_tokens_k": (0,), "prompt_logprobs_last_n": (None,),
+                           "record_stability_info": (None, False)}
+
+
+def prompt_tokens(prompt: tt.ModelInput) -> list[int]:
+    tokens: list[int] = []
+    for j, chunk in enumerate(prompt.chunks):
+        if not isinstance(chunk, tt.EncodedTextChunk):
+            raise BadRequest(f"prompt.chunks.{j} is a {getattr(chunk, 'type', type(chunk).__name__)} chunk; tandem "
+                             "samples from token chunks (EncodedTextChunk) only", param=f"prompt.chunks.{j}")
+        tokens.extend(int(t) for t in chunk.tokens)
+    if not tokens:
+        raise BadRequest("prompt has no tokens", param="prompt")
+    return tokens
+
+
+def completion_body(req: tt.SampleRequest, model: str) -> dict[str, Any]:
+    """The gateway's /v1/completions body for a SampleRequest, or BadRequest naming what cannot be served."""
+    for name, neutral in _EXTRAS.items():
+        if getattr(req, name, None) not in neutral:
+            raise BadRequest(f"{name} is not supported by tandem's engines; leave it unset", param=name)
+    p = req.sampling_params
+    if p.seed is not None:
+        raise BadRequest("sampling_params.seed is not supported: tandem's engines do not promise a seeded sample; "
+                         "leave it unset (temperature 0 is deterministic)", param="sampling_params.seed")
+    if p.top_k not in (-1, 0):
+        raise BadRequest(f"sampling_params.top_k {p.top_k} is not supported; leave it -1 (top_p is)",
+                         param="sampling_params.top_k")
+    stop: list[str] | None = None
+    if isinstance(p.stop, str):
+        stop = [p.stop]
+    elif p.stop is not None:
+        values = list(p.stop)
+        if not values:
+            raise BadRequest("sampling_params.stop=[] (sampling past EOS) is not supported; leave stop unset",
+                             param="sampling_params.stop")
+        if not all(isinstance(v, str) for v in values):
+            raise BadRequest("sampling_params.stop holds token ids; tandem's gateway stops on strings: give the "
+                             "stop strings instead", param="sampling_params.stop")
+        stop = [str(v) for v in values]
+    if not 1 <= req.num_samples <= 64:
+        raise BadRequest(f"num_samples {req.num_samples} is out of range; give 1 to 64", param="num_samples")
+    body: dict[str, Any] = {"model": model, "prompt": prompt_tokens(req.prompt), "n": req.num_samples,
+                            "temperature": p.temperature, "top_p": p.top_p, "logprobs": 0}
+    if p.max_tokens is not None:
+        body["max_tokens"] = p.max_tokens
+    if stop:
+        body["stop"] = stop
+    return body
+
+
+def sample(gateway: httpx.Client, body: dict[str, Any], timeout_s: float) -> bytes:
+    """Generate through the gateway; the samples as a protobuf SampleResponse."""
+    try:
+        resp = gateway.post("/v1/completions", json=body, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise TinkerRefusal(f"the gateway did not answer ({exc}); is it up?") from exc
+    try:
+        reply = resp.json()
+    except ValueError:
+        reply = {}
+    if resp.status_code >= 400:
+        message = (reply.get("error") or {}).get("message") if isinstance(reply, dict) else None
+        error = BadRequest if resp.status_code < 500 else TinkerRefusal
+        raise error(f"the gateway refused the sample ({resp.status_code}): {message or resp.text[:300]}",
+                    param=(reply.get("error") or {}).get("param") if isinstance(reply, dict) else None)
+    ext = reply.get("tandem") or {}
+    ids, lps = ext.get("completion_token_ids") or [], ext.get("completion_logprobs") or []
+    choices = sorted(reply.get("choices") or [], key=lambda c: c.get("index", 0))
+    samples = [(ids[i], lps[i] if i < len(lps) else [], c.get("finish_reason") or "stop")
+               for i, c in enumerate(choices) if i < len(ids)]
+    return wire.sample_response(samples)

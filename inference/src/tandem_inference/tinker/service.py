@@ -1,0 +1,205 @@
+"""Tinker's calls over tandem: a model is a run, training calls are trainer jobs in seq_id order,
+every optim_step is the run's next version, saves name versions, sampling goes through the gateway.
+
+`TinkerService` holds the Redis connection (as the `tandem-tinker` user) and an HTTP client to the
+gateway; the routes (routes.py) parse the SDK's bodies and call it. Futures resolve in futures.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+import redis
+from pydantic import ValidationError
+from rq import Retry
+from tinker import types as tt
+
+from tandem import tinker_jobs as tj
+from tandem.connection import translated
+from tandem.engine_card import EngineCard
+from tandem.errors import TandemError
+from tandem.jobs import JOB_RETRIES, train_queue
+from tandem.registry import Registry
+from tandem.runs import LoraConfig, RunSpec
+from tandem.settings import TinkerSettings
+from tandem_inference.tinker.errors import BadRequest, NotFound, TinkerRefusal
+from tandem_inference.tinker.order import Order, Sequencer
+from tandem_inference.tinker.state import Future, ModelRecord, SamplingSession, State, new_id
+
+log = logging.getLogger(__name__)
+
+_FUNCS = {"forward_backward": tj.FORWARD_BACKWARD_FUNC, "optim_step": tj.OPTIM_STEP_FUNC,
+          "load_weights": tj.LOAD_STATE_FUNC}
+
+
+class TinkerService:
+    def __init__(self, settings: TinkerSettings, conn: redis.Redis, gateway: httpx.Client) -> None:
+        self.settings = settings
+        self.conn = conn
+        self.gateway = gateway
+        self.state = State(conn, settings.tinker.future_ttl_s)
+        self.registry = Registry(conn)
+        self.sequencer = Sequencer(conn, settings.tinker.future_ttl_s)
+
+    # the engine's card --------------------------------------------------------------------------
+    def card(self) -> EngineCard:
+        """The engine's model as the gateway's /v1/models names it."""
+        try:
+            resp = self.gateway.get("/v1/models")
+            resp.raise_for_status()
+            card = EngineCard.of(resp.json())
+        except (httpx.HTTPError, ValueError) as exc:
+            raise TinkerRefusal(f"the gateway at {self.settings.tinker.gateway_url} did not say which model it serves "
+                                f"({exc}); start it, or set TANDEM_TINKER__GATEWAY_URL") from exc
+        if card is None:
+            raise TinkerRefusal(f"the gateway at {self.settings.tinker.gateway_url} names no engine model")
+        return card
+
+    # models -------------------------------------------------------------------------------------
+    def create_model(self, req: tt.CreateModelRequest) -> Future:
+        self.state.touch_session(req.session_id)
+        lora = req.lora_config or tt.LoraConfig(rank=32)
+        if not (1 <= lora.rank <= self.settings.tinker.max_lora_rank):
+            raise BadRequest(f"lora_config.rank {lora.rank} is out of range; give 1 to "
+                             f"{self.settings.tinker.max_lora_rank} (tinker.max_lora_rank)", param="lora_config.rank")
+        if not (lora.train_attn and lora.train_mlp):
+            raise BadRequest("lora_config: tandem trains LoRA on attention and MLP together; leave train_attn and "
+                             "train_mlp true", param="lora_config")
+        run = f"tinker-{req.model_seq_id}-{new_id('m')[2:14]}"
+        try:
+            spec = RunSpec(name=run, base_model=req.base_model,
+                           lora=LoraConfig(r=lora.rank, alpha=2.0 * lora.rank), seed=lora.seed or 0)
+            spec = self.card().fit(spec, self.settings.tinker.gateway_url)
+        except (ValidationError, TandemError) as exc:
+            raise BadRequest(f"base_model {req.base_model!r} / lora_config cannot be trained here: {exc}",
+                             param="base_model") from exc
+        self.registry.create_run(spec, exist_ok=False)
+        self.state.put_model(ModelRecord(model_id=run, run=run, session_id=req.session_id,
+                                         base_model=req.base_model, rank=lora.rank))
+        log.info("tinker.create_model model_id=%s base_model=%s rank=%d", run, req.base_model, lora.rank)
+        future = Future(request_id=new_id("req"), kind="create_model", model_id=run,
+                        result={"model_id": run, "type": "create_model"})
+        self.state.put_future(future)
+        return future
+
+    def get_info(self, model_id: str) -> dict[str, Any]:
+        m = self.state.model(model_id)
+        card = self.card()
+        return {"type": "get_info", "model_id": model_id, "model_name": m.base_model, "is_lora": True,
+                "lora_rank": m.rank, "model_data": {"model_name": m.base_model, "tokenizer_id": card.model}}
+
+    # training calls -----------------------------------------------------------------------------
+    def forward_backward(self, model_id: str, seq: int | None, loss_fn: str, config: dict[str, float],
+                         datums: list[tj.Datum], forward_only: bool) -> Future:
+        m = self.state.model(model_id)
+        job = tj.ForwardBackwardJob(run=m.run, seq=seq or 0, datums=datums, loss_fn=loss_fn,
+                                    loss_fn_config=config, forward_only=forward_only)
+        return self._submit(m, seq, "forward_backward", {"job": job.model_dump(mode="json")})
+
+    def optim_step(self, req: tt.OptimStepRequest) -> Future:
+        m = self.state.model(req.model_id)
+        params = req.optim_params
+        if not isinstance(params, tt.AdamParams):
+            raise BadRequest(f"optimizer {getattr(params, 'type', type(params).__name__)!r} is not supported; "
+                             "tandem steps with Adam (AdamParams)", param="adam_params")
+        try:
+            adam = tj.AdamParams.model_validate(params.model_dump())
+        except ValidationError as exc:
+            raise BadRequest(f"adam_params: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}",
+                             param="adam_params") from exc
+        job = tj.OptimStepJob(run=m.run, seq=req.seq_id or 0, adam=adam)
+        return self._submit(m, req.seq_id, "optim_step", {"job": job.model_dump(mode="json")})
+
+    def save(self, model_id: str, seq: int | None, kind: str, name: str | None,
+             sampling_session_seq_id: int | None = None) -> Future:
+        m = self.state.model(model_id)
+        if name is not None and not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise BadRequest(f"path {name!r}: a checkpoint name is letters, digits, '-', '_' and '.'", param="path")
+        return self._submit(m, seq, kind, {"name": name, "sampling_session_seq_id": sampling_session_seq_id})
+
+    def load_weights(self, req: tt.LoadWeightsRequest) -> Future:
+        if req.model_id is None:
+            raise BadRequest("load_weights without model_id (a new model from a checkpoint) is not supported yet; "
+                             "create the model, then load_weights into it", param="model_id")
+        m = self.state.model(req.model_id)
+        source_run, version = self.resolve_path(req.path, want="weights")
+        if version < 1:
+            raise BadRequest(f"path {req.path!r} names the untrained base weights; nothing to load", param="path")
+        job = tj.LoadStateJob(run=m.run, seq=req.seq_id or 0, source_run=source_run, source_version=version,
+                              with_optimizer=req.optimizer)
+        return self._submit(m, req.seq_id, "load_weights", {"job": job.model_dump(mode="json"), "path": req.path})
+
+    def resolve_path(self, path: str, *, want: str | None = None) -> tuple[str, int]:
+        """(run, version) a `tinker://<model_id>/<weights|sampler_weights>/<name>` path names."""
+        prefix = "tinker://"
+        parts = path[len(prefix):].split("/") if path.startswith(prefix) else []
+        if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights") or (want and parts[1] != want):
+            kinds = f"{want}" if want else "weights or sampler_weights"
+            raise BadRequest(f"path {path!r} is not tinker://<model_id>/{kinds}/<name>", param="path")
+        found = self.state.checkpoint(parts[0], f"{parts[1]}/{parts[2]}")
+        if found is None:
+            raise NotFound(f"no checkpoint {path!r}: model {parts[0]!r} saved none by that name", param="path")
+        return found
+
+    def _submit(self, m: ModelRecord, seq: int | None, kind: str, op: dict[str, Any]) -> Future:
+        request_id = new_id("req")
+        future = Future(request_id=request_id, kind=kind, model_id=m.model_id, seq=seq,
+                        applied=False, name=op.get("name"), sampling_session_seq_id=op.get("sampling_session_seq_id"))
+        op = {**op, "kind": kind, "request_id": request_id}
+        self.state.put_future(future)
+        got = self.sequencer.submit(m.model_id, seq, request_id, op, self._apply)
+        return self.state.future(got)
+
+    def _apply(self, op: dict[str, Any], order: Order) -> None:
+        """Apply one request in its turn: enqueue its job, or bind its save to the job before it."""
+        future = self.state.future(op["request_id"])
+        kind = op["kind"]
+        if kind in _FUNCS:
+            payload = dict(op["job"])
+            if kind == "optim_step":
+                payload["gradients_from"] = order.gradients
+                order.gradients = []
+            if kind == "load_weights":
+                order.gradients = []
+            self._enqueue(_FUNCS[kind], payload, f"tinker {kind} {payload['run']} seq {payload['seq']}")
+            if kind == "forward_backward" and not payload.get("forward_only"):
+                order.gradients.append(payload["job_id"])
+            if kind != "forward_backward":
+                order.publisher = payload["job_id"]
+            future.job_id = payload["job_id"]
+        else:  # a save: the version the job before it publishes, or the newest now
+            future.after_job = order.publisher
+            if order.publisher is None:
+                future.version = self.registry.latest_version(future.model_id or "")
+        future.applied = True
+        self.state.put_future(future)
+
+    def _enqueue(self, func: str, payload: dict[str, Any], description: str) -> None:
+        with translated(self.conn, f"enqueue job {payload['job_id']}"):
+            train_queue(self.conn).enqueue(
+                func, payload, job_id=payload["job_id"], job_timeout=payload.get("timeout_s", 1800),
+                result_ttl=7 * 24 * 3600, failure_ttl=7 * 24 * 3600,
+                retry=Retry(max=JOB_RETRIES, enqueue_at_front=True), description=description)
+
+    # sampling sessions --------------------------------------------------------------------------
+    def create_sampling_session(self, base_model: str | None, model_path: str | None) -> SamplingSession:
+        if model_path:
+            run, version = self.resolve_path(model_path)
+            base = self.state.model(run).base_model if run else ""
+            session = SamplingSession(sampling_session_id=new_id("sampling"), run=run, version=version,
+                                      base_model=base)
+        elif base_model:
+            self._check_base(base_model)
+            session = SamplingSession(sampling_session_id=new_id("sampling"), base_model=base_model)
+        else:
+            raise BadRequest("give model_path (a sampler checkpoint) or base_model", param="model_path")
+        self.state.put_sampling_session(session)
+        return session
+
+    def _check_base(self, base_model: str) -> None:
+        try:
+            self.card().fit(RunSpec(name="check", base_model=base_model), self.settings.tinker.gateway_url)
+        except (ValidationError, TandemError) as exc:
+            raise BadRequest(f"base_model {base_model!r} is not served here: {exc}", param="base_model") from exc

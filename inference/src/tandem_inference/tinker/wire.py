@@ -1,0 +1,127 @@
+"""Tinker's protobuf wire format, read and written with the SDK's own definitions (`tinker.proto`).
+
+`forward_backward` bodies arrive as `application/x-protobuf` (optionally `Content-Encoding: zstd`)
+or as JSON; either becomes a `tandem.tinker_jobs.ForwardBackwardJob`'s datums. Results the SDK
+asks for as protobuf (`ForwardBackwardOutput`, `SampleResponse`: `Accept: application/x-protobuf`)
+are written here. Anything the trainer cannot take (images, audio, sparse tensors of another
+shape, a tensor whose length is not the datum's) is refused with `BadRequest` naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import zstandard
+from google.protobuf.message import DecodeError
+from tinker.proto import tinker_public_pb2 as pb
+
+from tandem.tinker_jobs import LOSSES, Datum
+from tandem_inference.tinker.errors import BadRequest
+
+PROTO = "application/x-protobuf"
+
+_NUMPY = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
+
+
+def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """The body as sent before `Content-Encoding` (zstd or none), at most `limit` bytes."""
+    if not encoding or encoding == "identity":
+        return body
+    if encoding != "zstd":
+        raise BadRequest(f"Content-Encoding {encoding!r} is not supported; send zstd or none", param="content-encoding")
+    try:
+        return zstandard.ZstdDecompressor().decompress(body, max_output_size=limit)
+    except zstandard.ZstdError as exc:
+        raise BadRequest(f"the body is not zstd within {limit} bytes ({exc})", param="content-encoding") from exc
+
+
+def parse_forward_backward(body: bytes) -> tuple[str, int | None, str, dict[str, float], list[Datum], bool]:
+    """(model_id, seq_id, loss_fn, loss_fn_config, datums, forward_only) of a protobuf request."""
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except DecodeError as exc:
+        raise BadRequest(f"the body is not a Tinker ForwardBackwardRequest in protobuf ({exc})") from exc
+    config: dict[str, float] = {k: float(v) for k, v in msg.loss_fn_config.items()}
+    for key, value in msg.loss_fn_config_v2.items():
+        if value.WhichOneof("value") == "text":
+            raise BadRequest(f"loss_fn_config.{key} is text ({value.text!r}); tandem's losses take numbers",
+                             param=f"loss_fn_config.{key}")
+    datums = [_datum(i, d) for i, d in enumerate(msg.data)]
+    return msg.model_id, (msg.seq_id or None), check_loss(msg.loss_fn), config, datums, msg.forward_only
+
+
+def check_loss(name: str) -> str:
+    if name not in LOSSES:
+        raise BadRequest(f"loss_fn {name!r} is not supported; tandem computes {', '.join(LOSSES)}", param="loss_fn")
+    return name
+
+
+def _datum(i: int, d: Any) -> Datum:
+    tokens: list[int] = []
+    for j, chunk in enumerate(d.model_input):
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise BadRequest(f"data.{i}.model_input.chunks.{j} is a {kind or 'chunk of no kind'}; tandem trains on "
+                             "token chunks (EncodedTextChunk) only", param=f"data.{i}.model_input")
+        tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+    inputs = {name: _tensor(f"data.{i}.loss_fn_inputs.{name}", t) for name, t in d.loss_fn_inputs.items()}
+    return datum(i, tokens, inputs)
+
+
+def datum(i: int, tokens: list[int], inputs: dict[str, list[float]]) -> Datum:
+    """A trainer datum, each input as long as the tokens (Tinker's `target_tokens` convention)."""
+    if not tokens:
+        raise BadRequest(f"data.{i}.model_input has no tokens", param=f"data.{i}.model_input")
+    if "target_tokens" not in inputs:
+        raise BadRequest(f"data.{i}.loss_fn_inputs has no target_tokens", param=f"data.{i}.loss_fn_inputs")
+    for name, values in inputs.items():
+        if len(values) != len(tokens):
+            raise BadRequest(f"data.{i}.loss_fn_inputs.{name} has {len(values)} values for {len(tokens)} tokens; "
+                             "give one per input token", param=f"data.{i}.loss_fn_inputs.{name}")
+        if not all(np.isfinite(values)):
+            raise BadRequest(f"data.{i}.loss_fn_inputs.{name} holds a value that is not finite",
+                             param=f"data.{i}.loss_fn_inputs.{name}")
+    return Datum(tokens=tokens, inputs=inputs)
+
+
+def _tensor(where: str, t: Any) -> list[float]:
+    dtype = _NUMPY.get(t.dtype)
+    if dtype is None:
+        raise BadRequest(f"{where} has dtype {t.dtype}; send float32 or int64", param=where)
+    if t.HasField("sparse_csr"):
+        raise BadRequest(f"{where} is sparse; tandem takes dense tensors", param=where)
+    if len(t.dense) % np.dtype(dtype).itemsize:
+        raise BadRequest(f"{where} has {len(t.dense)} bytes, not whole {np.dtype(dtype).name} values", param=where)
+    arr = np.frombuffer(t.dense, dtype=dtype)
+    if len(t.shape) > 1:
+        raise BadRequest(f"{where} has shape {list(t.shape)}; tandem takes one value per token", param=where)
+    return [float(v) for v in arr.tolist()]
+
+
+def forward_backward_output(outputs: list[dict[str, list[float]]], metrics: dict[str, float]) -> bytes:
+    """A `ForwardBackwardOutput` in protobuf: one ArrayRecord of float32 fields, one slice per datum."""
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=metrics)
+    if outputs:
+        record = msg.loss_fn_outputs.add(num_datums=len(outputs))
+        for name in outputs[0]:
+            arrays = [np.asarray(o.get(name, []), dtype=np.float32) for o in outputs]
+            offsets = np.cumsum([0, *[a.nbytes for a in arrays]]).astype(np.int64)
+            field = record.fields[name]
+            field.dtype = pb.DTYPE_FLOAT32
+            field.data = b"".join(a.tobytes() for a in arrays)
+            field.offsets = offsets.tobytes()
+    return bytes(msg.SerializeToString())
+
+
+def sample_response(sequences: list[tuple[list[int], list[float], str]]) -> bytes:
+    """A `SampleResponse` in protobuf: per sample its tokens, logprobs and stop reason."""
+    msg = pb.SampleResponse()
+    for tokens, logprobs, stop in sequences:
+        seq = msg.sequences.add()
+        seq.stop_reason = pb.STOP_REASON_LENGTH if stop == "length" else pb.STOP_REASON_STOP
+        seq.tokens = np.asarray(tokens, dtype=np.int32).tobytes()
+        if logprobs:
+            seq.logprobs = np.asarray(logprobs, dtype=np.float32).tobytes()
+    return bytes(msg.SerializeToString())

@@ -1,0 +1,185 @@
+"""The Tinker service driven by the real `tinker` SDK (0.38.0) on loopback: sessions, capabilities,
+models as runs, training calls as trainer jobs in seq_id order, sampling through the real gateway
+and the tiny model's engine, and every refusal in Tinker's error shape.
+
+Redis is real (the service as the tandem-tinker user); the engine and gateway are the tiny model's.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from helpers.servers import Servers
+from helpers.tinker_service import API_KEY, tinker_service
+from helpers.waiting import wait_until
+
+from tandem import keys, tinker_jobs
+from tandem.acl import Role
+from tandem.registry import Registry
+
+tinker = pytest.importorskip("tinker")
+from tinker import types as tt  # noqa: E402
+
+# NOTE: tinker 0.38.0's ServiceClient/RestClient leave sockets of their background event loop open
+# after close() (ResourceWarning: unclosed transport); the SDK's, not the service's.
+pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::ResourceWarning"),
+              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture
+def url(servers: Servers, role_urls: dict[Role, str], redis_conn: redis.Redis) -> Iterator[str]:
+    with tinker_service(role_urls[Role.TINKER], servers.gateway, poll_wait_s=0.2) as u:
+        yield u
+
+
+@pytest.fixture
+def sdk(url: str) -> Iterator[Any]:
+    client = tinker.ServiceClient(base_url=url, api_key=f"tml-{API_KEY}")
+    yield client
+    client.close("success").result()
+    with warnings.catch_warnings():  # the SDK's leaked sockets (NOTE above), collected while ignored
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
+
+
+def queued(conn: redis.Redis) -> list[dict[str, Any]]:
+    """The jobs on the train queue, in order: (func, payload)."""
+    from tandem.jobs import train_queue
+
+    q = train_queue(conn)
+    return [{"func": j.func_name, "payload": j.args[0]} for j in q.get_jobs()]
+
+
+def datum(tokens: list[int]) -> tt.Datum:
+    return tt.Datum(model_input=tt.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+
+
+def test_session_capabilities_and_create_model(url: str, sdk: Any, tiny_model: Path,
+                                               redis_conn: redis.Redis) -> None:
+    rest = tinker.RestClient(base_url=url, api_key=f"tml-{API_KEY}")
+    try:
+        caps = rest.get_server_capabilities().result()
+    finally:
+        rest.holder.run_coroutine_threadsafe(rest.holder.aclose()).result()
+        del rest
+    names = [m.model_name for m in caps.supported_models]
+    assert str(tiny_model) in names
+    tc = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    model_id = tc.model_id
+    spec = Registry(redis_conn).get_run(model_id)  # a Tinker model is a tandem run
+    assert spec.lora.r == 4 and spec.base_model == str(tiny_model)
+
+
+def test_training_calls_are_jobs_in_seq_order(sdk: Any, tiny_model: Path, redis_conn: redis.Redis) -> None:
+    tc = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    tc.forward_backward([datum([5, 6, 7, 8]), datum([9, 10, 11])], "cross_entropy")
+    tc.optim_step(tt.AdamParams(learning_rate=1e-3))
+    wait_until(lambda: len(queued(redis_conn)) == 2, 30, "the SDK's two pipelined requests on the train queue")
+    jobs = queued(redis_conn)
+    assert [j["func"] for j in jobs] == [tinker_jobs.FORWARD_BACKWARD_FUNC, tinker_jobs.OPTIM_STEP_FUNC]
+    fb_job = tinker_jobs.ForwardBackwardJob.model_validate(jobs[0]["payload"])
+    assert fb_job.run == tc.model_id and fb_job.loss_fn == "cross_entropy"
+    assert [d.tokens for d in fb_job.datums] == [[5, 6, 7], [9, 10]]
+    assert fb_job.datums[0].inputs["target_tokens"] == [6.0, 7.0, 8.0]
+    opt = tinker_jobs.OptimStepJob.model_validate(jobs[1]["payload"])
+    assert opt.gradients_from == [fb_job.job_id] and opt.adam.learning_rate == pytest.approx(1e-3)
+
+
+def test_out_of_order_requests_wait_for_their_turn(url: str, sdk: Any, tiny_model: Path,
+                                                   redis_conn: redis.Redis) -> None:
+    tc = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    headers = {"X-API-Key": f"tml-{API_KEY}"}
+    with httpx.Client(base_url=url, headers=headers) as http:
+        step = http.post("/api/v1/optim_step", json={"model_id": tc.model_id, "seq_id": 2,
+                                                     "adam_params": {"learning_rate": 1e-4}})
+        assert step.status_code == 200
+        assert queued(redis_conn) == []  # seq 2 waits for seq 1
+        body = {"model_id": tc.model_id, "seq_id": 1, "forward_backward_input": {
+            "loss_fn": "cross_entropy", "data": [{"model_input": {"chunks": [{"type": "encoded_text", "tokens": [3, 4]}]},
+                                                  "loss_fn_inputs": {"target_tokens": {"data": [4, 5], "dtype": "int64"}}}]}}
+        fb = http.post("/api/v1/forward_backward", json=body)
+        assert fb.status_code == 200
+        again = http.post("/api/v1/forward_backward", json=body)  # a retried POST: the same future
+        assert again.json()["request_id"] == fb.json()["request_id"]
+        pending = http.post("/api/v1/retrieve_future", json={"request_id": step.json()["request_id"]})
+        assert pending.json()["type"] == "try_again"
+    jobs = queued(redis_conn)
+    assert [j["func"] for j in jobs] == [tinker_jobs.FORWARD_BACKWARD_FUNC, tinker_jobs.OPTIM_STEP_FUNC]
+    assert jobs[1]["payload"]["gradients_from"] == [jobs[0]["payload"]["job_id"]]
+
+
+def test_sample_from_the_base_model(sdk: Any, tiny_model: Path) -> None:
+    sc = sdk.create_sampling_client(base_model=str(tiny_model)).result()
+    out = sc.sample(prompt=tt.ModelInput.from_ints([5, 6, 7, 8]), num_samples=2,
+                    sampling_params=tt.SamplingParams(max_tokens=4, temperature=0.0)).result()
+    assert len(out.sequences) == 2
+    for seq in out.sequences:
+        assert 1 <= len(seq.tokens) <= 4
+        assert len(seq.logprobs) == len(seq.tokens) and all(lp <= 0 for lp in seq.logprobs)
+        assert seq.stop_reason in ("length", "stop")
+    assert out.sequences[0].tokens == out.sequences[1].tokens  # greedy
+
+
+def test_sampling_params_the_engine_cannot_serve_are_refused_by_name(sdk: Any, tiny_model: Path) -> None:
+    sc = sdk.create_sampling_client(base_model=str(tiny_model)).result()
+    for params, name in ((tt.SamplingParams(max_tokens=2, top_k=5), "top_k"),
+                         (tt.SamplingParams(max_tokens=2, seed=3), "seed"),
+                         (tt.SamplingParams(max_tokens=2, stop=[7]), "stop")):
+        with pytest.raises(Exception, match=name):
+            sc.sample(prompt=tt.ModelInput.from_ints([5, 6]), num_samples=1, sampling_params=params).result()
+
+
+def refusal(resp: httpx.Response, status: int) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) >= {"error", "category", "route"}
+    return body
+
+
+def test_refusals_in_tinkers_shape(url: str, sdk: Any, tiny_model: Path, redis_conn: redis.Redis) -> None:
+    with httpx.Client(base_url=url, headers={"X-API-Key": f"tml-{API_KEY}"}) as http:
+        body = refusal(http.post("/api/v1/copy_weights", json={}), 404)
+        assert "/api/v1/copy_weights" in body["error"] and "POST /api/v1/forward_backward" in body["supported"]
+        assert "/nowhere" in refusal(http.get("/nowhere"), 404)["error"]
+        unknown = refusal(http.post("/api/v1/optim_step", json={"model_id": "nope", "seq_id": 1,
+                                                                "adam_params": {"learning_rate": 1e-4}}), 404)
+        assert "nope" in unknown["error"] and unknown["param"] == "model_id"
+        bad = refusal(http.post("/api/v1/forward_backward", content=b"\xff\x00garbage",
+                                headers={"Content-Type": "application/x-protobuf"}), 422)
+        assert "ForwardBackwardRequest" in bad["error"]
+        shape = refusal(http.post("/api/v1/create_model", json={"session_id": "s", "base_model": 3}), 422)
+        assert shape["param"]
+        assert "request_id" in refusal(http.post("/api/v1/retrieve_future", json={"request_id": "req-x"}), 404)["param"]
+        # another sampling session's future is not this session's
+        sessions = []
+        for _ in range(2):
+            sid = http.post("/api/v1/create_session", json={"tags": [], "user_metadata": None,
+                                                            "sdk_version": "t"}).json()["session_id"]
+            s = http.post("/api/v1/create_sampling_session", json={"session_id": sid, "sampling_session_seq_id": 0,
+                                                                   "base_model": str(tiny_model)})
+            sessions.append(s.json()["sampling_session_id"])
+        sample = http.post("/api/v1/asample", json={
+            "sampling_session_id": sessions[0], "seq_id": 0, "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]},
+            "sampling_params": {"max_tokens": 2, "temperature": 0}})
+        assert sample.status_code == 200, sample.text
+        foreign = http.post("/api/v1/retrieve_futures", json={
+            "target": {"type": "sampling_session", "sampling_session_id": sessions[1]},
+            "retrieved_request_ids": [sample.json()["request_id"]]})
+        assert "not futures of sampling session" in refusal(foreign, 404)["error"]
+    with httpx.Client(base_url=url) as http:
+        assert refusal(http.post("/api/v1/create_session", json={}), 401)["category"] == "user"
+    # nothing was lost: no job was enqueued by any refusal
+    assert queued(redis_conn) == []
+    assert json.loads(json.dumps(keys.TINKER))

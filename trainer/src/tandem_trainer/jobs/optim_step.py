@@ -1,0 +1,120 @@
+"""The `optim_step` kind: Tinker's `optim_step`, one Adam step on the held gradients, published.
+
+The job is the unit of idempotency, as a train job is: one that already published (the registry
+maps its id to a version) returns that version again, and a version that reached the store but
+not the registry is adopted (publisher.py). Otherwise, under the run's lock, the run's newest
+version becomes the training adapter with the gradients the run holds (tinker_common.py), and
+the step goes ahead only when the held gradients are exactly those of `gradients_from`, in that
+order. When they are not (lost to a restart or a failed job, or taken by another worker), the
+job is rejected, never retried, naming the jobs whose gradients are missing (or extra); the
+held gradients are dropped, so that the forward_backward calls sent again start clean.
+
+The step: the call's `AdamParams` set on the run's optimizer (learning rate, betas, eps, decoupled
+weight decay: torch's AdamW), the gradient clipped to `grad_clip_norm` when that is above 0,
+one optimizer step; the adapter is then published as the run's next version with its optimizer
+state (versions.publish: `adapter_ready` is announced). Its manifest's step is its version.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pydantic import BaseModel, JsonValue
+
+from tandem.adapters import Manifest
+from tandem.jobs import TrainResult
+from tandem.runs import RunSpec
+from tandem.tinker_jobs import OptimStepJob, OptimStepResult
+from tandem_trainer.errors import JobRejected
+from tandem_trainer.jobs.base import Attempt, JobKind
+from tandem_trainer.jobs.context import JobContext
+from tandem_trainer.jobs.tinker_common import activate_newest, parsed, single_process
+from tandem_trainer.jobs.versions import Trained, publish
+from tandem_trainer.publisher import job_digest
+
+log = logging.getLogger(__name__)
+
+
+class OptimStepKind(JobKind[OptimStepJob, OptimStepResult]):
+    """A `tandem.tinker_jobs.OptimStepJob`: apply the held gradients, publish the next version."""
+
+    name = "optim_step"
+
+    def parse(self, payload: BaseModel | JsonValue) -> OptimStepJob:
+        return parsed(OptimStepJob, payload, self.name)
+
+    def run(self, ctx: JobContext, job: OptimStepJob, attempt: Attempt) -> OptimStepResult:
+        single_process(ctx, self.name)
+        found = ctx.publisher.reused(job)
+        if found is not None:
+            return _result(found)
+        spec = ctx.run_spec(job.run)
+        with ctx.locked(job.run, job.timeout_s):
+            found = ctx.publisher.adopt_orphans(job)
+            if found is not None:
+                return _result(found)
+            with ctx.device() as gpu_wait_s:
+                latest, parent = activate_newest(ctx, spec)
+                attempt.version = latest + 1
+                _check_held(ctx, job)
+                trained = _step(ctx, job, spec, latest, parent, gpu_wait_s)
+            return _result(publish(ctx, job, spec, trained))
+
+    def log_end(self, result: OptimStepResult, attempt: Attempt) -> None:
+        log.info("optim_step.end run=%s job_id=%s version=%d duration_s=%.3f grad_norm=%.5f",
+                 result.run, result.job_id, result.version, time.perf_counter() - attempt.started,
+                 result.metrics.get("grad_norm", 0.0))
+
+
+def _check_held(ctx: JobContext, job: OptimStepJob) -> None:
+    """The held gradients are exactly `job.gradients_from`'s, else the job is rejected (and they dropped)."""
+    held = ctx.backend.gradient_jobs()
+    if held == job.gradients_from:
+        return
+    missing = [j for j in job.gradients_from if j not in held]
+    extra = [j for j in held if j not in job.gradients_from]
+    why = []
+    if missing:
+        why.append(f"the gradients of forward_backward job(s) {missing} were lost (the trainer restarted, a failed "
+                   "job dropped them, or another trainer worker ran them)")
+    if extra:
+        why.append(f"the trainer held gradients of job(s) {extra} that the step does not name")
+    if not why:
+        why.append(f"the trainer accumulated them in another order: {held}")
+    ctx.backend.drop_gradients(f"optim_step {job.job_id} named other gradients")
+    raise JobRejected(
+        f"gradients_from: optim_step {job.job_id} of run {job.run!r} applies the gradients of {job.gradients_from}, "
+        f"but {'; and '.join(why)}. Nothing was applied and the held gradients were dropped: send the "
+        "forward_backward calls again, then an optim_step naming them", field="gradients_from")
+
+
+def _step(ctx: JobContext, job: OptimStepJob, spec: RunSpec, latest: int, parent: int,
+          gpu_wait_s: float | None) -> Trained:
+    """One AdamW step with the call's parameters, staged in host memory as version `latest + 1`."""
+    started = time.perf_counter()
+    adam = job.adam
+    ctx.backend.set_adam(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                         weight_decay=adam.weight_decay)
+    applied = len(job.gradients_from)
+    grad_norm = ctx.backend.step(adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf"))
+    ctx.backend.synchronize()
+    stepped_at = time.time()
+    train_s = time.perf_counter() - started
+    staging = time.perf_counter()
+    adapter = ctx.backend.stage_adapter()
+    stage_ms = (time.perf_counter() - staging) * 1000
+    metrics = {"grad_norm": grad_norm, "learning_rate": adam.learning_rate, "gradient_jobs": float(applied),
+               "train_s": train_s}
+    if gpu_wait_s is not None:
+        metrics["gpu_wait_s"] = gpu_wait_s
+    manifest = Manifest(
+        run=job.run, version=latest + 1, parent=parent, step=latest + 1, job_id=job.job_id,
+        job_digest=job_digest(job), base_model=spec.base_model, lora_rank=spec.lora.r, metrics=metrics,
+    )
+    return Trained(manifest, adapter, train_s=train_s, stepped_at=stepped_at, stage_ms=stage_ms)
+
+
+def _result(published: TrainResult) -> OptimStepResult:
+    return OptimStepResult(job_id=published.job_id, run=published.run, version=published.version,
+                           metrics=published.metrics, published_at=published.published_at)
