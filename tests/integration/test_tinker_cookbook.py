@@ -6,10 +6,10 @@ loop (`tinker_cookbook.supervised.train.main`, examples/tinker_sl.py: a local JS
 lower the loss. The loops run as they would for a user: the examples as processes of
 .venv-cookbook (`make cookbook`, images/locks/cookbook.txt; the cookbook asks for an older
 transformers than tandem's environment has), the SDK pointed at the stack by the
-`TINKER_BASE_URL` and `TINKER_API_KEY` of the stack's client.env.
+`TINKER_BASE_URL` of the stack's client.env (and a `TINKER_API_KEY`, see `tinker_endpoint`).
 
 They skip, saying why, where the cookbook's environment is missing or the stack serves no Tinker
-API (its client.env names no TINKER_BASE_URL).
+API (its client.env names no TINKER_BASE_URL: `tinker` is not installed in tandem's environment).
 """
 
 from __future__ import annotations
@@ -54,16 +54,22 @@ def cookbook_missing() -> str | None:
 
 
 def tinker_endpoint(client_env: Path) -> tuple[str, str] | None:
-    """The stack's Tinker API (base URL, key) as its client.env names them, or None."""
+    """The stack's Tinker API (base URL, key) as its client.env names it, or None.
+
+    The service takes the gateway's key (`tml-` + TANDEM_GATEWAY__API_KEY); a stack whose gateway has
+    none (the local one, on loopback) takes any key with the `tml-` prefix the SDK insists on.
+    """
     env = read_env_file(client_env)
-    if env.get("TINKER_BASE_URL") and env.get("TINKER_API_KEY"):
-        return env["TINKER_BASE_URL"], env["TINKER_API_KEY"]
-    return None
+    if not env.get("TINKER_BASE_URL"):
+        return None
+    gateway_key = os.environ.get("TANDEM_GATEWAY__API_KEY")
+    key = env.get("TINKER_API_KEY") or (f"tml-{gateway_key}" if gateway_key else "tml-local-stack")
+    return env["TINKER_BASE_URL"], key
 
 
 def no_tinker_api_reason(state: Path) -> str:
-    return (f"tandem's stack serves no Tinker API yet: its client.env ({state / 'client.env'}) names no "
-            "TINKER_BASE_URL / TINKER_API_KEY")
+    return (f"tandem's stack serves no Tinker API here: its client.env ({state / 'client.env'}) names no "
+            "TINKER_BASE_URL (`tandem up` starts the Tinker service where the `tinker` package is installed: make install)")
 
 
 @pytest.fixture(scope="module")
