@@ -13,9 +13,10 @@ tiny model's own chat template) instead of `model_info.get_recommended_renderer_
 knows hub names. A stack that names its model otherwise (the containers' `/models/tiny`, a hub id
 without the hub) takes `--tokenizer DIR`, registered for that name with `register_tokenizer`.
 
-    tandem up &                                   # the stack, with its Tinker API
-    export TINKER_BASE_URL=http://127.0.0.1:8000 TINKER_API_KEY=tml-...   # as `tandem up` prints them
-    python examples/tinker_rl.py --loss-fn ppo --steps 40
+    tandem up &                                      # the stack, with its Tinker API
+    set -a; . .tandem/stack/client.env; set +a    # TINKER_BASE_URL, as `tandem up` wrote it
+    export TINKER_API_KEY=tml-$TANDEM_GATEWAY__API_KEY  # the gateway's key; any tml-... on a keyless local stack
+    make cookbook && .venv-cookbook/bin/python examples/tinker_rl.py --loss-fn ppo --steps 40
 
 It prints a line per step (mean reward), writes the cookbook's logs under --log-path, and exits
 non-zero when the reward (mean of the last 5 steps minus the first 5) rose by less than --min-rise.
@@ -251,7 +252,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not args.base_url:
         parser.error("give --base-url or set TINKER_BASE_URL to tandem's Tinker API (else the SDK calls Tinker's hosted one)")
     if not os.environ.get("TINKER_API_KEY"):
-        parser.error("set TINKER_API_KEY to the stack's key (it starts with 'tml-')")
+        parser.error("set TINKER_API_KEY to 'tml-' + the gateway's key (any 'tml-...' on a stack without one)")
     if args.steps < 10:
         parser.error(f"--steps {args.steps}: give at least 10, the rise compares the first 5 steps with the last 5")
     args.model = args.model or default_model()

@@ -11,8 +11,9 @@ The model is named as the stack names it (default: the tiny model's directory, w
 `tandem up` serves under its absolute path); the renderer is picked here, `qwen3_instruct`
 (ChatML, the tiny model's chat template). See examples/tinker_rl.py for why, and for --tokenizer.
 
-    export TINKER_BASE_URL=http://127.0.0.1:8000 TINKER_API_KEY=tml-...   # as `tandem up` prints them
-    python examples/tinker_sl.py --epochs 4
+    set -a; . .tandem/stack/client.env; set +a    # TINKER_BASE_URL, as `tandem up` wrote it
+    export TINKER_API_KEY=tml-$TANDEM_GATEWAY__API_KEY  # the gateway's key; any tml-... on a keyless local stack
+    make cookbook && .venv-cookbook/bin/python examples/tinker_sl.py --epochs 4
 
 It prints a line per step (loss), writes the cookbook's logs under --log-path, and exits non-zero
 when the loss of the last step is not below the first one's by --min-drop.
@@ -115,7 +116,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not args.base_url:
         parser.error("give --base-url or set TINKER_BASE_URL to tandem's Tinker API (else the SDK calls Tinker's hosted one)")
     if not os.environ.get("TINKER_API_KEY"):
-        parser.error("set TINKER_API_KEY to the stack's key (it starts with 'tml-')")
+        parser.error("set TINKER_API_KEY to 'tml-' + the gateway's key (any 'tml-...' on a stack without one)")
     if not args.data.is_file():
         parser.error(f"--data {args.data}: no such file; give a JSONL file of chats")
     args.model = args.model or default_model()
