@@ -163,11 +163,11 @@ def default_model() -> str:
 
 
 def use_tokenizer_dir(model_name: str, tokenizer_dir: str | None) -> None:
-    """Let get_tokenizer(model_name) read a local directory when the model's name is not one."""
+    """Let get_tokenizer(model_name) read a local directory when the model's name is not one.
+
+    Without one, the cookbook reads a directory by that name, else the hub (a hub id's tokenizer).
+    """
     if tokenizer_dir is None:
-        if not Path(model_name).is_dir():
-            raise SystemExit(f"--model {model_name} is no directory on this machine: give --tokenizer DIR "
-                             "(a directory with the same model's tokenizer), so that nothing is fetched from the hub")
         return
     if not Path(tokenizer_dir).is_dir():
         raise SystemExit(f"--tokenizer {tokenizer_dir}: no such directory; give one with the model's tokenizer.json")
