@@ -61,7 +61,7 @@ PROFILES ?=
 PROFILE_FLAGS = $(foreach p,$(PROFILES), --profile $(p))
 BENCH_ARGS ?=
 
-.PHONY: help install demo dev test test-unit test-integration test-latest test-clients bench bench-quick lint clean images up down logs ps e2e locks compose-v2 publish tools
+.PHONY: help install cookbook demo dev test test-unit test-integration test-latest test-clients bench bench-quick lint clean images up down logs ps e2e locks compose-v2 publish tools
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_.-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -82,6 +82,21 @@ $(VENV)/.installed: images/locks/dev.txt shared/pyproject.toml trainer/pyproject
 	@touch $@
 
 install: $(VENV)/.installed ## create .venv from the hash-checked lock images/locks/dev.txt (CPU torch)
+
+# tinker-cookbook's loops (examples/tinker_rl.py, tinker_sl.py and their tests) in an environment of
+# their own, from images/locks/cookbook.txt: the cookbook asks for an older transformers than tandem
+# runs on, and it reaches tandem over HTTP only. torch first and alone, as for .venv.
+COOKBOOK_VENV ?= .venv-cookbook
+$(COOKBOOK_VENV)/.installed: images/locks/cookbook.txt
+	@test -x $(COOKBOOK_VENV)/bin/python || $(PYTHON) -m venv $(COOKBOOK_VENV)
+	@awk '/^torch==/{p=1} p{print; if ($$0 !~ /\\$$/) exit}' images/locks/cookbook.txt > $(COOKBOOK_VENV)/torch.txt
+	$(COOKBOOK_VENV)/bin/python -m pip install -q --require-hashes --no-deps -r $(COOKBOOK_VENV)/torch.txt 2>/dev/null \
+	  || $(COOKBOOK_VENV)/bin/python -m pip install -q --require-hashes --no-deps $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -r $(COOKBOOK_VENV)/torch.txt
+	$(COOKBOOK_VENV)/bin/python -m pip install -q --require-hashes -r images/locks/cookbook.txt
+	$(COOKBOOK_VENV)/bin/python -m pip check
+	@touch $@
+
+cookbook: $(COOKBOOK_VENV)/.installed ## tinker 0.38.0 and tinker-cookbook 0.5.8 in .venv-cookbook (hash-checked images/locks/cookbook.txt; make test runs it)
 
 # TRACKER=mlflow or wandb: the demo's trainer logs the run's curves to a local MLflow database
 # (.tandem/mlflow.db: `.venv/bin/mlflow ui --backend-store-uri sqlite:///.tandem/mlflow.db`) or to an
@@ -104,13 +119,13 @@ dev: install ## start the stack as local processes (Ctrl-C stops it)
 # not know, since a dependency's deprecation is news, not a defect; make test-latest fails on it.
 LOCKED_WARNINGS = -W default::DeprecationWarning -W default::PendingDeprecationWarning -W default::FutureWarning
 
-test: install ## unit and integration tests (real redis-server, real HTTP servers, tiny model; 17 min 15 s on 2 cores)
+test: install cookbook ## unit and integration tests (real redis-server, real HTTP servers, tiny model; 17 min 15 s on 2 cores)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/unit tests/integration $(LOCKED_WARNINGS) $(PYTEST_ARGS)
 
 test-unit: install ## unit tests only
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/unit $(LOCKED_WARNINGS) $(PYTEST_ARGS)
 
-test-integration: install ## integration tests only
+test-integration: install cookbook ## integration tests only
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/integration $(LOCKED_WARNINGS) $(PYTEST_ARGS)
 
 test-clients: install ## the optional client tier: langchain-openai against the gateway (images/locks/clients.txt into .venv)
@@ -270,6 +285,8 @@ locks: install ## regenerate images/locks/*.txt, every hash-pinned environment (
 	done
 	@echo "make locks: images/locks/dev.txt"
 	@$(VENV)/bin/uv pip compile images/locks/dev.in -o images/locks/dev.txt $(DEV_LOCK_FLAGS)
+	@echo "make locks: images/locks/cookbook.txt (its own pins: the cookbook's older transformers)"
+	@$(VENV)/bin/uv pip compile images/locks/cookbook.in -o images/locks/cookbook.txt $(DEV_LOCK_FLAGS)
 	@for env in $(DEV_LOCKS); do \
 	  echo "make locks: images/locks/$$env.txt (pins from dev.txt)"; \
 	  $(VENV)/bin/uv pip compile images/locks/$$env.in -c images/locks/dev.txt -o images/locks/$$env.txt $(DEV_LOCK_FLAGS) || exit 1; \

@@ -2,7 +2,8 @@
 
 The GPU images' environments (sglang, vllm, trainer, tandem: Python 3.12) and the development / CPU one
 (dev: .venv and CI; cpu-inference, cpu-trainer and rq-dashboard, the CPU images' subsets of it,
-compiled with dev.txt as constraints: Python 3.11).
+compiled with dev.txt as constraints: Python 3.11), and cookbook (.venv-cookbook: tinker-cookbook's loops,
+compiled on its own, as it asks for an older transformers than dev.txt pins; Python 3.11).
 
 Each lock is compiled by `make locks` from images/locks/<env>.in: local packages (`./trainer[unsloth]`,
 whose pyproject's dependencies count) and plain requirements (the engine pins), with
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LOCKS = ROOT / "images" / "locks"
 # What the locks are compiled for (the Makefile's LOCK_FLAGS and DEV_LOCK_FLAGS): Linux x86-64,
 # CPython 3.12 for the GPU images, 3.11 for the development / CPU environment.
-DEV_ENVS = ["clients", "cpu-inference", "cpu-trainer", "dev", "rq-dashboard", "tools"]
+DEV_ENVS = ["clients", "cookbook", "cpu-inference", "cpu-trainer", "dev", "rq-dashboard", "tools"]
 TARGET = {
     "python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "platform_system": "Linux",
     "platform_machine": "x86_64", "os_name": "posix", "implementation_name": "cpython",
@@ -154,7 +155,9 @@ def test_every_environment_installs_from_its_lock_with_hashes() -> None:
     makefile = (ROOT / "Makefile").read_text()
     assert "pip install -q --require-hashes -r images/locks/dev.txt" in makefile
     assert "pip install -q --require-hashes --no-deps -r $(VENV)/torch.txt" in makefile  # torch alone first
-    assert makefile.count("--extra-index-url $(TORCH_INDEX)") == 2  # asked for torch alone, never for the lock
+    assert "pip install -q --require-hashes -r images/locks/cookbook.txt" in makefile
+    assert "pip install -q --require-hashes --no-deps -r $(COOKBOOK_VENV)/torch.txt" in makefile
+    assert makefile.count("--extra-index-url $(TORCH_INDEX)") == 3  # asked for torch alone, never for a lock
     assert "--no-deps --no-build-isolation -e shared" in makefile, "tandem's own packages add nothing unhashed"
     images = [("inference-cpu", "cpu-inference"), ("trainer-cpu", "cpu-trainer"), ("rq-dashboard", "rq-dashboard")]
     for dockerfile, lock in images:
@@ -166,7 +169,7 @@ def test_every_environment_installs_from_its_lock_with_hashes() -> None:
         installs = [line for line in text.splitlines() if "pip install" in line]
         assert all("--require-hashes" in line or "--no-deps" in line for line in installs), (dockerfile, installs)
     # the torch every CPU environment pins is one build
-    torches = {read_lock(LOCKS / f"{env}.txt")["torch"][0] for env in ["dev", "cpu-inference", "cpu-trainer"]}
+    torches = {read_lock(LOCKS / f"{env}.txt")["torch"][0] for env in ["dev", "cookbook", "cpu-inference", "cpu-trainer"]}
     assert len(torches) == 1 and next(iter(torches)).local == "cpu"
 
 
