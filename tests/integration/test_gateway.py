@@ -342,7 +342,7 @@ def test_malformed_chat_bodies_are_422(url: str, body: dict) -> None:
     ("logit_bias", {"22": -100}), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("seed", 42),
     ("top_k", 5), ("min_p", 0.1), ("repetition_penalty", 1.05), ("parallel_tool_calls", False),
     ("tool_choice", "required"), ("modalities", ["text", "audio"]), ("functions", [{"name": "f"}]),
-    ("echo", True), ("best_of", 3), ("ignore_eos", True), ("min_tokens", 50), ("stop_token_ids", [2]),
+    ("echo", True), ("best_of", 3), ("ignore_eos", True), ("min_tokens", 50),
     ("include_stop_str_in_output", True),
 ])
 def test_a_sampling_field_the_engines_do_not_honour_is_refused_naming_it(url: str, field: str, value: Any) -> None:
@@ -351,6 +351,27 @@ def test_a_sampling_field_the_engines_do_not_honour_is_refused_naming_it(url: st
     assert resp.status_code == 422, resp.text
     error = resp.json()["error"]
     assert error["param"] == field and "not supported" in error["message"], error
+
+
+def test_stop_token_ids_end_a_sample_at_that_token(url: str) -> None:
+    """vLLM's and SGLang's `stop_token_ids` (what Tinker's integer stops become): the sample ends at
+    the first such token, which is its last, with finish_reason stop."""
+    body = {"model": "base", "prompt": "Count: 1 2 3", "max_tokens": 8, "temperature": 0}
+    free = httpx.post(f"{url}/v1/completions", json=body).json()
+    greedy = free["tandem"]["completion_token_ids"][0]
+    assert len(greedy) == 8 and free["choices"][0]["finish_reason"] == "length", free
+    stop_at = next(i for i, t in enumerate(greedy) if i >= 2 and t not in greedy[:i])
+    stopped = httpx.post(f"{url}/v1/completions", json={**body, "stop_token_ids": [greedy[stop_at]]}).json()
+    assert stopped["tandem"]["completion_token_ids"][0] == greedy[:stop_at + 1], (greedy, stopped)
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("value", [["2"], [-1], [2.0], list(range(65)), 7])
+def test_malformed_stop_token_ids_are_422_naming_the_field(url: str, value: Any) -> None:
+    resp = httpx.post(f"{url}/v1/completions", json={"model": "base", "prompt": "Count:", "max_tokens": 2,
+                                                      "stop_token_ids": value})
+    assert resp.status_code == 422, resp.text
+    assert "stop_token_ids" in resp.json()["error"]["message"] + str(resp.json()["error"].get("param"))
 
 
 def test_sampling_fields_at_their_neutral_values_are_served(url: str, client: openai.OpenAI) -> None:

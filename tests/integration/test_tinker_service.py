@@ -131,11 +131,23 @@ def test_sample_from_the_base_model(sdk: Any, tiny_model: Path) -> None:
     assert out.sequences[0].tokens == out.sequences[1].tokens  # greedy
 
 
+def test_integer_stops_end_a_sample_at_that_token(sdk: Any, tiny_model: Path) -> None:
+    """The cookbook's renderers stop on token ids (ChatML's end of turn): the sample ends with it."""
+    sc = sdk.create_sampling_client(base_model=str(tiny_model)).result()
+    prompt, greedy = tt.ModelInput.from_ints([5, 6, 7, 8]), tt.SamplingParams(max_tokens=6, temperature=0.0)
+    free = sc.sample(prompt=prompt, num_samples=1, sampling_params=greedy).result().sequences[0].tokens
+    assert len(free) == 6, free
+    at = next(i for i, t in enumerate(free) if i >= 1 and t not in free[:i])
+    stopped = sc.sample(prompt=prompt, num_samples=1,
+                        sampling_params=tt.SamplingParams(max_tokens=6, temperature=0.0, stop=[free[at]])).result()
+    assert stopped.sequences[0].tokens == free[:at + 1] and stopped.sequences[0].stop_reason == "stop"
+
+
 def test_sampling_params_the_engine_cannot_serve_are_refused_by_name(sdk: Any, tiny_model: Path) -> None:
     sc = sdk.create_sampling_client(base_model=str(tiny_model)).result()
     for params, name in ((tt.SamplingParams(max_tokens=2, top_k=5), "top_k"),
                          (tt.SamplingParams(max_tokens=2, seed=3), "seed"),
-                         (tt.SamplingParams(max_tokens=2, stop=[7]), "stop")):
+                         (tt.SamplingParams(max_tokens=2, stop=[]), "stop")):
         with pytest.raises(Exception, match=name):
             sc.sample(prompt=tt.ModelInput.from_ints([5, 6]), num_samples=1, sampling_params=params).result()
 

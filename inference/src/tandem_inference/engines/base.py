@@ -41,6 +41,8 @@ class Sampling:
     """Alternatives listed per position (0: none)."""
     ignore_eos: bool = False
     """Generate all `max_tokens` even past the end-of-sequence token (probes and benchmarks)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a sample as EOS does (the token is the sample's last): Tinker's integer stops."""
 
 
 @dataclass

@@ -90,6 +90,8 @@ class SGLangEngine(HttpEngine):
             params["stop"] = list(sampling.stop)
         if sampling.ignore_eos:
             params["ignore_eos"] = True
+        if sampling.stop_token_ids:
+            params["stop_token_ids"] = list(sampling.stop_token_ids)
         if n > 1:
             params["n"] = n
         body: dict[str, Any] = {"input_ids": list(prompt_ids), "sampling_params": params, "return_logprob": logprobs}

@@ -135,6 +135,8 @@ class VLLMEngine(HttpEngine):
             body["stop"] = list(sampling.stop)
         if sampling.ignore_eos:
             body["ignore_eos"] = True
+        if sampling.stop_token_ids:
+            body["stop_token_ids"] = list(sampling.stop_token_ids)
         if logprobs:
             # `logprobs: k` lists the sampled token and the k best; ids instead of texts tell them apart.
             body["logprobs"] = sampling.top_logprobs

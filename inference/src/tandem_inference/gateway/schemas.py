@@ -24,6 +24,8 @@ MAX_N = 64
 #: `max_tokens` when a request names none (never above settings.engine.max_new_tokens_limit).
 DEFAULT_MAX_TOKENS = 128
 MAX_MODEL_CHARS = 256
+#: Most `stop_token_ids` one request may give.
+MAX_STOP_TOKEN_IDS = 64
 """Longest `model` accepted: a run name (63), `@v` and a version fit many times over."""
 EPISODE_ID = episode_ids.pattern
 """What an episode id may be (the client checks the same pattern): it becomes part of a Redis key and a URL path."""
@@ -54,7 +56,6 @@ NOT_SAMPLED: dict[str, tuple[tuple[Any, ...], str]] = {
     # vLLM's and SGLang's own sampling extensions, which their clients send in the body
     "ignore_eos": ((None, False), "false"),
     "min_tokens": ((None, 0), "0"),
-    "stop_token_ids": ((None, []), "null (give `stop` strings)"),
     "include_stop_str_in_output": ((None, False), "false"),
 }
 
@@ -235,10 +236,12 @@ class SamplingRequest(Body):
     echo: Any = None
     ignore_eos: Any = None
     min_tokens: Any = None
-    stop_token_ids: Any = None
     include_stop_str_in_output: Any = None
     """`NOT_SAMPLED`: refused unless neutral, on chat and completions alike (vLLM and SGLang
     clients send top_k, min_p and repetition_penalty in the body)."""
+    stop_token_ids: list[Annotated[int, Field(strict=True, ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    """vLLM's and SGLang's extension: token ids that end a sample as EOS does (the engine checks
+    each is in its vocabulary)."""
     response_format: dict[str, Any] | None = None
     """Only `{"type": "text"}` (the default): structured outputs are refused, never ignored."""
     guided_json: Any = None

@@ -185,6 +185,7 @@ class Gateway:
             top_p=1.0 if body.top_p is None else body.top_p,
             stop=tuple(stop),
             top_logprobs=body.alternatives_per_token,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
         )
 
     def fit_default(self, sampling: Sampling, *, asked: int | None, prompt_tokens: int) -> Sampling:

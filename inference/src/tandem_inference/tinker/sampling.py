@@ -2,12 +2,13 @@
 the base model), and its reply's token ids, logprobs and finish reasons back as Tinker's samples.
 
 The gateway's own rules apply (admission, the engine's limits); what the engine cannot do is
-refused here by name before anything is sent: stop token ids, `stop=[]` (no EOS), a seed,
+refused here by name before anything is sent: `stop=[]` (no EOS), a seed,
 top_k, prompt logprobs, top-k logprobs and the other extras of `SampleRequest`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -47,18 +48,7 @@ def completion_body(req: tt.SampleRequest, model: str) -> dict[str, Any]:
     if p.top_k not in (-1, 0):
         raise TinkerInvalid(f"sampling_params.top_k {p.top_k} is not supported; leave it -1 (top_p is)",
                          param="sampling_params.top_k")
-    stop: list[str] | None = None
-    if isinstance(p.stop, str):
-        stop = [p.stop]
-    elif p.stop is not None:
-        values = list(p.stop)
-        if not values:
-            raise TinkerInvalid("sampling_params.stop=[] (sampling past EOS) is not supported; leave stop unset",
-                             param="sampling_params.stop")
-        if not all(isinstance(v, str) for v in values):
-            raise TinkerInvalid("sampling_params.stop holds token ids; tandem's gateway stops on strings: give the "
-                             "stop strings instead", param="sampling_params.stop")
-        stop = [str(v) for v in values]
+    stop, stop_token_ids = _stops(p.stop)
     if not 1 <= req.num_samples <= 64:
         raise TinkerInvalid(f"num_samples {req.num_samples} is out of range; give 1 to 64", param="num_samples")
     body: dict[str, Any] = {"model": model, "prompt": prompt_tokens(req.prompt), "n": req.num_samples,
@@ -67,7 +57,28 @@ def completion_body(req: tt.SampleRequest, model: str) -> dict[str, Any]:
         body["max_tokens"] = p.max_tokens
     if stop:
         body["stop"] = stop
+    if stop_token_ids:
+        body["stop_token_ids"] = stop_token_ids
     return body
+
+
+def _stops(stop: str | Sequence[str] | Sequence[int] | None) -> tuple[list[str], list[int]]:
+    """Tinker's `stop` as the gateway's stop strings and stop token ids (the SDK sends either)."""
+    if stop is None:
+        return [], []
+    if isinstance(stop, str):
+        return [stop], []
+    values = list(stop)
+    if not values:
+        raise TinkerInvalid("sampling_params.stop=[] (sampling past EOS) is not supported; leave stop unset",
+                            param="sampling_params.stop")
+    if all(isinstance(v, str) for v in values):
+        return [str(v) for v in values], []
+    ids = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    if len(ids) == len(values):
+        return [], ids
+    raise TinkerInvalid("sampling_params.stop mixes strings and token ids; give one kind",
+                        param="sampling_params.stop")
 
 
 def sample(gateway: httpx.Client, body: dict[str, Any], timeout_s: float) -> bytes:
