@@ -15,7 +15,7 @@ import torch
 from helpers.jobs import make_job
 from safetensors.torch import load_file
 
-import tandem_trainer.backends.peft as peft_module
+import tandem_trainer.backends.peft_files as peft_files
 from tandem.adapters import AdapterStore
 from tandem.registry import Registry
 from tandem.runs import LoraConfig, OptimizerConfig, RunSpec
@@ -60,7 +60,7 @@ def counted_reads(monkeypatch: pytest.MonkeyPatch, store: AdapterStore) -> Itera
         return wrapper
 
     with monkeypatch.context() as patch:
-        patch.setattr(peft_module, "load_file", counting("weights", peft_module.load_file))
+        patch.setattr(peft_files, "load_file", counting("weights", peft_files.load_file))
         patch.setattr(torch, "load", counting("optimizer", torch.load))
         patch.setattr(store, "verify", counting("verify", store.verify))
         yield reads

@@ -22,7 +22,7 @@ from rq.serializers import JSONSerializer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-import tandem_trainer.backends.peft as peft_module
+import tandem_trainer.backends.peft_files as peft_files
 from tandem import keys
 from tandem.adapters import AdapterStore
 from tandem.events import EventKind, EventStream
@@ -191,7 +191,7 @@ def counted_reads(monkeypatch: pytest.MonkeyPatch, store: AdapterStore) -> Itera
         return wrapper
 
     with monkeypatch.context() as patch:
-        patch.setattr(peft_module, "load_file", counting("weights", peft_module.load_file))
+        patch.setattr(peft_files, "load_file", counting("weights", peft_files.load_file))
         patch.setattr(torch, "load", counting("optimizer", torch.load))
         patch.setattr(store, "verify", counting("verify", store.verify))
         yield reads

@@ -57,6 +57,6 @@ def test_unsloth_needs_cuda_and_the_package() -> None:
     ],
 )
 def test_master_weights_are_kept_only_when_the_adapter_loses_bits(trained, saved, rounds) -> None:
-    from tandem_trainer.backends.peft import _rounds
+    from tandem_trainer.backends.peft_files import rounds as _rounds
 
     assert _rounds(trained, saved) is rounds

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 import logging
 import time
 from pathlib import Path
@@ -24,24 +23,18 @@ from typing import Literal
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from peft.utils import get_peft_model_state_dict
 from pydantic import JsonValue
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from tandem.runs import RunSpec
 from tandem_trainer.adapter_files import HostBuffers, StagedAdapter
 from tandem_trainer.backends.base import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
-    MASTER_WEIGHTS,
-    OPTIMIZER_STATE,
-    TRAINER_STATE,
     Backend,
     Forward,
     ModelInfo,
 )
+from tandem_trainer.backends.peft_files import read_version, write_trainer_state
 from tandem_trainer.backends.resident import Outcome, ResidentBudget, ResidentRuns, ResidentStats, Stamp, stamp
 from tandem_trainer.errors import CheckpointError, TrainStepFailed
 from tandem_trainer.grpo import selective_logprobs, token_entropy
@@ -235,46 +228,9 @@ class PeftBackend(Backend):
         return "miss"
 
     def _load(self, spec: RunSpec, version: int, version_dir: Path) -> None:
-        adapter = version_dir / "adapter"
-        # the trainer state's float32 master weights when there are any (the adapter may be bf16)
-        master = version_dir / "trainer" / MASTER_WEIGHTS
-        try:
-            saved = json.loads((adapter / ADAPTER_CONFIG).read_text())
-            source = master if master.is_file() else adapter / ADAPTER_WEIGHTS
-            weights = load_file(str(source), device=str(self.device))
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{spec.name} v{version}: cannot read adapter in {adapter}: {exc}") from exc
-        if saved.get("r") != spec.lora.r or sorted(saved.get("target_modules") or []) != sorted(
-            spec.lora.target_modules
-        ):
-            raise CheckpointError(
-                f"{spec.name} v{version}: adapter has r={saved.get('r')} "
-                f"targets={saved.get('target_modules')}, "
-                f"the run wants r={spec.lora.r} targets={list(spec.lora.target_modules)}"
-            )
-        model = self._require_model()
-        expected = set(get_peft_model_state_dict(model))
-        missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
-        if missing or unexpected:
-            raise CheckpointError(
-                f"{spec.name} v{version}: adapter weights do not fit the run's LoRA "
-                f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
-            )
-        set_peft_model_state_dict(model, weights)
-        state_path = version_dir / "trainer" / OPTIMIZER_STATE
-        if not state_path.is_file():
-            log.warning("adapter.activate run=%s version=%d: no optimizer state, starting it fresh",
-                        spec.name, version)
-            return
-        try:
-            state = torch.load(state_path, map_location=self.device, weights_only=True)
-            names = json.loads((version_dir / "trainer" / TRAINER_STATE).read_text()).get("param_names")
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise CheckpointError(f"{spec.name} v{version}: cannot read optimizer state: {exc}") from exc
-        if names is not None and names != [n for n, _ in self._params]:
-            raise CheckpointError(f"{spec.name} v{version}: optimizer state is for other parameters")
         assert self._optimizer is not None
-        self._optimizer.load_state_dict(state)
+        read_version(self._require_model(), self._optimizer, [n for n, _ in self._params], spec, version,
+                     version_dir, self.device)
 
     # training -----------------------------------------------------------------
     def _logits(self, batch: MicroBatch) -> torch.Tensor:
@@ -377,19 +333,8 @@ class PeftBackend(Backend):
 
     def save_state(self, trainer_dir: Path, *, trainer_state: dict[str, JsonValue]) -> None:
         assert self._optimizer is not None
-        master = None
-        if any(_rounds(p.dtype, self.adapter_dtype) for _, p in self._params):  # keep the originals
-            master = {k: v.detach().to("cpu").contiguous()
-                      for k, v in get_peft_model_state_dict(self._require_model()).items()}
-        state = {**trainer_state, "param_names": [n for n, _ in self._params], "backend": self.name,
-                 "torch": torch.__version__}
-        try:
-            if master is not None:
-                save_file(master, str(trainer_dir / MASTER_WEIGHTS), metadata={"format": "pt"})
-            torch.save(self._optimizer.state_dict(), trainer_dir / OPTIMIZER_STATE)
-            (trainer_dir / TRAINER_STATE).write_text(json.dumps(state, indent=2))
-        except (OSError, SafetensorError, RuntimeError) as exc:  # RuntimeError: torch.save's writer
-            raise CheckpointError(f"cannot write the trainer state to {trainer_dir}: {exc}") from exc
+        write_trainer_state(self._require_model(), self._optimizer, self._params, trainer_dir,
+                            {**trainer_state, "backend": self.name}, saved_dtype=self.adapter_dtype)
 
     def mark_active(self, run: str, version: int, version_dir: Path) -> None:
         assert self._spec is not None and self._spec.name == run
@@ -425,9 +370,3 @@ def _turn_start(base_model: str) -> tuple[int, str] | None:
                     "inside trained spans", base_model, exc)
         return None
     return turn_start(tokenizer)
-
-
-def _rounds(trained: torch.dtype, saved: torch.dtype) -> bool:
-    """Whether saving weights trained in `trained` as `saved` loses bits (float32 -> bfloat16
-    does, bfloat16 <-> float16 does both ways, bfloat16 -> float32 does not)."""
-    return trained != saved and torch.finfo(saved).bits <= torch.finfo(trained).bits
