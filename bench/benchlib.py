@@ -53,7 +53,8 @@ class BenchStack(Stack):
 
     On a CPU every side runs in this interpreter with the transformers engine. On GPUs the
     inference service launches SGLang (or vLLM) from its own interpreter and the trainer runs in
-    `trainer_python` (Unsloth), exactly as the two images do.
+    `trainer_python` (Unsloth), exactly as the two images do. The Tinker service runs in
+    `tandem_python` beside the inference service, where this interpreter has the `tinker` SDK.
     """
 
     def __init__(self, config: StackConfig, *, engine: str, tandem_python: str, trainer_python: str) -> None:
@@ -73,6 +74,9 @@ class BenchStack(Stack):
         services.append(Service("trainer", [self.trainer_python, "-m", "tandem_trainer.main"],
                                 env=self.redis_env(Role.TRAINER),
                                 ready=lambda: probes.trainer_ready(self.admin_redis_url)))
+        # Tinker's API in front of the gateway and the trainer, where `tinker` is installed (the tinker scenario)
+        services += [Service(s.name, [self.tandem_python, *s.argv[1:]], ready=s.ready, env=s.env)
+                     for s in super().plan() if s.name == "tinker"]
         return services
 
 
