@@ -256,7 +256,7 @@ def main() -> int:
     if on_stack:
         print(f"starting the stack ({args.engine}; logs in {state}/logs) ...", flush=True)
         stack = BenchStack(config, engine=args.engine, tandem_python=args.tandem_python,
-                           trainer_python=args.trainer_python)
+                           trainer_python=args.trainer_python, tinker="tinker" in on_stack)
         try:
             stack.start()  # stops what it started when a service fails to
         except StackError as exc:  # an engine that cannot start: say why, with its log's last lines
