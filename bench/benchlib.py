@@ -53,12 +53,16 @@ class BenchStack(Stack):
 
     On a CPU every side runs in this interpreter with the transformers engine. On GPUs the
     inference service launches SGLang (or vLLM) from its own interpreter and the trainer runs in
-    `trainer_python` (Unsloth), exactly as the two images do.
+    `trainer_python` (Unsloth), exactly as the two images do. With `tinker` (the tinker
+    scenario runs) the Tinker service runs in `tandem_python` too, where this interpreter has the
+    `tinker` SDK (its `tinker_url` is None where it has not).
     """
 
-    def __init__(self, config: StackConfig, *, engine: str, tandem_python: str, trainer_python: str) -> None:
+    def __init__(self, config: StackConfig, *, engine: str, tandem_python: str, trainer_python: str,
+                 tinker: bool = False) -> None:
         super().__init__(config)
         self.engine_kind = engine
+        self.serves_tinker = tinker
         self.tandem_python = tandem_python
         self.trainer_python = trainer_python
 
@@ -73,6 +77,9 @@ class BenchStack(Stack):
         services.append(Service("trainer", [self.trainer_python, "-m", "tandem_trainer.main"],
                                 env=self.redis_env(Role.TRAINER),
                                 ready=lambda: probes.trainer_ready(self.admin_redis_url)))
+        # Tinker's API in front of the gateway and the trainer, for the tinker scenario, where `tinker` is installed
+        services += [Service(s.name, [self.tandem_python, *s.argv[1:]], ready=s.ready, env=s.env)
+                     for s in super().plan() if s.name == "tinker" and self.serves_tinker]
         return services
 
 

@@ -15,6 +15,8 @@ bench/results/<timestamp>/ with results.json, report.md and the PNG plots:
    11 memory        the engine's memory (GPU, RSS) across 100 published versions: flat or leaking
    12 density       1, 8 and 32 runs on one base, each rolling out and training at once: aggregate
                     tokens/s, per-run steps/min, step -> served, fairness, against one run
+   13 tinker        the tinker SDK: save_weights_and_get_sampling_client -> the first token sampled by
+                    the new weights, p50/p95, beside Miles' 5.19 s and the GPU goal (<= 200 ms p50)
     2 hotload       hot-load vs engine restart vs merged-weights reload (after the stack stops)
     8 replicas      one inference replica against two behind the router: throughput, latency,
                     publish -> served on every replica (stacks of its own, CPU only)
@@ -55,7 +57,7 @@ from bench.benchlib import SGLANG_FLAGS, SHAPES, BenchStack, Ctx, bench_run, mac
 from bench.report import engine_log
 
 ON_STACK = ["sync", "swaps", "gateway_overhead", "prefix_cache", "pipeline", "load", "agreement", "throughput",
-            "memory", "density"]
+            "memory", "density", "tinker"]
 AFTER_STACK = ["hotload", "replicas"]
 #: Adapters the engine holds: bench's and the pipeline runs' two versions each (8), the throughput
 #: scenario's 16 runs one each, and the density scenario's 32 runs of its largest count (it deletes
@@ -254,7 +256,7 @@ def main() -> int:
     if on_stack:
         print(f"starting the stack ({args.engine}; logs in {state}/logs) ...", flush=True)
         stack = BenchStack(config, engine=args.engine, tandem_python=args.tandem_python,
-                           trainer_python=args.trainer_python)
+                           trainer_python=args.trainer_python, tinker="tinker" in on_stack)
         try:
             stack.start()  # stops what it started when a service fails to
         except StackError as exc:  # an engine that cannot start: say why, with its log's last lines
