@@ -69,6 +69,14 @@ def test_the_tinker_service_reaches_the_gateway_and_redis_as_its_own_user() -> N
     assert compose["tinker"]["depends_on"] == {"redis": {"condition": "service_healthy"}}
 
 
+def test_behind_the_router_the_tinker_service_samples_through_it() -> None:
+    """compose.replicas.yaml: the replicas are no longer one gateway; the router is, on the gateway's port."""
+    replicas = services("compose.replicas.yaml")
+    assert replicas["tinker"]["environment"]["TANDEM_TINKER__GATEWAY_URL"] == "http://router:8000"
+    assert [p.rsplit(":", 1)[-1] for p in replicas["router"]["ports"]] == ["8000"]
+    assert set(replicas["tinker"]) == {"environment"}  # profile, image and the rest: compose.yaml's
+
+
 def test_the_tinker_service_runs_from_the_cpu_inference_image_on_either_stack() -> None:
     """The SGLang and vLLM images lack the `tinker` package the service imports; the CPU image's lock has it."""
     tinker, cpu_engine = services("compose.yaml")["tinker"], services("compose.cpu.yaml")["engine"]
