@@ -56,7 +56,8 @@ PYTEST_ARGS ?=
 # Extra flags of `make up`'s `docker compose up -d`, e.g. "--wait --wait-timeout 1200" (CI).
 UP_FLAGS ?=
 # PROFILES=metrics (or "metrics monitoring"): `make up` also builds and starts the services of these
-# compose profiles (metrics: Prometheus on 127.0.0.1:$$PROMETHEUS_PORT; monitoring: rq-dashboard).
+# compose profiles (metrics: Prometheus on 127.0.0.1:$$PROMETHEUS_PORT; monitoring: rq-dashboard;
+# tinker: Tinker's API on 127.0.0.1:$$TINKER_PORT, from the CPU inference image on either stack).
 PROFILES ?=
 PROFILE_FLAGS = $(foreach p,$(PROFILES), --profile $(p))
 BENCH_ARGS ?=
@@ -202,14 +203,15 @@ LABEL_ARGS = $(foreach a,VERSION=$(IMAGE_VERSION) REVISION=$(IMAGE_REVISION) CRE
 # The base image (debootstrap: Debian for cpu, Ubuntu 24.04 for gpu), then the stack's images.
 define BUILD_IMAGES
 $(if $(filter cpu,$(STACK)),images/build-base.sh,SUITE=noble images/build-base.sh tandem-base:noble)
+$(if $(and $(filter gpu,$(STACK)),$(filter tinker,$(PROFILES))),TORCH_SPEC= images/build-base.sh)
 $(DC)$(PROFILE_FLAGS) build $(LABEL_ARGS)
 endef
 # Every image a stack runs, the ones `make publish` builds and pushes: its services' (`make images`
-# builds those), the router of REPLICAS=N, rq-dashboard (PROFILES=monitoring) and Prometheus
-# (PROFILES=metrics). tandem-redis on the GPU stack is its Kubernetes overlay's Redis: compose.yaml
+# builds those), the router of REPLICAS=N, rq-dashboard (PROFILES=monitoring), Prometheus
+# (PROFILES=metrics) and the Tinker service's CPU inference image (PROFILES=tinker; on the GPU stack too). tandem-redis on the GPU stack is its Kubernetes overlay's Redis: compose.yaml
 # keeps the upstream Redis 7.2 (REDIS_IMAGE), whose files Debian's 7.0 could not read.
 STACK_IMAGES_cpu := tandem-redis tandem-inference-cpu tandem-trainer-cpu tandem-router tandem-rq-dashboard tandem-prometheus
-STACK_IMAGES_gpu = tandem-inference$(if $(ENGINE_IMAGE),-$(ENGINE_IMAGE)) tandem-trainer tandem-redis tandem-router tandem-rq-dashboard tandem-prometheus
+STACK_IMAGES_gpu = tandem-inference$(if $(ENGINE_IMAGE),-$(ENGINE_IMAGE)) tandem-trainer tandem-redis tandem-router tandem-rq-dashboard tandem-prometheus tandem-inference-cpu
 # The Kubernetes overlay of each stack, which `make publish` pins by digest.
 K8S_OVERLAY = $(if $(filter cpu,$(STACK)),cpu,$(if $(filter vllm,$(ENGINE)),gpu-vllm,gpu))
 # Published GPU images (TANDEM_IMAGE_PREFIX given or in .env) are pulled by `make up`, not built.
@@ -253,7 +255,7 @@ publish: compose-v2 tools | .env ## build, check (tandem-doctor), push every ima
 	@test -n "$(IMAGE_SOURCE)" || { echo "make publish: no git remote 'origin' to name the images' source: give IMAGE_SOURCE=<the repository's URL>" >&2; exit 1; }
 	$(if $(filter gpu,$(STACK)),TORCH_SPEC= )images/build-base.sh
 	$(if $(filter gpu,$(STACK)),SUITE=noble images/build-base.sh tandem-base:noble)
-	TANDEM_IMAGE_PREFIX= $(DC) $(if $(filter-out 1,$(REPLICAS)),,$(REPLICA_FILES)) --profile monitoring --profile metrics build $(LABEL_ARGS)
+	TANDEM_IMAGE_PREFIX= $(DC) $(if $(filter-out 1,$(REPLICAS)),,$(REPLICA_FILES)) --profile monitoring --profile metrics --profile tinker build $(LABEL_ARGS)
 	$(if $(filter gpu,$(STACK)),docker build -q -f images/redis.Dockerfile -t tandem-redis:$(LOCAL_TAG) \
 	  --build-arg BASE_IMAGE=$(or $(BASE_IMAGE),$(call dotenv,BASE_IMAGE),tandem-base:bookworm) $(LABEL_ARGS) .)
 	images/publish.sh push --registry $(REGISTRY) --out $(PUBLISH_DIR) --local-tag $(LOCAL_TAG) \
@@ -293,7 +295,7 @@ locks: install ## regenerate images/locks/*.txt, every hash-pinned environment (
 	done
 
 down: ## stop the container stack (volumes kept)
-	$(DC) --profile monitoring --profile metrics down
+	$(DC) --profile monitoring --profile metrics --profile tinker down
 
 logs: ## follow the container stack's logs
 	$(DC) logs -f --tail=100

@@ -198,7 +198,7 @@ class Probe:
 
 def role_passwords() -> dict[str, str]:
     """A random password for each role's Redis user, by .env variable, as `make .env` writes them."""
-    return {f"REDIS_{role}_PASSWORD": secrets.token_hex(16) for role in ("CLIENT", "INFERENCE", "TRAINER")}
+    return {f"REDIS_{role}_PASSWORD": secrets.token_hex(16) for role in ("CLIENT", "INFERENCE", "TRAINER", "TINKER")}
 
 
 def started_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, *,

@@ -31,6 +31,8 @@ COMPOSE_IMAGES = {
         "tandem-redis": "tandem-redis:dev",
         "tandem-router": "tandem-router:dev",
         "tandem-rq-dashboard": "tandem-rq-dashboard:dev",
+        # the Tinker service's on every overlay (components/tinker; compose.yaml's `tinker`)
+        "tandem-inference-cpu": "tandem-inference-cpu:dev",
     },
     "cpu": {
         "tandem-inference": "tandem-inference-cpu:dev",
@@ -38,6 +40,7 @@ COMPOSE_IMAGES = {
         "tandem-redis": "tandem-redis:dev",
         "tandem-router": "tandem-router:dev",
         "tandem-rq-dashboard": "tandem-rq-dashboard:dev",
+        "tandem-inference-cpu": "tandem-inference-cpu:dev",
     },
 }
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
@@ -246,6 +249,8 @@ def test_images_are_compose_images(rendered: tuple[str, list[dict[str, Any]]]) -
     for base_name, image in COMPOSE_IMAGES[overlay].items():
         if base_name == "tandem-router":
             compose_image = compose_file("compose.replicas.yaml")["services"]["router"]["image"]
+        elif base_name == "tandem-inference-cpu":
+            compose_image = compose_file("compose.yaml")["services"]["tinker"]["image"]
         elif base_name == "tandem-redis" and overlay == "gpu":
             continue  # compose.yaml takes redis from a registry where one is reachable; the CPU stack builds it
         else:
@@ -394,7 +399,7 @@ def test_the_trainer_is_healthy_exactly_while_its_liveness_key_is_in_redis(
 
 #: The Redis user each container's URL names (tandem.acl), and the key of the Secret its password comes from.
 REDIS_USERS = {"inference": "tandem-inference", "trainer": "tandem-trainer", "toy-task": "tandem-client",
-               "rq-dashboard": ""}
+               "tinker": "tandem-tinker", "rq-dashboard": ""}
 
 
 def test_each_service_has_its_own_redis_role_and_the_engine_none(rendered: tuple[str, list[dict[str, Any]]]) -> None:
@@ -471,9 +476,11 @@ def test_network_policies_cover_redis_and_the_replicas(rendered: tuple[str, list
         for rule in allowed_from("redis")
         for peer in rule["from"]
     }
-    dashboard = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rq-dashboard"]
-    assert redis_from == {"inference", "trainer", "client"} | ({"rq-dashboard"} if dashboard else set())
+    deployments = {d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"}
+    assert redis_from == {"inference", "trainer", "client"} | ({"rq-dashboard", "tinker"} & deployments)
     assert not allowed_from("rq-dashboard")  # reached only through `kubectl port-forward`
+    if "tinker" in deployments:  # from anywhere, as the router, on its port only (the gateway's key guards it)
+        assert [{"ports": [{"port": 8100, "protocol": "TCP"}]}] == allowed_from("tinker")
     inference_rules = allowed_from("inference")
     assert inference_rules and all(rule.get("from") for rule in inference_rules)  # never from anywhere
     assert {p["port"] for rule in inference_rules for p in rule["ports"]} == {8000}  # the gateway, not the engine
@@ -537,12 +544,17 @@ def test_the_dashboard_and_the_toy_task_are_opt_in_and_add_only_themselves() -> 
     on the overlay's model (the cpu overlay's tiny model, from its patch that selects the Job by name)."""
     for overlay in OVERLAYS:
         plain, with_components = render(overlay), render(overlay, components=True)
-        assert not [d for d in plain if "rq-dashboard" in d["metadata"]["name"] or d["metadata"]["name"] == "toy-task"]
+        assert not [d for d in plain if "rq-dashboard" in d["metadata"]["name"] or "tinker" in d["metadata"]["name"]
+                    or d["metadata"]["name"] == "toy-task"]
         added = [d for d in with_components if d not in plain]
         assert sorted((d["kind"], d["metadata"]["name"]) for d in added) == [
             ("Deployment", "rq-dashboard"),
+            ("Deployment", "tinker"),
             ("Job", "toy-task"),
             ("NetworkPolicy", "redis-from-rq-dashboard"),
+            ("NetworkPolicy", "redis-from-tinker"),
+            ("NetworkPolicy", "tinker-from-anywhere"),
+            ("Service", "tinker"),
         ]
         assert len(with_components) == len(plain) + len(added)
         [toy] = find(with_components, "Job", "toy-task")["spec"]["template"]["spec"]["containers"]
@@ -550,6 +562,34 @@ def test_the_dashboard_and_the_toy_task_are_opt_in_and_add_only_themselves() -> 
         [inference] = find(plain, "StatefulSet", "inference")["spec"]["template"]["spec"]["containers"]
         assert env_of(toy)["TOY_MODEL"] == env_of(inference)["TANDEM_ENGINE__MODEL"]  # the model the engine serves
         assert [e["name"] for e in toy["env"]].count("TOY_MODEL") == 1  # replaced, not added
+
+
+def test_the_tinker_component_serves_one_port_with_the_gateways_key_as_compose_does() -> None:
+    """components/tinker: the `tinker` Service on 8100, as the gateway's `gateway` Service on 8000; the
+    pod samples through that Service with the gateway's key, and its settings are compose's `tinker`
+    service's but for the gateway's address and the published host (Kubernetes reaches the port from
+    anywhere: the key is required)."""
+    compose = compose_file("compose.yaml")["services"]["tinker"]["environment"]
+    for overlay in OVERLAYS:
+        docs = render(overlay, components=True)
+        service = find(docs, "Service", "tinker")["spec"]
+        assert service["ports"] == [{"name": "tinker", "port": 8100, "targetPort": 8100}]
+        assert service["selector"] == {"app.kubernetes.io/component": "tinker"}
+        assert find(docs, "Service", "gateway")["spec"]["ports"][0]["port"] == 8000
+        [container] = find(docs, "Deployment", "tinker")["spec"]["template"]["spec"]["containers"]
+        assert container["command"] == compose_file("compose.yaml")["services"]["tinker"]["command"]
+        assert [p["containerPort"] for p in container["ports"]] == [8100]
+        assert container["readinessProbe"]["httpGet"]["path"] == "/api/v1/healthz"
+        env = env_of(container)
+        assert env["TANDEM_TINKER__GATEWAY_URL"] == "http://gateway:8000"
+        assert env["TANDEM_GATEWAY__API_KEY"]["secretKeyRef"] == {"name": "tandem-secrets", "key": "gateway-api-key"}
+        for name, value in compose.items():
+            if name in ("TANDEM_TINKER__GATEWAY_URL", "TANDEM_TINKER__PUBLISHED_HOST"):
+                assert name != "TANDEM_TINKER__PUBLISHED_HOST" or name not in env
+            elif isinstance(env.get(name), dict):
+                assert "secretKeyRef" in env[name] and "${" in value, name
+            else:
+                assert env.get(name, "<unset>") == compose_default(value), (overlay, name)
 
 
 def test_every_container_requests_and_limits_memory(rendered: tuple[str, list[dict[str, Any]]]) -> None:

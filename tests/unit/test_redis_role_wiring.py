@@ -47,6 +47,7 @@ def role_of(url: str) -> str:
 @pytest.mark.parametrize(("file", "service", "user"), [
     ("compose.yaml", "inference", "tandem-inference REDIS_INFERENCE_PASSWORD"),
     ("compose.yaml", "trainer", "tandem-trainer REDIS_TRAINER_PASSWORD"),
+    ("compose.yaml", "tinker", "tandem-tinker REDIS_TINKER_PASSWORD"),
     ("compose.trainer-nodes.yaml", "trainer-peer", "tandem-trainer REDIS_TRAINER_PASSWORD"),
 ])
 def test_each_compose_service_gets_its_roles_url(file: str, service: str, user: str) -> None:

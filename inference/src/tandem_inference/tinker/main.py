@@ -40,10 +40,13 @@ def _serve(settings: TinkerSettings) -> None:
 
     from tandem_inference.tinker.app import create_tinker_app, gateway_client
 
-    if settings.gateway.api_key is None and not _loopback(settings.tinker.host) \
-            and not settings.gateway.allow_unauthenticated:
-        raise SystemExit(f"tinker.host {settings.tinker.host!r} is beyond loopback and gateway.api_key is unset: set "
-                         "TANDEM_GATEWAY__API_KEY (or gateway.allow_unauthenticated) before serving there")
+    # in a container the service binds 0.0.0.0 and the host publishes its port: that address counts
+    host = settings.tinker.published_host or settings.tinker.host
+    field = "tinker.published_host" if settings.tinker.published_host else "tinker.host"
+    if settings.gateway.api_key is None and not _loopback(host) and not settings.gateway.allow_unauthenticated:
+        raise SystemExit(f"{field} {host!r} is beyond loopback and gateway.api_key is unset: set "
+                         "TANDEM_GATEWAY__API_KEY (GATEWAY_API_KEY in the compose .env), bind to 127.0.0.1, or "
+                         "set TANDEM_GATEWAY__ALLOW_UNAUTHENTICATED=true before serving there")
     conn = settings.redis.connect()
     gateway = gateway_client(settings)
     app = create_tinker_app(settings, conn=conn, gateway=gateway)

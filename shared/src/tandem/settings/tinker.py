@@ -20,6 +20,10 @@ class TinkerServiceSettings(BaseModel):
     """Interface the service binds to."""
     port: int = Field(8100, ge=1, le=65535)
     """Port the service binds to."""
+    published_host: str | None = None
+    """Host address the service's port is published on when it runs in a container (compose sets it
+    from TINKER_BIND); the check for serving beyond loopback without the gateway's API key reads it
+    instead of `host`."""
     gateway_url: str = "http://127.0.0.1:8000"
     """Base URL of tandem's gateway, through which the service samples (with the gateway's API key)."""
     sample_timeout_s: float = Field(300.0, gt=0, le=3600)
