@@ -68,6 +68,11 @@ REFUSED = {
     ],
     Role.TRAINER: RUN_SPEC + RUN_DELETION + INFERENCES + EPISODES + [("SUBSCRIBE", "elsewhere")],
 }
+#: The Tinker service has the client's rights and its own keys: refused what a client is.
+REFUSED[Role.TINKER] = list(REFUSED[Role.CLIENT])
+#: A client cannot read or forge the Tinker service's futures and sessions.
+REFUSED[Role.CLIENT] = REFUSED[Role.CLIENT] + [("GET", f"{keys.TINKER}:future:someone-elses"),
+                                               ("HSET", f"{keys.TINKER}:session:forged", "owner", "x")]
 
 
 @pytest.fixture(scope="module")

@@ -255,18 +255,26 @@ def job_tokens(job: TrainJob) -> int:
 
 def enqueue(conn: redis.Redis, job: TrainJob) -> str:
     """Put a validated job on the train queue; returns its id."""
-    with translated(conn, f"enqueue job {job.job_id} of run {job.run!r}"):
+    return put(conn, TRAIN_FUNC, job.model_dump(mode="json"), job_id=job.job_id, run=job.run,
+               timeout_s=job.timeout_s, tokens=job_tokens(job), description=f"train {job.run} step {job.step}")
+
+
+def put(conn: redis.Redis, func: str, payload: dict[str, Any], *, job_id: str, run: str, timeout_s: int,
+        tokens: int, description: str) -> str:
+    """Put a validated payload for the job function `func` on the train queue, with its turn's meta
+    (run, tokens); its result or failure is kept a week. Returns the job id."""
+    with translated(conn, f"enqueue {description} (job {job_id})"):
         train_queue(conn).enqueue(
-            TRAIN_FUNC,
-            job.model_dump(mode="json"),
-            job_id=job.job_id,
-            job_timeout=job.timeout_s,
+            func,
+            payload,
+            job_id=job_id,
+            job_timeout=timeout_s,
             result_ttl=7 * 24 * 3600,
             failure_ttl=7 * 24 * 3600,
             # a retried job goes back to the head of the queue: behind the steps pipelined after it,
             # it would publish after them and its rollouts could be refused as stale
             retry=Retry(max=JOB_RETRIES, enqueue_at_front=True),
-            description=f"train {job.run} step {job.step}",
-            meta=job_meta(job.run, job_tokens(job)),
+            description=description,
+            meta=job_meta(run, tokens),
         )
-    return job.job_id
+    return job_id

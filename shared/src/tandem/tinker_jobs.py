@@ -40,17 +40,13 @@ from typing import Literal
 
 import redis
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from rq import Retry
-
-from tandem.connection import translated
-from tandem.fair_queue import job_meta
 
 # The job functions the trainer worker runs for these kinds (the queue's guard allows them),
 # named beside the guard and named here too.
 from tandem.jobs import FORWARD_BACKWARD_FUNC as FORWARD_BACKWARD_FUNC
-from tandem.jobs import JOB_RETRIES, train_queue
 from tandem.jobs import LOAD_STATE_FUNC as LOAD_STATE_FUNC
 from tandem.jobs import OPTIM_STEP_FUNC as OPTIM_STEP_FUNC
+from tandem.jobs import put
 from tandem.runs import check_run_name
 
 #: Losses the trainer computes, by Tinker's names.
@@ -171,16 +167,5 @@ def enqueue(conn: redis.Redis, job: TinkerJob) -> str:
     (rq's job id is the payload's `job_id`). Its result (the kind's `...Result` as JSON) is kept a
     week, as a train job's."""
     func = job_func(job)
-    with translated(conn, f"enqueue {func.rpartition('.')[2]} {job.job_id} of run {job.run!r}"):
-        train_queue(conn).enqueue(
-            func,
-            job.model_dump(mode="json"),
-            job_id=job.job_id,
-            job_timeout=job.timeout_s,
-            result_ttl=7 * 24 * 3600,
-            failure_ttl=7 * 24 * 3600,
-            retry=Retry(max=JOB_RETRIES, enqueue_at_front=True),
-            description=f"{func.rpartition('.')[2]} {job.run} seq {job.seq}",
-            meta=job_meta(job.run, job_tokens(job)),
-        )
-    return job.job_id
+    return put(conn, func, job.model_dump(mode="json"), job_id=job.job_id, run=job.run, timeout_s=job.timeout_s,
+               tokens=job_tokens(job), description=f"{func.rpartition('.')[2]} {job.run} seq {job.seq}")
