@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.jobs import make_job
+from helpers.store_reads import counted_reads
 from safetensors.torch import load_file
 
-import tandem_trainer.backends.peft_files as peft_files
 from tandem.adapters import AdapterStore
 from tandem.registry import Registry
 from tandem.runs import LoraConfig, OptimizerConfig, RunSpec
@@ -45,25 +43,6 @@ def create_runs(conn, tiny_model: Path, *names: str) -> dict[str, RunSpec]:  # t
 
 def train(trainer: Trainer, run: str, step: int) -> int:
     return trainer.train(make_job(f"{run}-{step}", run=run, step=step, seed=step)).version
-
-
-@contextmanager
-def counted_reads(monkeypatch: pytest.MonkeyPatch, store: AdapterStore) -> Iterator[Counter[str]]:
-    """Count what the trainer reads of the store: the weights (safetensors), the optimizer state
-    (torch.load) and the checks of a version's files before resuming from it."""
-    reads: Counter[str] = Counter()
-
-    def counting(name, fn):  # type: ignore[no-untyped-def]
-        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
-            reads[name] += 1
-            return fn(*args, **kwargs)
-        return wrapper
-
-    with monkeypatch.context() as patch:
-        patch.setattr(peft_files, "load_file", counting("weights", peft_files.load_file))
-        patch.setattr(torch, "load", counting("optimizer", torch.load))
-        patch.setattr(store, "verify", counting("verify", store.verify))
-        yield reads
 
 
 def state(store: AdapterStore, run: str, version: int) -> tuple[dict[str, torch.Tensor], dict]:  # type: ignore[type-arg]

@@ -7,22 +7,19 @@ from __future__ import annotations
 
 import os
 import random
-from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import redis
 import torch
 from helpers.jobs import make_job, status
+from helpers.store_reads import counted_reads
 from helpers.workers import wait_for
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-import tandem_trainer.backends.peft_files as peft_files
 from tandem import keys
 from tandem.adapters import AdapterStore
 from tandem.events import EventKind, EventStream
@@ -177,24 +174,6 @@ def test_two_forward_backwards_hold_the_sum_of_their_gradients(trainer, redis_co
     a, b = adapter(trainer.store, "a", 1), adapter(trainer.store, "b", 1)
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-3, atol=1e-5)
-
-
-@contextmanager
-def counted_reads(monkeypatch: pytest.MonkeyPatch, store: AdapterStore) -> Iterator[Counter[str]]:
-    """Count what the trainer reads of the store (as test_resident_runs does)."""
-    reads: Counter[str] = Counter()
-
-    def counting(name, fn):  # type: ignore[no-untyped-def]
-        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
-            reads[name] += 1
-            return fn(*args, **kwargs)
-        return wrapper
-
-    with monkeypatch.context() as patch:
-        patch.setattr(peft_files, "load_file", counting("weights", peft_files.load_file))
-        patch.setattr(torch, "load", counting("optimizer", torch.load))
-        patch.setattr(store, "verify", counting("verify", store.verify))
-        yield reads
 
 
 def test_interleaved_runs_keep_their_own_gradients_and_read_nothing(trainer, redis_conn, tiny_model,
