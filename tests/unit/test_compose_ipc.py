@@ -7,25 +7,19 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.compose_yaml import ComposeTags
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class _Loader(yaml.SafeLoader):
-    """Reads compose's `!reset` / `!override` tags as plain values."""
-
-
-_Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
-
-
 @pytest.mark.parametrize("path", sorted(ROOT.glob("compose*.yaml")), ids=lambda p: p.name)
 def test_no_service_shares_the_hosts_ipc_namespace(path: Path) -> None:
-    services = yaml.load(path.read_text(), Loader=_Loader).get("services") or {}
+    services = yaml.load(path.read_text(), Loader=ComposeTags).get("services") or {}
     assert [name for name, s in services.items() if (s or {}).get("ipc") == "host"] == []
 
 
 def test_the_gpu_services_have_a_dev_shm_of_their_own() -> None:
-    services = yaml.load((ROOT / "compose.yaml").read_text(), Loader=_Loader)["services"]
+    services = yaml.load((ROOT / "compose.yaml").read_text(), Loader=ComposeTags)["services"]
     assert services["inference"]["shm_size"] == services["trainer"]["shm_size"] == "8gb"

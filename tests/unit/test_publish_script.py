@@ -17,19 +17,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.compose_yaml import ComposeTags
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "images" / "publish.sh"
 DIGEST = "sha256:" + "ab" * 32
-
-
-class _Loader(yaml.SafeLoader):
-    """Reads compose's `!reset` / `!override` tags as plain values."""
-
-
-_Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
 
 
 def publish(*args: str) -> subprocess.CompletedProcess[str]:
@@ -49,7 +43,7 @@ def test_images_env_becomes_one_pinned_variable_per_image(tmp_path: Path) -> Non
 def test_every_published_image_has_the_variable_its_compose_file_reads() -> None:
     """compose-env's TANDEM_<IMAGE>_IMAGE is what each service's `image:` reads first, before prefix and tag."""
     refs = [service["image"] for name in ("compose.yaml", "compose.cpu.yaml", "compose.replicas.yaml")
-            for service in yaml.load((ROOT / name).read_text(), Loader=_Loader)["services"].values()
+            for service in yaml.load((ROOT / name).read_text(), Loader=ComposeTags)["services"].values()
             if "tandem-" in (service or {}).get("image", "")]
     makefile = (ROOT / "Makefile").read_text()
     stack_images = {i for line in makefile.splitlines() if line.startswith("STACK_IMAGES_")
@@ -93,7 +87,7 @@ def images_a_stack_runs(stack: str) -> dict[str, str]:
     """Each service of the stack's compose files (every profile) -> its `image:`, the last file's."""
     images: dict[str, str] = {}
     for name in STACK_FILES[stack]:
-        for service, spec in yaml.load((ROOT / name).read_text(), Loader=_Loader)["services"].items():
+        for service, spec in yaml.load((ROOT / name).read_text(), Loader=ComposeTags)["services"].items():
             if spec and "image" in spec:
                 images[service] = spec["image"]
     return images

@@ -9,10 +9,10 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
+from helpers.compose_yaml import services
 
 from tandem.acl import ADMIN, USERS, Role, role_url, rules, user_line, without_credentials
 from tandem.dev.composition import Composition, StackConfig
@@ -24,17 +24,6 @@ from tandem_inference.engines.launcher import engine_env
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class _Loader(yaml.SafeLoader):
-    """Reads compose's `!reset` / `!override` tags as plain values."""
-
-
-_Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
-
-
-def services(name: str) -> dict[str, Any]:
-    return yaml.load((ROOT / name).read_text(), Loader=_Loader)["services"]  # noqa: S506 - SafeLoader plus tags
 
 
 def role_of(url: str) -> str:

@@ -10,11 +10,10 @@ from __future__ import annotations
 import re
 import socket
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 from fastapi.testclient import TestClient
+from helpers.compose_yaml import services
 
 from tandem.errors import TandemError
 from tandem.settings import GatewaySettings, RedisSettings, TinkerServiceSettings, TinkerSettings
@@ -23,17 +22,6 @@ from tandem_inference.tinker import main as tinker_main
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class _Loader(yaml.SafeLoader):
-    """Reads compose's `!reset` / `!override` tags as plain values."""
-
-
-_Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
-
-
-def services(name: str) -> dict[str, Any]:
-    return yaml.load((ROOT / name).read_text(), Loader=_Loader)["services"]  # noqa: S506 - SafeLoader plus tags
 
 
 def default(value: str) -> str:
