@@ -97,6 +97,9 @@ def parse() -> argparse.Namespace:
                    help="shared mode: gpus.release_tags as JSON (default the settings' [\"kv_cache\"]; [] frees nothing)")
     p.add_argument("--density-runs", type=run_counts, default=(),
                    help="run counts of the density scenario, comma-separated (default 1,8,32; --quick 1,4)")
+    p.add_argument("--engine-slots", type=int, default=MAX_LOADED_ADAPTERS,
+                   help=f"engine.max_loaded_adapters of the suite's stack (default {MAX_LOADED_ADAPTERS}; "
+                        "8, the shipped default, makes the density scenario's runs share 8 slots)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=64,
                    help="the largest decode batch the engine captures a CUDA graph for: 64 covers the throughput "
                         "grid's 64 clients (at 8, both engines served 64 clients slower than 8)")
@@ -134,7 +137,7 @@ def selected(only: str) -> list[str]:
 def engine_env(args: argparse.Namespace) -> dict[str, str]:
     if args.engine == "transformers":
         return {"TANDEM_ENGINE__KIND": "transformers", "TANDEM_GPUS__MODE": "cpu", "TANDEM_LOG_LEVEL": "INFO",
-                "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": str(MAX_LOADED_ADAPTERS),
+                "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": str(args.engine_slots),
                 "TANDEM_GATEWAY__QUEUE_TIMEOUT_S": str(QUEUE_TIMEOUT_S)}
     env = {
         "TANDEM_GPUS__MODE": args.mode, "TANDEM_GPUS__INFERENCE": args.inference_gpus,
@@ -147,7 +150,7 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
                                                 + engine_args(args.engine_args)),
         "TANDEM_ENGINE__MEM_FRACTION_STATIC": str(mem_fraction(args)),
         "TANDEM_BACKEND__KIND": "auto", "TANDEM_LOG_LEVEL": "INFO",
-        "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": str(MAX_LOADED_ADAPTERS),
+        "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": str(args.engine_slots),
         "TANDEM_GATEWAY__MAX_IN_FLIGHT_TOKENS": "524288",  # as compose.yaml: a GPU takes far more than a CPU
         "TANDEM_GATEWAY__QUEUE_TIMEOUT_S": str(QUEUE_TIMEOUT_S),
     }

@@ -19,7 +19,8 @@
 #                 SHAPE (default 0.5b; 8b: the suite builds the model), MEM (--mem-fraction) and, in
 #                 shared mode, RELEASE (--release-tags: '[]' frees nothing at the hand-over), and
 #                 ENGINE_ARGS (--engine-args: a JSON list of engine flags, a lever) to choose; ONLY=density
-#                 runs the density scenario (1, 8 and 32 runs on one base; DENSITY=1,8 sets the counts)
+#                 runs the density scenario (1, 8 and 32 runs on one base; DENSITY=1,8 sets the counts; SLOTS=8, the
+#                 shipped engine.max_loaded_adapters, instead of the suite's 128)
 #   PART=first    bench/gpu/gpu_first_forward.py --profile: the first response after a load, taken apart
 #   PART=compare  SGLang and vLLM side by side: bench/suite.py --only $ONLY (default
 #                 sync,swaps,agreement,throughput; ONLY=memory,hotload is a second call: all six
@@ -165,7 +166,7 @@ suite)
   timeout "${LIMIT:-560}" /tmp/tdpython bench/suite.py --mode "$mode" --shape "$shape" --only "${ONLY:-sync,swaps}" \
     "${built[@]}" "${common[@]}" ${MEM:+--mem-fraction "$MEM"} ${RELEASE:+--release-tags "$RELEASE"} \
     ${ENGINE_ARGS:+--engine-args "$ENGINE_ARGS"} ${DENSITY:+--density-runs "$DENSITY"} \
-    --out /tmp/suite --state /tmp/suite-state \
+    ${SLOTS:+--engine-slots "$SLOTS"} --out /tmp/suite --state /tmp/suite-state \
     >/tmp/suite.log 2>&1
   echo "suite: exit $? after $((SECONDS - t0)) s"
   tail -50 /tmp/suite.log

@@ -30,8 +30,9 @@ and against one run: aggregate rollout tokens/s and train tokens/s at N / at 1, 
 p95 at N / at 1. Targets (GPU, 0.5B shape, 32 runs against 1): rollout ≥ 0.85, train ≥ 0.80,
 step -> served p95 ≤ 2 x, fairness ≥ 0.8. They are goals on GPUs; on the CPU the table shows them
 beside the ratios (the CPU engine batches only identical requests and shares two cores with the
-trainer, so more runs mostly queue there). What is measured is what the stack does today: one rq
-queue served in order (no fairness across runs yet) and a fixed number of adapter slots in the engine.
+trainer, so more runs mostly queue there). What is measured is what the stack does: the trainer's
+fair turns across runs (docs/operations.md) and the engine's adapter slots (the suite's 128, or
+`--engine-slots 8`, the shipped default, under which 32 runs of 8 steps cycle 256 versions through 8).
 
     full: 1, 8 and 32 runs, 8 steps each on GPUs, 4 on the CPU; quick: 1 and 4 runs, 2 steps each
     (--density-runs 1,4,8 on the suite sets the counts)
