@@ -46,7 +46,7 @@ def record(log_text: str) -> dict[str, Any]:
     command = re.findall(r"starting engine: (.*)$", log_text, re.M)
     boot = re.findall(r"engine healthy in ([0-9.]+) s", log_text)
     overs = handovers(log_text)
-    return {"engine_command": command[0].strip() if command else None,
+    return {"engine_command": command[-1].strip() if command else None,  # the last start: a reused --state appends
             "engine_starts": len(command),
-            "engine_boot_s": float(boot[0]) if boot else None,
+            "engine_boot_s": float(boot[-1]) if boot else None,
             "handovers": overs[:200], "handover": handover_summary(overs)}
