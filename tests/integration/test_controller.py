@@ -598,6 +598,43 @@ async def test_a_version_announced_while_the_reconcile_loads_it_is_announced_onc
     assert controller.table.loaded(run) == [1, 2] and registry.serving(run) == 2
 
 
+async def test_an_adapter_ready_appended_during_the_reconcile_is_seen_before_its_version_would_load(
+    run: str, start, settings: InferenceSettings, redis_conn: redis.Redis, store: AdapterStore,
+    engine: TransformersEngine, tiny_model: Path,
+) -> None:
+    """One periodic reconcile, two runs: it loads the first run's v2, registered with no event (the
+    safety net); while that load runs, the second run's trainer publishes v1 (registered, then
+    adapter_ready). Before loading that one the reconcile reads on in the stream, finds its event
+    and leaves it to it."""
+    settings.controller.reconcile_s = 0.05
+    later = f"{run}z"  # reconciled after `run` (runs go in name order)
+    Registry(redis_conn).create_run(RunSpec(name=later, base_model=str(tiny_model)))
+    controller, registry, events = await serving_v1(start, redis_conn, store, tiny_model, run)
+    loads = record_loads(engine)
+    orphan, other = publish(store, None, tiny_model, run, 2), publish(store, None, tiny_model, later, 1)
+    ready_ids: list[str] = []
+    recorded_load = engine.load_adapter
+
+    async def load_while_the_other_trainer_publishes(name: str, path: str) -> float:
+        if name == f"{run}-v2" and not ready_ids:
+            registry.register_version(other)
+            ready_ids.append(announce(events, store, other))
+        return await recorded_load(name, path)
+
+    engine.load_adapter = load_while_the_other_trainer_publishes  # type: ignore[method-assign]
+    reconciles = PeriodicReconciles(controller, loads, lambda: registry.register_version(orphan))
+    await wait_until(lambda: controller.table.serving(run) == 2 and controller.table.serving(later) == 1,
+                     what="both versions serving")
+    await wait_until(lambda: bool(ready_ids) and committed_past(redis_conn, ready_ids[0]),
+                     what="cursor past the adapter_ready")
+    await wait_until(lambda: len(reconciles.loaded_by) >= 3, what="two more periodic reconciles")
+
+    assert reconciles.loaded_by[0] == [f"{run}-v2"]  # the other run's version was left to its event
+    assert sorted(loads) == sorted([f"{run}-v2", f"{later}-v1"])  # each loaded once
+    assert [e.version for e in events_of(events, EventKind.ADAPTER_LOADED, later)] == [1]
+    assert [e.version for e in events_of(events, EventKind.ADAPTER_LOADED, run)] == [1, 2]
+
+
 async def test_a_version_the_store_showed_late_is_loaded_once_it_appears_and_a_bad_one_never(
     run: str,
     start,

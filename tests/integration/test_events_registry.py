@@ -143,7 +143,9 @@ def test_unread_returns_what_the_stream_holds_past_an_entry_without_waiting(redi
     assert [e.version for e in stream.unread(first, page=2)] == [2, 3, 4, 5, 6]  # the junk skipped
     assert [e.version for e in stream.unread(ids[1], page=2)] == [4, 5, 6]
     assert [e.version for e in stream.unread(first, limit=3, page=2)] == [2, 3]  # 3 entries read, one junk
-    assert stream.unread(ids[-1]) == [] and stream.unread("0-0", limit=0) == []  # nothing new: no wait for it
+    assert stream.unread(ids[2]).last_id == ids[-1]  # where the next look reads on from
+    assert stream.unread(ids[-1]) == [] and stream.unread(ids[-1]).last_id == ids[-1]  # nothing new: no wait
+    assert stream.unread("0-0", limit=0) == []
     assert entry_order("1700000000000-12") > entry_order("1700000000000-9") > entry_order("999999999999-99")
 
 

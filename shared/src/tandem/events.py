@@ -177,18 +177,20 @@ class EventStream:
             raise TypeError(f"expected a RESP2 XREAD reply (a list), got {type(resp).__name__}")
         return EventPage.parse(after, resp[0][1])
 
-    def unread(self, after: str, *, limit: int = 10_000, page: int = 1000) -> list[Event]:
+    def unread(self, after: str, *, limit: int = 10_000, page: int = 1000) -> EventPage:
         """The events already in the stream after entry id `after`, oldest first, without waiting
-        for more; at most `limit` entries are read (a consumer that far behind gets the oldest)."""
-        events: list[Event] = []
+        for more; at most `limit` entries are read (a consumer that far behind gets the oldest).
+        The page's `last_id` is the last entry read (`after` when there was none)."""
+        events = EventPage([], after)
         read = 0
         while read < limit:
-            got = self.read(after, count=min(page, limit - read))
+            got = self.read(events.last_id, count=min(page, limit - read))
+            if got.last_id == events.last_id:
+                break
             read += max(1, len(got) + len(got.malformed))
             events.extend(got)
-            if got.last_id == after:
-                break
-            after = got.last_id
+            events.malformed.extend(got.malformed)
+            events.last_id = got.last_id
         return events
 
     def history(self, *, run: str | None = None, count: int = 1000) -> list[Event]:

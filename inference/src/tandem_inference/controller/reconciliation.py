@@ -54,8 +54,9 @@ def quoted(value: object) -> str:
 
 
 class UnreadReady:
-    """The `adapter_ready` events the follow loop has not read yet, read from the stream at most
-    once per reconcile, and only when a version is about to be loaded.
+    """The `adapter_ready` events the follow loop has not read yet, read from the stream only when
+    a version is about to be loaded (each look reads on from where the last one ended, so an event
+    appended while the reconcile runs is seen too).
 
     The trainer registers a version, then appends its `adapter_ready`; the controller reads
     events and reconciles in turn, so a reconcile that runs while the trainer publishes finds the
@@ -69,15 +70,20 @@ class UnreadReady:
     def __init__(self, events: EventStream, after: str) -> None:
         self.events = events
         self.after = after
-        self._ready: set[tuple[str, int]] | None = None
+        """The last entry read: the follow loop's position, then the end of the last look."""
+        self.left = UNREAD_SCAN_LIMIT
+        """Entries this reconcile may still read."""
+        self.ready: set[tuple[str, int]] = set()
 
     async def holds(self, run: str, version: int) -> bool:
         """Whether an unread `adapter_ready` names this version."""
-        if self._ready is None:
-            unread = await asyncio.to_thread(self.events.unread, self.after, limit=UNREAD_SCAN_LIMIT)
-            self._ready = {(e.run, e.version) for e in unread
-                           if e.kind is EventKind.ADAPTER_READY and e.version is not None}
-        return (run, version) in self._ready
+        if (run, version) not in self.ready and self.left > 0:
+            page = await asyncio.to_thread(self.events.unread, self.after, limit=self.left)
+            self.left -= len(page) + len(page.malformed)
+            self.after = page.last_id
+            self.ready.update((e.run, e.version) for e in page
+                              if e.kind is EventKind.ADAPTER_READY and e.version is not None)
+        return (run, version) in self.ready
 
 
 class Reconciler:

@@ -361,10 +361,11 @@ class Controller:
         due = self.agreement.due(others)
         for held in due:
             self.table.serve(held.run, held.version)
+            # in the same step as the switch: no request sees the new version serve beside one past the window
+            self.unloader.retire_old(held.run, self.settings.controller.keep_versions)  # unloaded outside the lock
             stages = {**held.stages_ms, "agree": (time.monotonic() - held.since) * 1000}
             await asyncio.to_thread(self.announcer.loaded, held.manifest, held.adapter, held.load_ms,
                                     held.ready_to_loaded_ms(), stages, without=held.without)
-            self.unloader.retire_old(held.run, self.settings.controller.keep_versions)  # unloaded outside the lock
             await asyncio.to_thread(self.announcer.write_status, held.run)
         changed = await asyncio.to_thread(self.agreement.check_behind, others)
         if (due or changed) and self.on_change is not None:
