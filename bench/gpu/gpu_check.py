@@ -177,8 +177,10 @@ def main() -> int:
             print(f"[gpu_check] step {step:>3} reward {r['reward']:.3f} v{r['version']} rollout {r['rollout_s']:.2f}s "
                   f"train {r['train_s']:.2f}s sync {r['sync_s']:.2f}s publish->serving {r['publish_to_serving_ms']:.0f}ms",
                   flush=True)
-        loaded = {e.version: e.data for e in client.events.history(run=run.name, count=10_000)
-                  if e.kind is EventKind.ADAPTER_LOADED}
+        loaded: dict[int | None, dict[str, object]] = {}
+        for e in client.events.history(run=run.name, count=10_000):  # each version's first announcement
+            if e.kind is EventKind.ADAPTER_LOADED:
+                loaded.setdefault(e.version, e.data)
         for r in rows:
             r["engine_load_ms"] = loaded.get(r["version"], {}).get("load_ms")
         own_log = stack.state / "logs" / f"{args.engine}.log"  # the engine's own output (SGLang's, vLLM's)

@@ -134,7 +134,10 @@ def run(ctx: Ctx) -> dict[str, Any]:
         time.sleep(0.5)
     events = ctx.client.events.history(run=run.name, count=100_000)
     ready = {e.version: e for e in events if e.kind is EventKind.ADAPTER_READY}
-    loaded = {e.version: e for e in events if e.kind is EventKind.ADAPTER_LOADED}
+    loaded: dict[int | None, Any] = {}
+    for e in events:  # a version's first announcement: when it began to serve (a later one repeats it)
+        if e.kind is EventKind.ADAPTER_LOADED:
+            loaded.setdefault(e.version, e)
     store = ctx.store_root
     rows = []
     for v in mine:

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -23,7 +24,7 @@ from prometheus_client import generate_latest
 
 from tandem import keys
 from tandem.adapters import AdapterStore
-from tandem.events import Cursor, Event, EventKind, EventStream
+from tandem.events import Cursor, Event, EventKind, EventStream, entry_order
 from tandem.registry import Registry
 from tandem.runs import RunSpec
 from tandem.settings import (
@@ -508,6 +509,130 @@ async def test_a_registered_version_never_announced_is_loaded_by_the_periodic_re
     assert events_of(events, EventKind.ADAPTER_LOADED, run)[-1].version == 2
     assert loads == [f"{run}-v2"] and not events_of(events, EventKind.ADAPTER_REJECTED, run)
     assert controller.table.loaded(run) == [1, 2] and controller.status()["retiring"] == []
+
+
+class PeriodicReconciles:
+    """Wraps a controller's periodic reconcile (the one its follow loop runs between reads of the
+    stream) to run `before` once, at the start of the next one, and to record what each loaded."""
+
+    def __init__(self, controller: Controller, loads: list[str], before: Callable[[], None]) -> None:
+        self.loads, self.before = loads, before
+        self.loaded_by: list[list[str]] = []
+        """The engine loads each periodic reconcile made, one list per reconcile since the first `before`."""
+        self._real = controller.reconcile
+        controller.reconcile = self.reconcile  # type: ignore[method-assign]
+
+    async def reconcile(self, *, adopt: bool = True, **kwargs: Any) -> None:
+        if adopt:
+            await self._real(adopt=adopt, **kwargs)
+            return
+        if not self.loaded_by:
+            self.before()  # after the loop's last read of the stream, before this reconcile reads the registry
+        first = len(self.loads)
+        await self._real(adopt=adopt, **kwargs)
+        self.loaded_by.append(self.loads[first:])
+
+
+async def test_a_version_registered_and_announced_while_the_loop_reconciles_loads_from_its_event_once(
+    run: str, start, settings: InferenceSettings, redis_conn: redis.Redis, store: AdapterStore,
+    engine: TransformersEngine, tiny_model: Path,
+) -> None:
+    """The race of issue 42: the trainer registers a version and appends its adapter_ready between the
+    follow loop's read and its periodic reconcile. The reconcile finds the version registered with the
+    event unread: it leaves it to the event, which loads it on the fast path; one load, one
+    adapter_loaded."""
+    settings.controller.reconcile_s = 0.05  # a periodic reconcile after nearly every read
+    controller, registry, events = await serving_v1(start, redis_conn, store, tiny_model, run)
+    loads = record_loads(engine)
+    manifest = publish(store, None, tiny_model, run, 2)  # the files only: registered and announced below
+    ready_ids: list[str] = []
+
+    def trainer_publishes() -> None:
+        registry.register_version(manifest)
+        ready_ids.append(announce(events, store, manifest))
+
+    reconciles = PeriodicReconciles(controller, loads, trainer_publishes)
+    await wait_until(lambda: controller.table.serving(run) == 2, what="v2 serving")
+    await wait_until(lambda: committed_past(redis_conn, ready_ids[0]), what="cursor past the adapter_ready")
+    await wait_until(lambda: len(reconciles.loaded_by) >= 3, what="two more periodic reconciles")
+
+    assert reconciles.loaded_by[0] == []  # the reconcile that saw it first left it to its event
+    assert loads == [f"{run}-v2"]  # loaded once, by the event
+    loaded = [e for e in events_of(events, EventKind.ADAPTER_LOADED, run) if e.version == 2]
+    assert len(loaded) == 1 and loaded[0].job_id == manifest.job_id
+    assert loaded[0].id is not None and entry_order(loaded[0].id) > entry_order(ready_ids[0])
+    assert not events_of(events, EventKind.ADAPTER_HELD, run)  # the reconcile's path announces held versions
+    assert controller.table.loaded(run) == [1, 2] and registry.serving(run) == 2
+
+
+async def test_a_version_announced_while_the_reconcile_loads_it_is_announced_once(
+    run: str, start, settings: InferenceSettings, redis_conn: redis.Redis, store: AdapterStore,
+    engine: TransformersEngine, tiny_model: Path,
+) -> None:
+    """The trainer registered the version and the periodic reconcile began loading it before the
+    adapter_ready was appended: the reconcile's announcement comes after the event in the stream (a
+    client waiting from its adapter_ready hears it), so the event loads nothing and announces nothing."""
+    settings.controller.reconcile_s = 0.05
+    controller, registry, events = await serving_v1(start, redis_conn, store, tiny_model, run)
+    loads = record_loads(engine)
+    manifest = publish(store, None, tiny_model, run, 2)
+    ready_ids: list[str] = []
+    real_load = engine.load_adapter
+
+    async def load_then_the_trainer_announces(name: str, path: str) -> float:
+        if name == f"{run}-v2" and not ready_ids:
+            ready_ids.append(announce(events, store, manifest))  # the trainer's second write lands now
+        return await real_load(name, path)
+
+    engine.load_adapter = load_then_the_trainer_announces  # type: ignore[method-assign]
+    reconciles = PeriodicReconciles(controller, loads, lambda: registry.register_version(manifest))
+    await wait_until(lambda: controller.table.serving(run) == 2, what="v2 serving")
+    await wait_until(lambda: bool(ready_ids) and committed_past(redis_conn, ready_ids[0]),
+                     what="cursor past the adapter_ready")
+    await wait_until(lambda: len(reconciles.loaded_by) >= 3, what="two more periodic reconciles")
+
+    assert reconciles.loaded_by[0] == [f"{run}-v2"] and loads == [f"{run}-v2"]  # the safety net loaded it, once
+    loaded = [e for e in events_of(events, EventKind.ADAPTER_LOADED, run) if e.version == 2]
+    assert len(loaded) == 1 and loaded[0].job_id == manifest.job_id
+    assert loaded[0].id is not None and entry_order(loaded[0].id) > entry_order(ready_ids[0])
+    assert controller.table.loaded(run) == [1, 2] and registry.serving(run) == 2
+
+
+async def test_an_adapter_ready_appended_during_the_reconcile_is_seen_before_its_version_would_load(
+    run: str, start, settings: InferenceSettings, redis_conn: redis.Redis, store: AdapterStore,
+    engine: TransformersEngine, tiny_model: Path,
+) -> None:
+    """One periodic reconcile, two runs: it loads the first run's v2, registered with no event (the
+    safety net); while that load runs, the second run's trainer publishes v1 (registered, then
+    adapter_ready). Before loading that one the reconcile reads on in the stream, finds its event
+    and leaves it to it."""
+    settings.controller.reconcile_s = 0.05
+    later = f"{run}z"  # reconciled after `run` (runs go in name order)
+    Registry(redis_conn).create_run(RunSpec(name=later, base_model=str(tiny_model)))
+    controller, registry, events = await serving_v1(start, redis_conn, store, tiny_model, run)
+    loads = record_loads(engine)
+    orphan, other = publish(store, None, tiny_model, run, 2), publish(store, None, tiny_model, later, 1)
+    ready_ids: list[str] = []
+    recorded_load = engine.load_adapter
+
+    async def load_while_the_other_trainer_publishes(name: str, path: str) -> float:
+        if name == f"{run}-v2" and not ready_ids:
+            registry.register_version(other)
+            ready_ids.append(announce(events, store, other))
+        return await recorded_load(name, path)
+
+    engine.load_adapter = load_while_the_other_trainer_publishes  # type: ignore[method-assign]
+    reconciles = PeriodicReconciles(controller, loads, lambda: registry.register_version(orphan))
+    await wait_until(lambda: controller.table.serving(run) == 2 and controller.table.serving(later) == 1,
+                     what="both versions serving")
+    await wait_until(lambda: bool(ready_ids) and committed_past(redis_conn, ready_ids[0]),
+                     what="cursor past the adapter_ready")
+    await wait_until(lambda: len(reconciles.loaded_by) >= 3, what="two more periodic reconciles")
+
+    assert reconciles.loaded_by[0] == [f"{run}-v2"]  # the other run's version was left to its event
+    assert sorted(loads) == sorted([f"{run}-v2", f"{later}-v1"])  # each loaded once
+    assert [e.version for e in events_of(events, EventKind.ADAPTER_LOADED, later)] == [1]
+    assert [e.version for e in events_of(events, EventKind.ADAPTER_LOADED, run)] == [1, 2]
 
 
 async def test_a_version_the_store_showed_late_is_loaded_once_it_appears_and_a_bad_one_never(

@@ -6,7 +6,7 @@ import pytest
 
 from tandem.adapters import Manifest
 from tandem.errors import RunExists, RunNotFound
-from tandem.events import Cursor, Event, EventKind, EventStream
+from tandem.events import Cursor, Event, EventKind, EventStream, entry_order
 from tandem.registry import Registry
 from tandem.runs import LoraConfig, RunSpec
 
@@ -133,6 +133,20 @@ def test_events_since_a_time_pages_forward_and_skips_what_does_not_parse(redis_c
     assert [e.run for e in stream.since(0.0, page=2)] == ["old", "r", "r", "r", "r", "r"]
     assert [e.version for e in stream.since(1.5, page=2)] == [1, 2, 3, 4, 5]
     assert list(stream.since(time.time() + 3600)) == []
+
+
+def test_unread_returns_what_the_stream_holds_past_an_entry_without_waiting(redis_conn) -> None:
+    stream = EventStream(redis_conn)
+    first = stream.append(Event(kind=EventKind.ADAPTER_LOADED, run="r", version=1))
+    redis_conn.xadd("tandem:events", {"junk": "1"})
+    ids = [stream.append(Event(kind=EventKind.ADAPTER_READY, run="r", version=v)) for v in range(2, 7)]
+    assert [e.version for e in stream.unread(first, page=2)] == [2, 3, 4, 5, 6]  # the junk skipped
+    assert [e.version for e in stream.unread(ids[1], page=2)] == [4, 5, 6]
+    assert [e.version for e in stream.unread(first, limit=3, page=2)] == [2, 3]  # 3 entries read, one junk
+    assert stream.unread(ids[2]).last_id == ids[-1]  # where the next look reads on from
+    assert stream.unread(ids[-1]) == [] and stream.unread(ids[-1]).last_id == ids[-1]  # nothing new: no wait
+    assert stream.unread("0-0", limit=0) == []
+    assert entry_order("1700000000000-12") > entry_order("1700000000000-9") > entry_order("999999999999-99")
 
 
 STORED_GARBAGE = {

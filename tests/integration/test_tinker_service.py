@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import typing
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -221,8 +222,27 @@ def test_a_zstd_protobuf_forward_backward_is_read_and_bad_zstd_refused(url: str,
     assert fb.datums[0].tokens == [4, 5] and fb.datums[0].inputs["target_tokens"] == [5.0, 6.0]
 
 
-def test_an_unsupported_loss_is_refused_by_name(sdk: Any, tiny_model: Path, redis_conn: redis.Redis) -> None:
+#: Every loss the pinned SDK can name that tandem's trainer does not compute (`tt.LossFnType`).
+UNSERVED_LOSSES = [name for name in typing.get_args(tt.LossFnType) if name not in tinker_jobs.LOSSES]
+
+
+def test_the_sdk_names_losses_tandem_refuses() -> None:
+    assert set(UNSERVED_LOSSES) >= {"stable_reinforce", "custom"}  # the SDK's list is read, not made up here
+
+
+@pytest.mark.parametrize("loss_fn", UNSERVED_LOSSES)
+def test_a_loss_tandem_does_not_compute_is_refused_naming_the_supported_ones(
+        url: str, sdk: Any, tiny_model: Path, redis_conn: redis.Redis, loss_fn: str) -> None:
     tc = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
-    with pytest.raises(tinker.UnprocessableEntityError, match="dro"):
-        tc.forward_backward([datum([4, 5, 6])], "dro").result()
-    assert queued(redis_conn) == []
+    config = {"loss_id": "mine"} if loss_fn == "custom" else None  # what the SDK sends for an uploaded loss
+    with pytest.raises(tinker.UnprocessableEntityError) as refused:
+        tc.forward_backward([datum([4, 5, 6])], loss_fn, config).result()
+    message = str(refused.value)
+    assert refused.value.status_code == 422 and f"loss_fn {loss_fn!r} is not supported" in message
+    assert all(name in message for name in tinker_jobs.LOSSES) and "forward_backward_custom" in message
+    # the JSON form of the request is refused the same way
+    body = {"model_id": tc.model_id, "seq_id": 7, "forward_backward_input": {"loss_fn": loss_fn, "data": []}}
+    with httpx.Client(base_url=url, headers={"X-API-Key": f"tml-{API_KEY}"}) as http:
+        refused_json = refusal(http.post("/api/v1/forward_backward", json=body), 422)
+    assert refused_json["param"] == "loss_fn" and all(name in refused_json["error"] for name in tinker_jobs.LOSSES)
+    assert queued(redis_conn) == []  # nothing reached the trainer

@@ -7,6 +7,8 @@ save_weights_and_get_sampling_client completes once version 1 serves and samples
 save_weights names it, and create_training_client_from_state_with_optimizer makes a new model of it
 (a run whose version 1 is that state) which trains on; a datum the
 trainer refuses comes back as the SDK's RequestFailedError with the trainer's message.
+forward_backward_custom runs a client-side loss through the service (a forward, then a
+cross_entropy forward_backward weighted by the loss's gradient), checked against a hand computation.
 """
 
 from __future__ import annotations
@@ -104,3 +106,54 @@ def test_a_datum_the_trainer_refuses_fails_its_future_with_the_trainers_message(
     seen = tc.forward([datum([5, 6, 7])], "cross_entropy").result(timeout=300)  # forward only: the same logprobs
     assert seen.loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx(out.loss_fn_outputs[0]["logprobs"].tolist(),
                                                                          abs=1e-5)
+
+
+def scaled(tokens: list[int], scale: list[float]) -> tt.Datum:
+    """A datum for a custom loss: its targets and a per-token `scale` of the loss's own (the SDK sends
+    only target_tokens and weights to the server; the loss reads the rest client-side)."""
+    return tt.Datum(model_input=tt.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={"target_tokens": tokens[1:],
+                                    "scale": tt.TensorData(data=scale, dtype="float32", shape=[len(scale)])})
+
+
+def squared_logprobs(data: list[tt.Datum], logprobs: list[Any]) -> tuple[Any, dict[str, float]]:
+    """C = sum over datums and tokens of scale * logprob**2 / 2: its gradient, scale * logprob, is
+    what the SDK sends back negated as the cross_entropy weights."""
+    import torch
+
+    loss = sum(((d.loss_fn_inputs["scale"].to_torch() * lp**2) / 2).sum() for d, lp in zip(data, logprobs, strict=True))
+    assert isinstance(loss, torch.Tensor)
+    return loss, {"tokens:sum": float(sum(lp.numel() for lp in logprobs))}
+
+
+def test_forward_backward_custom_trains_on_a_client_side_loss(sdk: Any, tiny_model: Path,
+                                                             redis_conn: redis.Redis) -> None:
+    tc = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    seqs, scales = [[5, 6, 7, 8, 9], [10, 11, 12]], [[1.0, 0.5, 2.0, 1.0], [3.0, 0.25]]
+    weighted = [datum(s) for s in seqs]  # the same tokens, for plain forward passes
+
+    def logprobs() -> list[list[float]]:
+        return [o["logprobs"].tolist() for o in tc.forward(weighted, "cross_entropy").result(timeout=300).loss_fn_outputs]
+
+    def by_hand(lps: list[list[float]]) -> float:
+        return sum(s * lp * lp / 2 for ss, ls in zip(scales, lps, strict=True) for s, lp in zip(ss, ls, strict=True))
+
+    before = logprobs()
+    custom = tc.forward_backward_custom([scaled(s, c) for s, c in zip(seqs, scales, strict=True)], squared_logprobs)
+    step = tc.optim_step(tt.AdamParams(learning_rate=1e-2))  # pipelined behind both of its requests
+    out = custom.result(timeout=300)
+    step.result(timeout=300)
+
+    # the server's pass saw the same weights: its logprobs are the forward's
+    got = [o["logprobs"].tolist() for o in out.loss_fn_outputs]
+    assert [len(g) for g in got] == [4, 2]
+    assert got[0] == pytest.approx(before[0], abs=1e-5) and got[1] == pytest.approx(before[1], abs=1e-5)
+    assert out.metrics["loss:sum"] == pytest.approx(by_hand(before), rel=1e-4)  # C, computed by the SDK
+    assert out.metrics["tokens:sum"] == 6.0  # the loss's own metrics come back
+    # the server's cross_entropy with weights -dC/dlogprob = -scale * logprob: sum(scale * logprob**2) = 2C
+    assert out.metrics["surrogate_loss:sum"] == pytest.approx(2 * by_hand(before), rel=1e-4)
+
+    assert Registry(redis_conn).latest_version(tc.model_id) == 1  # the step published the run's first version
+    after = logprobs()
+    assert all(abs(a - b) > 1e-3 for la, lb in zip(after, before, strict=True) for a, b in zip(la, lb, strict=True))
+    assert by_hand(after) < by_hand(before)  # the weights moved, down the custom loss's gradient

@@ -177,6 +177,22 @@ class EventStream:
             raise TypeError(f"expected a RESP2 XREAD reply (a list), got {type(resp).__name__}")
         return EventPage.parse(after, resp[0][1])
 
+    def unread(self, after: str, *, limit: int = 10_000, page: int = 1000) -> EventPage:
+        """The events already in the stream after entry id `after`, oldest first, without waiting
+        for more; at most `limit` entries are read (a consumer that far behind gets the oldest).
+        The page's `last_id` is the last entry read (`after` when there was none)."""
+        events = EventPage([], after)
+        read = 0
+        while read < limit:
+            got = self.read(events.last_id, count=min(page, limit - read))
+            if got.last_id == events.last_id:
+                break
+            read += max(1, len(got) + len(got.malformed))
+            events.extend(got)
+            events.malformed.extend(got.malformed)
+            events.last_id = got.last_id
+        return events
+
     def history(self, *, run: str | None = None, count: int = 1000) -> list[Event]:
         """Newest `count` events, oldest first, optionally for one run (malformed entries left out)."""
         with translated(self.conn, f"read {keys.EVENTS}"):
@@ -213,6 +229,12 @@ class EventStream:
 def _fields(event: Event) -> dict[FieldT, EncodableT]:
     # xadd takes dict[FieldT, EncodableT] and dict is invariant, so build one of that type.
     return {k: v for k, v in event.fields().items()}
+
+
+def entry_order(entry_id: str) -> tuple[int, int]:
+    """A stream entry id (`<ms>-<seq>`) as a pair that sorts the way Redis orders the entries."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 class Cursor:

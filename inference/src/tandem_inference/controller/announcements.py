@@ -10,7 +10,7 @@ so every Redis error arrives as `BackendUnavailable`, naming the Redis URL.
 from __future__ import annotations
 
 from tandem.adapters import Manifest
-from tandem.events import Event, EventKind, EventStream
+from tandem.events import Event, EventKind, EventStream, entry_order
 from tandem.registry import Registry
 from tandem_inference.controller.metrics import ControllerMetrics
 from tandem_inference.routing import RoutingTable
@@ -27,6 +27,9 @@ class Announcer:
         self.events = events
         self.table = table
         self.metrics = metrics
+        self.last_loaded: dict[str, tuple[int, str]] = {}
+        """Run -> (version, stream entry id) of the newest `adapter_loaded` this process appended
+        for it (see `told_after`)."""
 
     def next_attempt(self, run: str, version: int) -> int:
         """The number of this load attempt of a version (0 first), counted in Redis.
@@ -57,10 +60,28 @@ class Announcer:
             data["stages_ms"] = {k: round(v, 3) for k, v in stages_ms.items()}
         if without:
             data["without"] = sorted(without)
-        self.events.append(Event(
+        entry_id = self.events.append(Event(
             kind=EventKind.ADAPTER_LOADED, run=manifest.run, version=manifest.version, job_id=manifest.job_id,
             data=data,
         ))
+        last = self.last_loaded.get(manifest.run)
+        if last is None or manifest.version >= last[0]:
+            self.last_loaded[manifest.run] = (manifest.version, entry_id)
+
+    def told_after(self, run: str, version: int, entry_id: str) -> bool:
+        """Whether this process announced `run` serving `version` or a newer one in an entry after
+        stream entry `entry_id` (an `adapter_ready`).
+
+        A client waiting for its version reads on from its `adapter_ready` and takes any
+        `adapter_loaded` of that version or a newer one, so such an announcement already told it;
+        one that came before the `adapter_ready` (a version the periodic reconcile loaded before a
+        retried trainer announced it) did not, and is made again."""
+        last = self.last_loaded.get(run)
+        return last is not None and last[0] >= version and entry_order(last[1]) > entry_order(entry_id)
+
+    def forget(self, run: str) -> None:
+        """A deleted run: what was announced of it matters no more."""
+        self.last_loaded.pop(run, None)
 
     def held(self, run: str, version: int, job_id: str | None, held_at: float) -> None:
         """Append `adapter_held`: this replica loaded the version (at `held_at`, before its heartbeat

@@ -7,6 +7,10 @@ loaded again under new names, and adapters the engine holds are sorted: routed o
 alone, at start-up the ones of registered versions are adopted if their files check out, and
 the rest (strays, e.g. a load that completed after its timeout) are unloaded.
 
+The periodic reconcile leaves a new version to its `adapter_ready` when that event is already in
+the stream but not read yet (UnreadReady): each version is loaded once, on the event's path, and
+announced once, whichever of the two comes first.
+
 Only registered runs exist: names in the registry that are no valid run name (a foreign write)
 are skipped, and adapters tandem did not name are left alone. A run the registry no longer has
 (deleted: tandem.deletion) is forgotten: it stops resolving at once, and its adapters, like those
@@ -21,6 +25,7 @@ import logging
 from collections.abc import Callable
 
 from tandem.errors import BackendUnavailable
+from tandem.events import EventKind, EventStream
 from tandem.registry import Registry
 from tandem.runs import RUN_NAME, parse_adapter_name
 from tandem.settings import InferenceSettings
@@ -35,6 +40,9 @@ from tandem_inference.routing import RoutingTable
 
 log = logging.getLogger(__name__)
 
+#: Most stream entries a periodic reconcile reads past the controller's cursor to find the
+#: `adapter_ready` events not handled yet (a controller further behind loads from the reconcile).
+UNREAD_SCAN_LIMIT = 10_000
 #: Longest text of an untrusted value (an event field, a registry entry) quoted in a log line.
 QUOTE_CHARS = 120
 
@@ -43,6 +51,39 @@ def quoted(value: object) -> str:
     """repr of an untrusted value, cut short: stream entries and registry names may be huge."""
     text = repr(value)
     return text if len(text) <= QUOTE_CHARS else f"{text[:QUOTE_CHARS]}... ({len(text)} chars)"
+
+
+class UnreadReady:
+    """The `adapter_ready` events the follow loop has not read yet, read from the stream only when
+    a version is about to be loaded (each look reads on from where the last one ended, so an event
+    appended while the reconcile runs is seen too).
+
+    The trainer registers a version, then appends its `adapter_ready`; the controller reads
+    events and reconciles in turn, so a reconcile that runs while the trainer publishes finds the
+    version registered with its event waiting in the stream. Loading it there would put the
+    version on the slow path (announced only when the whole reconcile is done) and leave its
+    event to announce it a second time; it is left to the event, read right after. A version
+    with no event past the cursor (a trainer killed between the two writes, an event lost or
+    trimmed) is loaded by the reconcile as before: the safety net stays.
+    """
+
+    def __init__(self, events: EventStream, after: str) -> None:
+        self.events = events
+        self.after = after
+        """The last entry read: the follow loop's position, then the end of the last look."""
+        self.left = UNREAD_SCAN_LIMIT
+        """Entries this reconcile may still read."""
+        self.ready: set[tuple[str, int]] = set()
+
+    async def holds(self, run: str, version: int) -> bool:
+        """Whether an unread `adapter_ready` names this version."""
+        if (run, version) not in self.ready and self.left > 0:
+            page = await asyncio.to_thread(self.events.unread, self.after, limit=self.left)
+            self.left -= len(page) + len(page.malformed)
+            self.after = page.last_id
+            self.ready.update((e.run, e.version) for e in page
+                              if e.kind is EventKind.ADAPTER_READY and e.version is not None)
+        return (run, version) in self.ready
 
 
 class Reconciler:
@@ -59,7 +100,8 @@ class Reconciler:
         self.unloader = unloader
         self.metrics = metrics
 
-    async def reconcile(self, *, adopt: bool, hold: Callable[[Held], None] | None = None) -> tuple[list[str], bool]:
+    async def reconcile(self, *, adopt: bool, hold: Callable[[Held], None] | None = None,
+                        unread_after: str | None = None) -> tuple[list[str], bool]:
         """Make the engine and the table serve every registered run's newest registered version.
 
         Versions the table routes to but the engine lost are loaded again. With `adopt` (at
@@ -69,6 +111,9 @@ class Reconciler:
         of a version still wanted (then it serves). Returns the registered runs, and whether
         the engine had lost adapters. With `hold`, a newest version loaded here is handed over held,
         to serve once the replicas agree (tandem_inference.controller.agreement), like one loaded from an event.
+        With `unread_after` (the periodic reconcile: the last stream entry the controller handled),
+        a newest version whose `adapter_ready` is already in the stream past it is left to that
+        event (see `UnreadReady`).
         """
         held = await self.engine.loaded_adapters()
         runs = await self.registered_runs()
@@ -93,9 +138,10 @@ class Reconciler:
         for name, path in held.items():
             await self._sort_held(name, path, runs, adopt=adopt)
         self.loader.forget_old_pending()
+        unread = UnreadReady(self.announcer.events, unread_after) if unread_after is not None else None
         for run in runs:
             try:
-                await self._load_newest(run, hold)
+                await self._load_newest(run, hold, unread)
             except (EngineUnreachable, BackendUnavailable):
                 raise
             except Overloaded as exc:
@@ -123,6 +169,7 @@ class Reconciler:
         """Stop routing to a run the registry no longer has (deleted), and queue its adapters for
         unloading once the requests that hold them end; its gauges go too."""
         dropped = self.table.drop_run(run)
+        self.announcer.forget(run)
         for version, name in dropped.items():
             self.unloader.add(name, run, version, routed=True)
         for gauge in (self.metrics.serving, self.metrics.loaded):
@@ -130,12 +177,14 @@ class Reconciler:
                 gauge.remove(run)
         log.info("run.forgotten run=%s unloading=%s: the run is deleted", run, sorted(dropped.values()))
 
-    async def _load_newest(self, run: str, hold: Callable[[Held], None] | None = None) -> None:
+    async def _load_newest(self, run: str, hold: Callable[[Held], None] | None = None,
+                           unread: UnreadReady | None = None) -> None:
         """Load the run's newest registered version if it does not serve.
 
         A version refused before (same manifest) or whose timed-out load may still complete
         is not tried again; refused ones fall back to the next older one. A version the store
-        did not show (it may lag) is tried again once its backoff has passed.
+        did not show (it may lag) is tried again once its backoff has passed. A version whose
+        `adapter_ready` is in `unread` is left to that event.
         """
         serving = self.table.serving(run)
         if await asyncio.to_thread(self.registry.latest_version, run) <= serving:
@@ -150,6 +199,10 @@ class Reconciler:
                 continue
             if not self.loader.retry_due(run, manifest.version):
                 break  # not shown by the store a moment ago: tried again after its backoff
+            if unread is not None and await unread.holds(run, manifest.version):
+                log.info("%s v%d is registered and its adapter_ready is in the stream, not handled yet; it loads "
+                         "from that event", run, manifest.version)
+                break
             outcome = await self.loader.load(run, manifest.version, ready_ts=manifest.created_at,
                                              job_id=manifest.job_id, hold=hold)
             if outcome is not Outcome.REFUSED:

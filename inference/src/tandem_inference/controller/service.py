@@ -5,7 +5,10 @@ missed event can never leave a run serving a stale version. Then it follows `tan
 from its persisted cursor (one per replica, `<controller.consumer>:<replica.id>`; a replica new
 to the stream starts where the stream ended before that first reconcile), committing after each
 event, so a restart neither misses nor repeats work; every `controller.reconcile_s` it
-reconciles again.
+reconciles again. Events and reconciles take turns in one loop, so a reconcile can find a
+version the trainer registered whose `adapter_ready` is not read yet: it leaves that version to
+the event (read next), and an `adapter_ready` for a version this controller already announced
+after it announces nothing again. Each version is so loaded once and announced once.
 
 Only registered runs exist: an event for any other run is refused and makes no run. Each
 `adapter_ready` is checked and loaded under a fresh name (adapter_loading.py); any refusal
@@ -173,13 +176,16 @@ class Controller:
         log.info("engine healthy at %s after %.1f s", self.engine.url, waited)
         return waited
 
-    async def reconcile(self, *, adopt: bool = True) -> None:
+    async def reconcile(self, *, adopt: bool = True, unread_after: str | None = None) -> None:
         """One reconciliation with the registry (see tandem_inference.controller.reconciliation); `adopt` at
-        start-up and after an engine restart, not in the periodic one."""
+        start-up and after an engine restart, not in the periodic one. `unread_after`: the follow
+        loop's position in the stream; a new version whose `adapter_ready` is past it is not
+        loaded here but by that event, read next (the fast path, announced at once)."""
         t0 = time.monotonic()
         async with self._lock:
             before = set(self.agreement.held)
-            runs, lost = await self.reconciler.reconcile(adopt=adopt, hold=self.agreement.hold)
+            runs, lost = await self.reconciler.reconcile(adopt=adopt, hold=self.agreement.hold,
+                                                         unread_after=unread_after)
             new = [self.agreement.held[key] for key in self.agreement.held.keys() - before]
             if new:  # loaded here, not from an event: tell the other replicas as an event load does
                 if self.on_change is not None:
@@ -216,7 +222,7 @@ class Controller:
             if self.agreement.held or len(page) or time.monotonic() >= self._next_advance:
                 await self.advance()  # held versions, other replicas' news, else once a second
             await self.unload_retired()
-            await self._tick()
+            await self._tick(after)
 
     async def handle(self, event: Event) -> None:
         """Act on one event: load an `adapter_ready`; note another replica's refusal; forget a
@@ -263,6 +269,11 @@ class Controller:
         name = self.table.adapter(run, version)
         if name is not None and version > self.table.serving(run):
             log.info("%s v%d is already held; it serves once the replicas agree", run, version)
+            return
+        if name is not None and event.id is not None and self.announcer.told_after(run, version, event.id):
+            # loaded before this event was read (by a reconcile that ran between the trainer's
+            # registration and this read, or on demand), and announced after it: nothing to add
+            log.info("%s v%d is already loaded as %s and announced after this adapter_ready", run, version, name)
             return
         if name is not None:  # e.g. loaded by the periodic reconcile before a retried trainer announced it
             log.info("%s v%d is already loaded as %s; announcing it again", run, version, name)
@@ -350,21 +361,23 @@ class Controller:
         due = self.agreement.due(others)
         for held in due:
             self.table.serve(held.run, held.version)
+            # in the same step as the switch: no request sees the new version serve beside one past the window
+            self.unloader.retire_old(held.run, self.settings.controller.keep_versions)  # unloaded outside the lock
             stages = {**held.stages_ms, "agree": (time.monotonic() - held.since) * 1000}
             await asyncio.to_thread(self.announcer.loaded, held.manifest, held.adapter, held.load_ms,
                                     held.ready_to_loaded_ms(), stages, without=held.without)
-            self.unloader.retire_old(held.run, self.settings.controller.keep_versions)  # unloaded outside the lock
             await asyncio.to_thread(self.announcer.write_status, held.run)
         changed = await asyncio.to_thread(self.agreement.check_behind, others)
         if (due or changed) and self.on_change is not None:
             await self.on_change()
 
-    async def _tick(self) -> None:
-        """The periodic reconcile, every `controller.reconcile_s`."""
+    async def _tick(self, after: str) -> None:
+        """The periodic reconcile, every `controller.reconcile_s`; `after` is the last stream entry
+        handled: a version whose `adapter_ready` is past it is left to that event."""
         now = time.monotonic()
         if now < self._next_reconcile:
             return
-        await self.reconcile(adopt=False)
+        await self.reconcile(adopt=False, unread_after=after)
         self._next_reconcile = time.monotonic() + self.settings.controller.reconcile_s
 
     # unloading and status ---------------------------------------------------

@@ -146,14 +146,14 @@ def _json_forward_backward(body: bytes) -> tuple[str, int | None, str, dict[str,
     try:
         raw = json.loads(body)
         fbi = raw["forward_backward_input"]
+        loss_fn = wire.check_loss(str(fbi["loss_fn"]))  # first: an unsupported loss is named before its config
         datums = []
         for i, d in enumerate(fbi["data"]):
             tokens = [int(t) for c in d["model_input"]["chunks"] for t in c["tokens"]]
             inputs = {k: [float(x) for x in v["data"]] for k, v in d.get("loss_fn_inputs", {}).items()}
             datums.append(wire.datum(i, tokens, inputs))
         config = {k: float(v) for k, v in (fbi.get("loss_fn_config") or {}).items()}
-        return (str(raw["model_id"]), raw.get("seq_id"), wire.check_loss(str(fbi["loss_fn"])), config, datums,
-                bool(raw.get("forward_only", False)))
+        return (str(raw["model_id"]), raw.get("seq_id"), loss_fn, config, datums, bool(raw.get("forward_only", False)))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise TinkerInvalid(f"the body is not a ForwardBackwardRequest, in JSON or protobuf (Content-Type: "
                          f"{wire.PROTO}): {type(exc).__name__}: {exc}", param="body") from exc

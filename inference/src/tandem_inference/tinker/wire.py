@@ -50,18 +50,26 @@ def parse_forward_backward(body: bytes) -> tuple[str, int | None, str, dict[str,
         msg.ParseFromString(body)
     except DecodeError as exc:
         raise TinkerInvalid(f"the body is not a Tinker ForwardBackwardRequest in protobuf ({exc})") from exc
+    loss_fn = check_loss(msg.loss_fn)  # first: a loss tandem does not compute is named before its config
     config: dict[str, float] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for key, value in msg.loss_fn_config_v2.items():
         if value.WhichOneof("value") == "text":
             raise TinkerInvalid(f"loss_fn_config.{key} is text ({value.text!r}); tandem's losses take numbers",
                              param=f"loss_fn_config.{key}")
     datums = [_datum(i, d) for i, d in enumerate(msg.data)]
-    return msg.model_id, (msg.seq_id or None), check_loss(msg.loss_fn), config, datums, msg.forward_only
+    return msg.model_id, (msg.seq_id or None), loss_fn, config, datums, msg.forward_only
 
 
 def check_loss(name: str) -> str:
+    """`name` if the trainer computes that loss; else TinkerInvalid naming it and the losses it computes.
+
+    The SDK also names `dro`, `gspo`, `stable_reinforce` (which needs sampling-time provenance the
+    sampler does not record) and `custom` (a loss uploaded with `create_custom_loss`); a loss of the
+    caller's own runs through `forward_backward_custom`, which sends only `cross_entropy`."""
     if name not in LOSSES:
-        raise TinkerInvalid(f"loss_fn {name!r} is not supported; tandem computes {', '.join(LOSSES)}", param="loss_fn")
+        raise TinkerInvalid(f"loss_fn {name!r} is not supported; tandem computes {', '.join(LOSSES)} (a loss of "
+                            "your own: TrainingClient.forward_backward_custom, which computes it client-side)",
+                            param="loss_fn")
     return name
 
 
