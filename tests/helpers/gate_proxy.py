@@ -1,5 +1,5 @@
-"""A loopback proxy in front of an engine that counts its generate calls in flight per adapter, and
-holds the calls of chosen runs until it is told to let them through.
+"""A loopback proxy in front of an engine that counts its generate calls in flight per adapter and the
+adapters it holds per run, and holds the calls of chosen runs until it is told to let them through.
 
 A test of the gateway's quotas puts it between the gateway and the transformers engine: what the
 engine is asked at once, per run, is then seen from outside the gateway, and a run's calls can be
@@ -34,14 +34,25 @@ class Gate:
     """The most samples each run had in flight at the engine at once."""
     served: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     """Generate calls each run had answered by the engine."""
+    adapters: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    """Adapters each run has in the engine: from the start of a load to the end of its unload (so
+    never fewer than the engine holds)."""
+    peak_adapters: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """The most adapters each run had in the engine at once."""
+    unloaded: list[str] = field(default_factory=list)
+    """Adapters the engine unloaded, in order."""
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _adapter_run(name: object) -> str:
+    return name.rsplit("-v", 1)[0] if isinstance(name, str) else ""
 
 
 def _run_of(body: dict[str, Any]) -> tuple[str, int]:
     """The run a /generate body's adapter belongs to ('' for the base model), and its samples."""
     adapter = body.get("lora_path")
     adapter = adapter[0] if isinstance(adapter, list) and adapter else adapter
-    run = adapter.rsplit("-v", 1)[0] if isinstance(adapter, str) else ""
+    run = _adapter_run(adapter)
     n = (body.get("sampling_params") or {}).get("n", 1)
     return run, int(n) if isinstance(n, int) else 1
 
@@ -59,8 +70,14 @@ def gate_proxy(target: str) -> Iterator[Gate]:
 
     async def forward(request: Request) -> Response:
         content = await request.body()
-        run, n = "", 0
-        if request.url.path == "/generate":
+        run, n, path = "", 0, request.url.path
+        name = json.loads(content).get("lora_name") if path in ("/load_lora_adapter", "/unload_lora_adapter") else None
+        if path == "/load_lora_adapter":
+            with gate.lock:
+                gate.adapters[_adapter_run(name)].add(str(name))
+                gate.peak_adapters[_adapter_run(name)] = max(gate.peak_adapters[_adapter_run(name)],
+                                                             len(gate.adapters[_adapter_run(name)]))
+        if path == "/generate":
             run, n = _run_of(json.loads(content))
             with gate.lock:
                 gate.in_flight[run] += n
@@ -76,9 +93,14 @@ def gate_proxy(target: str) -> Iterator[Gate]:
             if n:
                 with gate.lock:
                     gate.in_flight[run] -= n
-        if n:
-            with gate.lock:
+        with gate.lock:
+            if n:
                 gate.served[run] += 1
+            if path == "/load_lora_adapter" and upstream.status_code != 200:
+                gate.adapters[_adapter_run(name)].discard(str(name))
+            if path == "/unload_lora_adapter" and upstream.status_code == 200:
+                gate.adapters[_adapter_run(name)].discard(str(name))
+                gate.unloaded.append(str(name))
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
         return Response(upstream.content, status_code=upstream.status_code, headers=headers)
 

@@ -1,6 +1,8 @@
-"""Each run's quota of rollouts in flight at the gateway (gateway/run_quota.py): work beyond it waits
-for its run's turn instead of failing, another run's requests are not held behind it, and a wait
-past its limit is a clear 429 that names the quota and the setting.
+"""Each run's quotas on the inference side: its rollouts in flight at the gateway
+(gateway/run_quota.py: work beyond it waits for its run's turn instead of failing, another run's
+requests are not held behind it, a wait past its limit is a clear 429 that names the quota and the
+setting), and its adapters in the engine (controller/slots.py: a run never holds more than its
+slots, its own least recently used version is evicted first, another run's adapters stay).
 
 The real gateway with its controller, the real transformers engine on the tiny model and a real
 Redis; between the gateway and the engine a loopback proxy (helpers/gate_proxy.py) counts each
@@ -11,6 +13,7 @@ the test looks at a burst while it is certainly still running.
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -45,21 +48,25 @@ def gate(engine_url: str) -> Iterator[Gate]:
 
 
 def start_gateway(stack: ExitStack, role_urls: dict[Role, str], tmp_path: Path, gate: Gate,
-                  tiny_model: Path, tokenizer: Any, **quota: Any) -> tuple[str, AdapterStore]:
+                  tiny_model: Path, tokenizer: Any, controller: dict[str, Any] | None = None,
+                  **quota: Any) -> tuple[str, AdapterStore]:
     settings = inference_settings(role_urls[Role.INFERENCE], tmp_path / "store", gate.url, tiny_model,
                                   limit=MAX_TOKENS, **quota)
+    settings.controller = settings.controller.model_copy(update=controller or {})
     return stack.enter_context(gateway(settings, tokenizer)), AdapterStore(settings.store.root)
 
 
-def serve(url: str, store: AdapterStore, conns: dict[Role, redis.Redis], tiny_model: Path, *runs: str) -> None:
-    """Create each run and publish its version 1 (as the trainer does); wait until each serves it."""
+def serve(url: str, store: AdapterStore, conns: dict[Role, redis.Redis], tiny_model: Path, *runs: str,
+          versions: int = 1) -> None:
+    """Create each run and publish its versions (as the trainer does); wait until each serves its newest."""
     for run in runs:
         Registry(conns[Role.CLIENT]).create_run(RunSpec(name=run, base_model=str(tiny_model)))
-        announce(EventStream(conns[Role.TRAINER]), store, publish(store, Registry(conns[Role.TRAINER]), tiny_model,
-                                                                   run, 1))
+        for version in range(1, versions + 1):
+            announce(EventStream(conns[Role.TRAINER]), store,
+                     publish(store, Registry(conns[Role.TRAINER]), tiny_model, run, version))
     for run in runs:
-        wait_until(lambda r=run: httpx.get(f"{url}/v1/runs/{r}").json()["serving_version"] == 1,
-                   what=f"{run} v1 serving")
+        wait_until(lambda r=run: httpx.get(f"{url}/v1/runs/{r}").json()["serving_version"] == versions,
+                   what=f"{run} v{versions} serving")
 
 
 def metric(url: str, name: str, labels: str = "") -> float:
@@ -137,3 +144,38 @@ def test_a_wait_past_its_limit_is_a_429_that_names_the_quota_and_the_setting(
         assert [a.status_code for a in first_answers] == [200]
         assert metric(url, "tandem_gateway_refused_total", 'reason="run_quota_timeout"') == 1
         assert gate.peak["slow"] == 1
+
+
+def test_a_run_never_holds_more_than_its_engine_slots_and_evicts_its_own_versions_first(
+    gate: Gate, role_urls: dict[Role, str], role_conns: dict[Role, redis.Redis], tmp_path: Path, tiny_model: Path,
+    tokenizer: Any,
+) -> None:
+    """Six versions of one run asked for in random order, a few at a time, through an engine with
+    room for many: the run takes at most its 2 slots, every request is answered by the version it
+    asked for, and the other run's adapter is never unloaded."""
+    with ExitStack() as stack:
+        url, store = start_gateway(stack, role_urls, tmp_path, gate, tiny_model, tokenizer,
+                                   controller={"run_max_loaded_adapters": 2, "keep_versions": 2})
+        serve(url, store, role_conns, tiny_model, "other")
+        serve(url, store, role_conns, tiny_model, "many", versions=6)
+        rng = random.Random(7)
+        asked = [rng.choice([*(f"many@v{v}" for v in range(1, 7)), "other"]) for _ in range(36)]
+
+        async def main() -> list[httpx.Response]:
+            limit = asyncio.Semaphore(4)
+            async with httpx.AsyncClient(timeout=120) as http:
+                async def one(model: str) -> httpx.Response:
+                    async with limit:
+                        return await http.post(f"{url}/v1/completions", json={
+                            "model": model, "prompt": "1 2", "max_tokens": MAX_TOKENS, "temperature": 0})
+                return list(await asyncio.gather(*(one(m) for m in asked)))
+
+        answers = asyncio.run(main())
+    assert [a.status_code for a in answers] == [200] * len(asked), [a.text for a in answers if a.status_code != 200]
+    for model, answer in zip(asked, answers, strict=True):
+        run, _, version = model.partition("@v")
+        assert answer.headers["x-tandem-run"] == run
+        assert answer.headers["x-tandem-version"] == (version or "1")
+    assert gate.peak_adapters["many"] == 2  # at its quota, never past it
+    assert sum(name.startswith("many-v") for name in gate.unloaded) >= 4  # its versions took turns
+    assert not [name for name in gate.unloaded if name.startswith("other-v")]  # the other run's stayed

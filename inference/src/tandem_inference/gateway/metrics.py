@@ -55,7 +55,7 @@ class GatewayMetrics:
         self.refused = Counter("tandem_gateway_refused", "Requests refused with 429, by reason.", ["reason"],
                                registry=registry)
         for reason in ("queue_full", "queue_timeout", "run_queue_full", "run_quota_timeout", "adapter_slots",
-                       "adapter_load"):
+                       "run_adapter_slots", "adapter_load"):
             self.refused.labels(reason)
         self.run_queued = Gauge("tandem_gateway_run_queued_requests", "Generation requests waiting for a turn of "
                                 "their run (beyond gateway.run_max_in_flight_sequences).", registry=registry)
