@@ -121,6 +121,7 @@ _RULES = {
         f"(%R~{_RQ_QUEUE} %R~{_RQ_QUEUE}:intermediate %R~rq:wip:{keys.TRAIN_QUEUE} %R~rq:job:* +lrange +zrange"
         " +hgetall +watch)",
         f"(~{_RQ_QUEUE} +lrem)",
+        f"(~rq:fair:{keys.TRAIN_QUEUE} +hdel)",  # its entry in the queue's fair turns
         "(~rq:job:* +del)",
     ],
     Role.TRAINER: [
