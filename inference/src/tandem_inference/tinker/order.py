@@ -8,13 +8,15 @@ job enqueued, or its save bound to the job before it); one that arrives early is
 again (the SDK retries a POST whose answer it lost) gets the future it got the first time.
 
 The train queue is FIFO with one trainer worker, so enqueueing in seq_id order is training in it.
+An optim_step applies the forward_backward jobs enqueued since the model's last optim_step
+(`gradients_from`), which the order hash keeps.
 
 A training call beyond its run's quota of queued jobs (`tinker.run_max_queued_jobs`,
 tandem.job_quota) is not refused: `room` says no, and it stays parked, with the requests after it,
 its future pending. `resume` applies the parked requests whose turn has come once there is room;
-the service calls it when the SDK polls a future of the model that is not applied yet.
-An optim_step applies the forward_backward jobs enqueued since the model's last optim_step
-(`gradients_from`), which the order hash keeps.
+the service calls it when the SDK polls a future of the model that is not applied yet. A request
+without a seq_id, or one numbered again from 1, is applied at once, as before (the SDK numbers
+every training call).
 """
 
 from __future__ import annotations
