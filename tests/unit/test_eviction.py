@@ -59,6 +59,19 @@ def test_keep_spares_named_versions(table: RoutingTable) -> None:
     assert table.evict_idle(keep=frozenset({("a", 1), ("b", 1)})) == ("c", 1, "c-v1")
 
 
+def test_a_runs_own_eviction_takes_only_its_versions(table: RoutingTable) -> None:
+    """What a run over its quota of slots (controller.run_max_loaded_adapters) evicts: its own least
+    recently used idle version, never another run's, however older that one is."""
+    holds = [table.checkout("a@v1"), table.checkout("a@v2")]
+    assert table.evict_idle(run="a") is None  # both of its versions serve requests: b's and c's are not taken
+    holds[1].release()
+    assert table.evict_idle(run="a") == ("a", 2, "a-v2")  # the only idle one of its own, though b v1 is older
+    holds[0].release()
+    assert table.evict_idle(run="a") == ("a", 1, "a-v1")
+    assert table.evict_idle(run="a") is None
+    assert table.loaded("b") == [1] and table.loaded("c") == [1]
+
+
 def test_a_held_version_newer_than_the_serving_one_is_never_evicted(table: RoutingTable) -> None:
     table.add_version("b", 2, serve=False)  # waits for the replicas to agree
     evicted = [table.evict_idle() for _ in range(5)]

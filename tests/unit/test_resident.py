@@ -169,3 +169,13 @@ def test_the_bounds_are_bounded(field: str) -> None:
     with pytest.raises(ValidationError):
         TrainerBackendSettings(**{field: -1})
     assert getattr(TrainerBackendSettings(), field) is None
+
+
+def test_a_deleted_runs_entry_is_forgotten_with_its_gradients_and_no_other(tmp_path: Path) -> None:
+    cache = ResidentRuns(CPU, ResidentBudget(runs=4))
+    gone, kept = entry(tmp_path, "gone", gradients=True), entry(tmp_path, "kept", gradients=True)
+    cache.put(gone)
+    cache.put(kept)
+    assert cache.forget("gone") and not cache.forget("gone")  # once; then nothing is held of it
+    assert not cache.holds("gone", 1, Path(gone.key[3])) and cache.stats().runs["host"] == 1
+    assert cache.take(kept.key, Path(kept.key[3])) is kept and kept.gradients is not None

@@ -171,6 +171,8 @@ class Overloaded(InferenceError):
         super().__init__(message)
         self.reason = reason
         """`queue_full` (refused at once), `queue_timeout` (waited `gateway.queue_timeout_s`),
+        `run_queue_full` / `run_quota_timeout` (beyond the run's own quota: gateway.run_*),
+        `run_adapter_slots` (the run's own engine slots, controller.run_max_loaded_adapters, all busy),
         `adapter_slots` (every engine slot held by requests in flight for `controller.slot_wait_s`)
         or `adapter_load` (the engine did not load the version in time)."""
         self.retry_after_s = retry_after_s

@@ -149,27 +149,28 @@ class RoutingTable:
             self._used.pop((run, version), None)
             return self._in_flight.get(Route(run, version), 0)
 
-    def evict_idle(self, *, keep: frozenset[tuple[str, int]] = frozenset()) -> tuple[str, int, str] | None:
-        """Take the least recently used loaded version that no request holds out of the routable
-        set, to unload it for room; returns (run, version, adapter name), or None when every
-        loaded version is in flight, held (newer than its run serves) or in `keep`.
+    def evict_idle(self, *, keep: frozenset[tuple[str, int]] = frozenset(),
+                   run: str | None = None) -> tuple[str, int, str] | None:
+        """Take the least recently used loaded version that no request holds (of `run` only, when
+        given) out of the routable set, to unload it for room; returns (run, version, adapter name),
+        or None when every such version is in flight, held (newer than its run serves) or in `keep`.
 
         A run's serving version stays what `<run>` means (loaded again on demand: `NotResident`).
         The check and the removal are one step under the lock, so a checkout either counted its
         request first (the version is not evicted) or finds it gone (and loads it again)."""
         with self._lock:
-            idle = [(self._used.get((run, v), 0), run, v)
-                    for run, versions in self._loaded.items() for v in versions
-                    if (run, v) not in keep and v <= self._serving(run)
-                    and not self._in_flight.get(Route(run, v), 0)]
+            idle = [(self._used.get((r, v), 0), r, v)
+                    for r, versions in self._loaded.items() if run is None or r == run for v in versions
+                    if (r, v) not in keep and v <= self._serving(r)
+                    and not self._in_flight.get(Route(r, v), 0)]
             if not idle:
                 return None
-            _, run, version = min(idle)
-            if version == self._serving(run):
-                self._evicted[run].add(version)
-            name = self._loaded[run].pop(version)
-            self._used.pop((run, version), None)
-            return run, version, name
+            _, victim, version = min(idle)
+            if version == self._serving(victim):
+                self._evicted[victim].add(version)
+            name = self._loaded[victim].pop(version)
+            self._used.pop((victim, version), None)
+            return victim, version, name
 
     def drop_run(self, run: str) -> dict[int, str]:
         """Forget a deleted run: it resolves no more. Returns its routable versions (version ->

@@ -86,9 +86,10 @@ _CLIENT = [
     # SETNX, not SET: a client creates a run spec and never overwrites a key
     f"(~{_RUN} +setnx)",
     f"(~{keys.run_steps('*')} +incrby)",  # redis-py's INCR
-    # rq: enqueue a job on the train queue, read its state, cancel it (to the canceled registry)
+    # rq: enqueue a job on the train queue, read its state, cancel it (to the canceled registry); read
+    # the queue (a run's quota of queued jobs, tandem.job_quota)
     f"(~rq:queues ~rq:job:* ~{_RQ_QUEUE} ~rq:canceled:{keys.TRAIN_QUEUE} ~rq:deferred:{keys.TRAIN_QUEUE}"
-    f" ~rq:scheduled:{keys.TRAIN_QUEUE} +hset +hget +hgetall +hmget +hexists +exists +rpush +lpush +lrem"
+    f" ~rq:scheduled:{keys.TRAIN_QUEUE} +hset +hget +hgetall +hmget +hexists +exists +rpush +lpush +lrem +lrange"
     " +sadd +zadd +zrem +watch)",
     "(%R~rq:results:* +xrevrange +xrange)",  # a job's result, which the trainer writes
 ]
@@ -121,6 +122,7 @@ _RULES = {
         f"(%R~{_RQ_QUEUE} %R~{_RQ_QUEUE}:intermediate %R~rq:wip:{keys.TRAIN_QUEUE} %R~rq:job:* +lrange +zrange"
         " +hgetall +watch)",
         f"(~{_RQ_QUEUE} +lrem)",
+        f"(~rq:fair:{keys.TRAIN_QUEUE} +hdel)",  # its entry in the queue's fair turns
         "(~rq:job:* +del)",
     ],
     Role.TRAINER: [

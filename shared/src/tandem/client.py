@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from tandem import jobs
+from tandem import job_quota, jobs
 from tandem.deletion import Deletion
 from tandem.engine_card import EngineCard
 from tandem.episodes import Episode
@@ -157,7 +157,9 @@ class Run:
         wait=True: return the result once the new version serves. wait=False: return a handle
         at once, after making sure at most `max_staleness_steps` jobs are still unserved, so
         rollouts that follow are never older than the run allows. Rollouts another run sampled
-        are refused (ValidationFailed naming them) before anything is enqueued.
+        are refused (ValidationFailed naming them) before anything is enqueued. While the run has
+        `run_max_queued_jobs` jobs on the queue it waits for the trainer to take one (RunQueueFull
+        past `queue_wait_s`).
         """
         conn = self.client.conn
         # 0 is refused, not read as "the default": the job would run on while the caller was told
@@ -166,6 +168,8 @@ class Run:
         whole = math.ceil(timeout) if timeout >= 1 else timeout
         job = jobs.parse_job({"run": self.name, "groups": list(groups), "timeout_s": whole})
         jobs.check_origins(job)
+        settings = self.client.settings  # beyond the run's quota of queued jobs, wait for room (job_quota)
+        job_quota.wait_for_room(conn, self.name, settings.run_max_queued_jobs, settings.queue_wait_s)
         job = job.model_copy(update={"step": self.client.registry.next_step(self.name)})
         after = self.client.events.last_id()
         jobs.enqueue(conn, job)

@@ -7,6 +7,8 @@ client could change under it (the run's spec and lock, the train queue, the jobs
 
 - the run's keys (`keys.run_state`: spec, versions, job records, step counter, serving and
   loaded versions, load counts) and its name in `tandem:runs`;
+- its entry in the train queue's fair turns (`rq:fair:<queue>`, tandem.fair_queue): a run of the
+  same name created later starts at the queue's clock, as any new run does;
 - its jobs still on the train queue, each with a `train_failed` event, so that a client waiting
   on one is told why instead of waiting out its timeout;
 - and it appends `run_deleted`, on which every inference replica stops routing to the run and
@@ -47,6 +49,7 @@ from tandem import keys
 from tandem.connection import text, translated
 from tandem.errors import RunBusy, RunNotFound
 from tandem.events import Event, EventKind, EventStream
+from tandem.fair_queue import fair_key
 from tandem.jobs import GuardedJob, train_queue
 from tandem.runs import RUN_NAME
 
@@ -118,6 +121,7 @@ def _delete(conn: redis.Redis, pipe: Pipeline, run: str) -> Deletion:
         pipe.delete(lock)  # its holder is dead
     pipe.srem(keys.RUNS, run)
     pipe.sadd(keys.DELETED_RUNS, run)
+    pipe.hdel(fair_key(queue.key), run)
     for job in queued:
         pipe.lrem(queue.key, 0, job.id)
         pipe.delete(job.key)

@@ -8,6 +8,7 @@
     ├── RunExists              create_run on a name that is taken, with another spec (or a
     │                          deleted run's, until the trainer removed its versions)
     ├── RunBusy                deleting a run while a job of it runs (the job is named)
+    ├── RunQueueFull           a run's jobs on the train queue stayed at its quota past the wait
     ├── AdapterError
     │   ├── AdapterRejected    a version on disk that fails verification (checksum, path, rank)
     │   │   └── AdapterNotVisible  its directory or files are not there (yet): retried, never final
@@ -69,6 +70,11 @@ class RunBusy(TandemError):
     def __init__(self, message: str, *, job_id: str | None = None) -> None:
         super().__init__(message)
         self.job_id = job_id
+
+
+class RunQueueFull(TandemError):
+    """A job that waited `queue_wait_s` for its run to have fewer than its quota of jobs on the train
+    queue (tandem.job_quota), and still found it full: no trainer took the run's jobs meanwhile."""
 
 
 class AdapterError(TandemError):

@@ -13,6 +13,7 @@ follow rank 0's orders (step.py):
   gradients are summed across the ranks (`all_reduce`) and every rank takes the same optimizer
   step, so the adapters stay equal without sending weights;
 - `published` and `invalidate`: how the job ended, so that each rank knows which version it holds;
+- `forget_run`: a run was deleted, so each rank forgets what it holds of it;
 - `stop`: rank 0's worker is shutting down.
 
 Orders and notes travel as JSON over a gloo group (nothing is unpickled), gradients over the

@@ -201,5 +201,7 @@ def follow(settings: TrainerSettings, group: Group) -> None:
             backend.mark_active(message["run"], message["version"], Path(message["version_dir"]))
         elif kind == "invalidate":
             backend.invalidate()
+        elif kind == "forget_run":
+            backend.forget_run(message["run"])
         else:
             raise RanksLost(f"rank {group.rank}: unknown order {kind!r} from rank 0")

@@ -7,7 +7,9 @@ of its own (one removal at a time: a large run takes a while, which liveness mus
 For each name whose run is not registered it takes the run's lock (no job of the run is between
 its checks and its writes meanwhile), moves the run's directory aside
 (`<root>/.tmp-deleted-<run>-<hex>`: one rename, so no reader sees half a run), removes it, and
-takes the name out of the set, after which the name may be created again. A name whose run is
+takes the name out of the set, after which the name may be created again. Before that it tells the
+worker's trainer (`JobContext.run_deleted`), whose next job first forgets what its backend holds
+of the run in memory: resident weights, optimizer state, held gradients. A name whose run is
 registered (an entry nobody deleted) is taken out, nothing removed.
 
 Retention (`retention.keep_versions` K above 0): after each publish, under the run's lock, the
@@ -64,10 +66,12 @@ def _discard(store: AdapterStore, path: Path, aside: str) -> bool:
 
 # deleted runs ---------------------------------------------------------------------------------
 def remove_deleted_runs(conn: redis.Redis, store: AdapterStore, owner: str, holder_alive: Callable[[str], bool],
-                        metrics: TrainerMetrics | None = None) -> list[str]:
+                        metrics: TrainerMetrics | None = None,
+                        on_removed: Callable[[str], None] | None = None) -> list[str]:
     """Remove the store directories of the runs named in `tandem:runs:deleted` (see the module
     docstring); returns the names taken out of it. A run whose lock a live job holds waits for the
-    next call."""
+    next call. `on_removed(run)` is told of each deleted run before its name is taken out (the
+    trainer then forgets what it holds of it in memory before a run of that name can come again)."""
     registry = Registry(conn)
     done = []
     for run in registry.deleted_runs():
@@ -85,6 +89,8 @@ def remove_deleted_runs(conn: redis.Redis, store: AdapterStore, owner: str, hold
                 log.warning("store.cleanup: run %s is listed as deleted but is registered; nothing removed", run)
             else:
                 _remove_run(store, run, metrics)
+                if on_removed is not None:
+                    on_removed(run)
             registry.forget_deleted(run)
             done.append(run)
         except (OSError, AdapterRejected) as exc:
@@ -108,8 +114,10 @@ class StoreCleaner:
     """Removes deleted runs' directories (`remove_deleted_runs`) in a thread of its own, when poked."""
 
     def __init__(self, conn: redis.Redis, store: AdapterStore, holder_alive: Callable[[str], bool],
-                 metrics: TrainerMetrics | None = None) -> None:
+                 metrics: TrainerMetrics | None = None, on_removed: Callable[[str], None] | None = None) -> None:
         self.conn, self.store, self.holder_alive, self.metrics = conn, store, holder_alive, metrics
+        self.on_removed = on_removed
+        """Told of each deleted run as it is removed (the trainer's `run_deleted`)."""
         self._thread: threading.Thread | None = None
 
     def poke(self, owner: str) -> None:
@@ -122,7 +130,7 @@ class StoreCleaner:
 
     def _remove(self, owner: str) -> None:
         try:
-            remove_deleted_runs(self.conn, self.store, owner, self.holder_alive, self.metrics)
+            remove_deleted_runs(self.conn, self.store, owner, self.holder_alive, self.metrics, self.on_removed)
         except Exception:  # noqa: BLE001 - logged; the next poke tries again
             log.exception("store.cleanup failed; tried again at the next liveness tick")
 

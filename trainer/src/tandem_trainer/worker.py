@@ -260,7 +260,7 @@ def serve(settings: TrainerSettings, conn: redis.Redis, name: str, *, burst: boo
     scrape_conn = settings.redis.connect(ping=False, timeout_s=SCRAPE_REDIS_TIMEOUT_S)
     try:
         trainer = setup(settings, conn, liveness, group)
-        cleaner.metrics = trainer.metrics
+        cleaner.metrics, cleaner.on_removed = trainer.metrics, trainer.run_deleted
         scrape_queue = train_queue(scrape_conn)
         trainer.metrics.watch_queue(lambda: scrape_queue.count)
         metrics_server = serve_metrics(trainer.metrics, settings.metrics)

@@ -99,7 +99,8 @@ class Controller:
         self.slots = self.loader.slots = Slots(engine, table, self.unloader,
                                                limit=settings.engine.max_loaded_adapters,
                                                wait_s=settings.controller.slot_wait_s,
-                                               evictions=self.metrics.evictions)
+                                               evictions=self.metrics.evictions,
+                                               run_limit=settings.controller.run_max_loaded_adapters)
         """Room for each load: evicts the least recently used idle adapter (tandem_inference.controller.slots)."""
         self.slots.advance = self._advance  # every load runs under the lock, as _advance must
         self.reconciler = Reconciler(settings, engine, table, registry, self.loader, self.announcer, self.unloader,

@@ -9,6 +9,14 @@ with respect to checkouts, so what a request uses is never unloaded). When every
 request in flight, the load waits for one to end, up to `controller.slot_wait_s`; past it the
 load fails with `Overloaded` (`adapter_slots`): the gateway answers 429 with Retry-After.
 
+A run has a quota of its own, `controller.run_max_loaded_adapters`: before the engine's slots are
+counted, a run that already holds that many adapters (by the engine's own list, so retired ones
+not yet unloaded count too) makes room among its own: its retired versions no request holds go,
+then its own least recently used idle adapter is evicted, never another run's. When each of its
+adapters serves a request in flight, the load waits for one of them, within the same
+`controller.slot_wait_s`; past it the load fails with `Overloaded` (`run_adapter_slots`). So one run
+with many versions asked for at once cycles them through its K slots and leaves the others' alone.
+
 Versions newer than their run serves (held while the replicas agree) are never evicted; when
 only they are left, the ones the replicas agree on are served first (the versions they replace
 become evictable). A run's
@@ -26,6 +34,7 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import Counter
 
+from tandem.runs import parse_adapter_name
 from tandem_inference.controller.unloading import Unloader
 from tandem_inference.engines.base import Engine
 from tandem_inference.errors import EngineClientError, Overloaded
@@ -43,12 +52,14 @@ class Slots:
     """Makes room in the engine for one more adapter: unload retired, evict by recency, or wait."""
 
     def __init__(self, engine: Engine, table: RoutingTable, unloader: Unloader, *, limit: int, wait_s: float,
-                 evictions: Counter) -> None:
+                 evictions: Counter, run_limit: int | None = None) -> None:
         self.engine = engine
         self.table = table
         self.unloader = unloader
         self.limit = limit
         """The engine's slots (`engine.max_loaded_adapters`)."""
+        self.run_limit = run_limit or limit
+        """The slots one run's adapters may take (`controller.run_max_loaded_adapters`)."""
         self.wait_s = wait_s
         """Longest wait for a slot while every one serves a request (`controller.slot_wait_s`)."""
         self.evictions = evictions
@@ -62,6 +73,9 @@ class Slots:
         one (their status is to be written). Overloaded when no slot came free within `wait_s`."""
         deadline = time.monotonic() + self.wait_s
         touched: set[str] = set()
+        parsed = parse_adapter_name(for_adapter)
+        if parsed is not None and self.run_limit < self.limit:
+            touched |= await self._make_run_room(parsed[0], for_adapter, deadline)
         waited = False
         while True:
             held = await self._held_count()
@@ -91,6 +105,44 @@ class Slots:
                          for_adapter)
                 waited = True
             await asyncio.sleep(SLOT_POLL_S)
+
+    async def _make_run_room(self, run: str, for_adapter: str, deadline: float) -> set[str]:
+        """Return once `run` holds fewer than `run_limit` adapters in the engine, having unloaded its
+        retired ones and evicted its own least recently used idle ones; Overloaded past `deadline`."""
+        touched: set[str] = set()
+        waited = False
+        while True:
+            held = await self._run_count(run)
+            if held < self.run_limit:
+                return touched
+            touched |= await self.unloader.unload_idle()  # its retired versions no request holds go first
+            if await self._run_count(run) < self.run_limit:
+                continue
+            victim = self.table.evict_idle(run=run)
+            if victim is None and self.advance is not None and self.table.held(run):
+                await self.advance()
+                victim = self.table.evict_idle(run=run)
+            if victim is not None:
+                await self._evict(*victim)
+                touched.add(run)
+                continue
+            if time.monotonic() >= deadline:
+                raise Overloaded(
+                    f"run {run!r} holds {held} adapters, its quota of engine slots "
+                    f"(controller.run_max_loaded_adapters={self.run_limit}), and each serves requests in flight; "
+                    f"none came free within {self.wait_s:g} s (controller.slot_wait_s) to load {for_adapter}; "
+                    f"retry after {SLOT_RETRY_AFTER_S} s, or raise TANDEM_CONTROLLER__RUN_MAX_LOADED_ADAPTERS",
+                    reason="run_adapter_slots", retry_after_s=SLOT_RETRY_AFTER_S)
+            if not waited:
+                log.info("run %s holds its %d slots, each serving a request; %s waits for one", run,
+                         self.run_limit, for_adapter)
+                waited = True
+            await asyncio.sleep(SLOT_POLL_S)
+
+    async def _run_count(self, run: str) -> int:
+        """Adapters of `run` the engine holds (its own list, retired ones included)."""
+        names = await self.engine.loaded_adapters()
+        return sum(1 for name in names if (parsed := parse_adapter_name(name)) is not None and parsed[0] == run)
 
     async def _evict(self, run: str, version: int, name: str) -> None:
         """Unload an adapter taken out of routing for room; a failed unload is retried by the

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tandem.logprobs import policy_temperature
 from tandem_inference.engines.base import Engine, Generated, Sampling
 from tandem_inference.gateway.capacity import Permit
+from tandem_inference.gateway.run_quota import RunPermit, unbounded
 from tandem_inference.gateway.schemas import Kind
 from tandem_inference.routing import Route, VersionHold
 
@@ -34,6 +35,8 @@ class Generation:
     """Whether the reply lists token logprobs."""
     hold: VersionHold
     permit: Permit
+    turn: RunPermit = field(default_factory=unbounded)
+    """The turn of its run it holds (run_quota.py); the base model's requests take none."""
 
     @property
     def route(self) -> Route:
@@ -45,9 +48,10 @@ class Generation:
         return policy_temperature(self.sampling.temperature)
 
     def release(self) -> None:
-        """Give back the version's in-flight count and the room; releasing twice is harmless."""
+        """Give back the version's in-flight count, the room and the run's turn; releasing twice is harmless."""
         self.hold.release()
         self.permit.release()
+        self.turn.release()
 
 
 async def generate(engine: Engine, gen: Generation, *, fan_out: bool) -> list[Generated]:

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem_inference.gateway.capacity import Capacity
+from tandem_inference.gateway.run_quota import RunQuotas
 from tandem_inference.gateway.schemas import Kind
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -53,8 +54,11 @@ class GatewayMetrics:
                                       registry=registry)
         self.refused = Counter("tandem_gateway_refused", "Requests refused with 429, by reason.", ["reason"],
                                registry=registry)
-        for reason in ("queue_full", "queue_timeout", "adapter_slots", "adapter_load"):
+        for reason in ("queue_full", "queue_timeout", "run_queue_full", "run_quota_timeout", "adapter_slots",
+                       "run_adapter_slots", "adapter_load"):
             self.refused.labels(reason)
+        self.run_queued = Gauge("tandem_gateway_run_queued_requests", "Generation requests waiting for a turn of "
+                                "their run (beyond gateway.run_max_in_flight_sequences).", registry=registry)
         self.queue_oldest_wait = Gauge("tandem_gateway_queue_oldest_wait_seconds",
                                        "How long the oldest waiting generation request has waited so far (0: none "
                                        "waits); from half of gateway.queue_timeout_s on, it is overdue.",
@@ -68,8 +72,10 @@ class GatewayMetrics:
         for kind in ("start", "continue"):
             self.episode_turns.labels(kind)
 
-    def watch(self, capacity: Capacity) -> None:
-        """Read queue depth and admitted work from `capacity` at every scrape."""
+    def watch(self, capacity: Capacity, quotas: RunQuotas | None = None) -> None:
+        """Read queue depth and admitted work from `capacity` (and the runs' lines from `quotas`) at every scrape."""
+        if quotas is not None:
+            self.run_queued.set_function(lambda: quotas.queued)
         self.queued.set_function(lambda: capacity.queued)
         self.queue_oldest_wait.set_function(lambda: capacity.oldest_wait_s)
         self.in_flight_sequences.set_function(lambda: capacity.sequences)

@@ -1,6 +1,7 @@
 """`Gateway`: what the routes share, and the way of one generation request through it.
 
-A request is admitted within the capacity (or waits, or is refused with 429), waits while the
+A request of a run takes a turn of its run (run_quota.py: each run's own quota of rollouts in
+flight), is admitted within the capacity (or waits, or is refused with 429), waits while the
 GPU is lent out in shared mode, resolves its `model` to a version and holds it in flight, is
 generated (whole or streamed) and answered in OpenAI's shape with tandem's extension. A turn of
 an episode (episodes.py) is planned before it is admitted and saved once it is generated.
@@ -41,6 +42,7 @@ from tandem_inference.gateway.generation import Generation
 from tandem_inference.gateway.metrics import GatewayMetrics, path_of
 from tandem_inference.gateway.outputs import Output, usage
 from tandem_inference.gateway.responses import ResponseFormat
+from tandem_inference.gateway.run_quota import RunPermit, RunQuotas, unbounded
 from tandem_inference.gateway.schemas import (
     DEFAULT_MAX_TOKENS,
     ChatMessage,
@@ -69,8 +71,9 @@ class Gateway:
         self.settings = settings
         self.admission = admission
         self.capacity = Capacity.from_settings(settings.gateway)
+        self.quotas = RunQuotas.from_settings(settings.gateway)
         self.metrics = metrics if metrics is not None else GatewayMetrics(CollectorRegistry())
-        self.metrics.watch(self.capacity)
+        self.metrics.watch(self.capacity, self.quotas)
         self.engine = engine
         self.table = table
         self.tokenizer = tokenizer
@@ -230,16 +233,30 @@ class Gateway:
             log.info("client left %s before its response; its engine calls were closed", request.url.path)
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
+    async def _turn(self, model: str, n: int) -> RunPermit:
+        """A turn of the run `model` names for `n` samples (none for the base model); it waits while
+        the run has its quota in flight (run_quota.py), 429 past `gateway.run_queue_timeout_s`."""
+        run, _ = parse_model(model)
+        if run == self.table.base_model:
+            return unbounded()
+        return await self.quotas.acquire(run, n)
+
     async def _serve(self, request: Request, kind: Kind, body: SamplingRequest, input_ids: list[int],
                      sampling: Sampling, logprobs: bool, episode: Turn | None) -> Response:
-        permit = await self.capacity.acquire(body.n, body.n * sampling.max_tokens)
+        turn = await self._turn(body.model, body.n)
+        try:
+            permit = await self.capacity.acquire(body.n, body.n * sampling.max_tokens)
+        except BaseException:
+            turn.release()
+            raise
         self.metrics.queue_wait.observe(permit.waited_s)
         try:
             hold = await self.checkout(body.model)
         except BaseException:
             permit.release()
+            turn.release()
             raise
-        gen = Generation(kind, input_ids, sampling, body.n, logprobs, hold, permit)
+        gen = Generation(kind, input_ids, sampling, body.n, logprobs, hold, permit, turn)
         route = gen.route
         request.state.tandem_model = route.run or self.table.base_model
         headers = {"x-tandem-run": route.run or "", "x-tandem-version": str(route.version),

@@ -33,6 +33,9 @@ def resolve(svc: TinkerService, future: Future) -> Future | None:
     """The future with its result or error stored, or None while it is pending."""
     if future.result is not None or future.error is not None or future.proto is not None:
         return future
+    if not future.applied and future.model_id:
+        svc.resume(future.model_id)  # held back by its run's quota of queued jobs: room now?
+        future = svc.state.future(future.request_id)
     if not future.applied:
         return None
     if future.job_id is not None:

@@ -10,6 +10,13 @@ again (the SDK retries a POST whose answer it lost) gets the future it got the f
 The train queue is FIFO with one trainer worker, so enqueueing in seq_id order is training in it.
 An optim_step applies the forward_backward jobs enqueued since the model's last optim_step
 (`gradients_from`), which the order hash keeps.
+
+A training call beyond its run's quota of queued jobs (`tinker.run_max_queued_jobs`,
+tandem.job_quota) is not refused: `room` says no, and it stays parked, with the requests after it,
+its future pending. `resume` applies the parked requests whose turn has come once there is room;
+the service calls it when the SDK polls a future of the model that is not applied yet. A request
+without a seq_id, or one numbered again from 1, is applied at once, as before (the SDK numbers
+every training call).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ FIRST_SEQ = 1
 
 Apply = Callable[[dict[str, Any], "Order"], None]
 """Applies one parked request (its op) with the model's order state at hand."""
+Room = Callable[[dict[str, Any]], bool]
+"""Whether a request (its op) may be applied now: False holds it and the requests after it parked."""
 
 
 class Order:
@@ -53,7 +62,8 @@ class Sequencer:
         with self._guard:
             return self._locks.setdefault(model_id, threading.Lock())
 
-    def submit(self, model_id: str, seq: int | None, request_id: str, op: dict[str, Any], apply: Apply) -> str:
+    def submit(self, model_id: str, seq: int | None, request_id: str, op: dict[str, Any], apply: Apply,
+               room: Room = lambda op: True) -> str:
         """The request's future id: `request_id`, or the one its seq_id got before."""
         key = keys.tinker_order(model_id)
         with self._lock(model_id), translated(self.conn, f"order the requests of model {model_id!r}"):
@@ -73,11 +83,25 @@ class Sequencer:
             parked = {f"seen:{seq}": request_id, f"op:{seq}": json.dumps(op)}
             self._save(key, order, parked)  # parked first: a failure below loses no request
             raw.update(parked)
-            while f"op:{nxt}" in raw:  # each applied request is recorded before the next is applied
-                apply(json.loads(raw[f"op:{nxt}"]), order)
-                self._save(key, order, {"next": str(nxt + 1)}, [f"op:{nxt}"])
-                nxt += 1
+            self._apply_parked(key, raw, order, apply, room)
             return request_id
+
+    def resume(self, model_id: str, apply: Apply, room: Room) -> None:
+        """Apply the model's parked requests whose turn has come, while `room` lets them."""
+        key = keys.tinker_order(model_id)
+        with self._lock(model_id), translated(self.conn, f"resume the requests of model {model_id!r}"):
+            raw = {_s(k): _s(v) for k, v in self.conn.hgetall(key).items()}
+            self._apply_parked(key, raw, Order(raw), apply, room)
+
+    def _apply_parked(self, key: str, raw: dict[str, str], order: Order, apply: Apply, room: Room) -> None:
+        nxt = int(raw.get("next", FIRST_SEQ))
+        while f"op:{nxt}" in raw:  # each applied request is recorded before the next is applied
+            op = json.loads(raw[f"op:{nxt}"])
+            if not room(op):
+                return  # beyond its run's quota: it and the ones after it stay parked
+            apply(op, order)
+            self._save(key, order, {"next": str(nxt + 1)}, [f"op:{nxt}"])
+            nxt += 1
 
     def _save(self, key: str, order: Order, updates: dict[str, str], drop: list[str] | None = None) -> None:
         fields: dict[Any, Any] = {**updates, "gradients": json.dumps(order.gradients), "publisher": order.publisher or ""}

@@ -8,6 +8,7 @@ gateway; the routes (routes.py) parse the SDK's bodies and call it. Futures reso
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -15,6 +16,7 @@ import redis
 from pydantic import ValidationError
 from tinker import types as tt
 
+from tandem import job_quota
 from tandem import tinker_jobs as tj
 from tandem.engine_card import EngineCard
 from tandem.errors import TandemError
@@ -165,8 +167,18 @@ class TinkerService:
                         applied=False, name=op.get("name"), sampling_session_seq_id=op.get("sampling_session_seq_id"))
         op = {**op, "kind": kind, "request_id": request_id}
         self.state.put_future(future)
-        got = self.sequencer.submit(m.model_id, seq, request_id, op, self._apply)
+        got = self.sequencer.submit(m.model_id, seq, request_id, op, self._apply, self._room(m.run))
         return self.state.future(got)
+
+    def resume(self, model_id: str) -> None:
+        """Apply the model's requests held back by its run's quota of queued jobs, as far as there is room."""
+        self.sequencer.resume(model_id, self._apply, self._room(self.state.model(model_id).run))
+
+    def _room(self, run: str) -> Callable[[dict[str, Any]], bool]:
+        """Whether a request may be applied now: a training call only while its run has fewer than
+        `tinker.run_max_queued_jobs` jobs on the train queue (tandem.job_quota)."""
+        limit = self.settings.tinker.run_max_queued_jobs
+        return lambda op: op["kind"] not in _JOBS or job_quota.has_room(self.conn, run, limit)
 
     def _apply(self, op: dict[str, Any], order: Order) -> None:
         """Apply one request in its turn: enqueue its job, or bind its save to the job before it."""

@@ -24,6 +24,12 @@ class ControllerSettings(BaseModel):
     """How long a load waits for a free engine slot (`engine.max_loaded_adapters`) while every
     loaded adapter serves a request in flight, in seconds; past it a request that needed the load is
     answered 429 (`adapter_slots`, with Retry-After) and a newest version is tried again later."""
+    run_max_loaded_adapters: int = Field(4, ge=1, le=256)
+    """Most engine slots (`engine.max_loaded_adapters`) one run's adapters may take at once: its quota
+    of resident adapters. Loading one more of its versions first evicts the run's own least recently
+    used adapter that no request holds, never another run's; while each of them serves a request in
+    flight (or waits to serve) the load waits, as for a free slot, up to `slot_wait_s`. It should be
+    at least `keep_versions`, or the run's newest versions take turns in its slots."""
     reconcile_s: float = Field(5.0, gt=0, le=3600)
     """How often the controller reconciles with the registry and the engine, in seconds: it loads
     a registered version that was never announced, loads again what the engine lost and unloads

@@ -34,6 +34,18 @@ class GatewaySettings(BaseModel):
     """Longest a request waits in the queue for room before it is refused with 429, in seconds."""
     retry_after_s: int = Field(2, ge=1, le=3600)
     """Seconds a refused client is told to wait before it retries (the Retry-After header)."""
+    run_max_in_flight_sequences: int = Field(64, ge=1, le=65536)
+    """Most samples (each request's `n`) one run may have in flight at once, waiting for room or
+    generating: its quota of concurrent rollouts. A run's requests beyond it wait for a turn of their
+    run (the other runs' requests do not wait behind them); a request of more samples than this runs
+    once its run has nothing else in flight. The base model's requests are bounded by
+    `max_in_flight_sequences` only."""
+    run_queue_timeout_s: float = Field(300.0, gt=0, le=3600)
+    """Longest a request beyond its run's quota (`run_max_in_flight_sequences`) waits for a turn of its
+    run, in seconds; past it it is refused with 429 (`run_quota_timeout`) and Retry-After."""
+    run_max_queued_requests: int = Field(1024, ge=1, le=65536)
+    """Most requests of one run that may wait for a turn of their run at once; one more is refused at
+    once with 429 (`run_queue_full`) and Retry-After. It bounds what one run parks in the gateway's memory."""
     published_host: str | None = None
     """Host address the gateway's port is published on when it runs in a container (compose sets it
     from GATEWAY_BIND); the check for serving beyond loopback without `api_key` reads it instead of

@@ -140,6 +140,12 @@ class ClientSettings(_ServiceSettings):
     """Timeout of one rollout request, in seconds."""
     train_timeout_s: float = Field(1800.0, gt=0)
     """How long a synchronous `train()` waits for the new version to serve, in seconds."""
+    run_max_queued_jobs: int = Field(32, ge=1, le=10_000)
+    """Most jobs of one run waiting on the train queue: a `train()` beyond it waits for the trainer to
+    take one of them (tandem.job_quota) instead of enqueueing; nothing is refused for it."""
+    queue_wait_s: float = Field(1800.0, gt=0, le=7 * 24 * 3600)
+    """Longest a `train()` waits for room on the queue (`run_max_queued_jobs`), in seconds; past it
+    it raises RunQueueFull (no trainer took one of the run's jobs all that time)."""
     silent_replica_s: float = Field(15.0, gt=0, le=3600)
     """Once a replica serves the new version, how long `train()` still waits for a ready replica
     that said nothing of it (neither held, served nor refused it), in seconds; then it is not

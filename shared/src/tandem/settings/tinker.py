@@ -35,5 +35,9 @@ class TinkerServiceSettings(BaseModel):
     """How long a future, its result and a session's state live in Redis after they were written, in seconds."""
     max_body_bytes: int = Field(64 * 2**20, ge=1024, le=2**31 - 1)
     """Largest request body the service reads (after zstd decompression), in bytes; a larger one is refused with 413."""
+    run_max_queued_jobs: int = Field(32, ge=1, le=10_000)
+    """Most jobs of one model (run) waiting on the train queue: a training call beyond it is parked
+    with the model's requests that wait their turn, its future pending, and enqueued in seq_id order
+    once a poll of the model's futures finds room (tandem.job_quota); nothing is refused for it."""
     max_lora_rank: int = Field(64, ge=1, le=1024)
     """Highest LoRA rank `create_model` accepts (the engines must load it: `engine.max_lora_rank`)."""

@@ -154,6 +154,15 @@ class Backend(ABC):
         """Forget which version is in memory (after a step that was not published), and every run
         kept in memory besides: the next switch to any run reads the store."""
 
+    def forget_run(self, run: str) -> bool:
+        """Forget everything held of a deleted run: its weights and optimizer state in memory (training
+        or set aside) and the gradients it held; False when nothing was held. A backend that keeps no
+        runs aside forgets the one in memory (`invalidate`) when it is that run's."""
+        if self.active is not None and self.active[0] == run:
+            self.invalidate()
+            return True
+        return False
+
     @property
     @abstractmethod
     def active(self) -> tuple[str, int] | None:

@@ -346,6 +346,17 @@ class PeftBackend(Backend):
         self._active = None
         self._resident.clear("the backend was invalidated")
 
+    def forget_run(self, run: str) -> bool:
+        forgot = self._resident.forget(run)
+        training = self._active[0] if self._active else (self._spec.name if self._spec else None)
+        if training == run:  # its layers stay on the model until the next run's state replaces them
+            self.drop_gradients(f"run {run} was deleted")
+            if self._optimizer is not None:
+                self._optimizer.state.clear()
+            self._active, self._stamp = None, None
+            forgot = True
+        return forgot
+
     @property
     def active(self) -> tuple[str, int] | None:
         return (self._active[0], self._active[1]) if self._active else None

@@ -32,7 +32,8 @@ entry says so: resuming the run starts its optimizer fresh, as resuming from the
 and accumulated gradients (`ResidentRun.unsaved`): such an entry is never evicted to make room
 (the cache goes over its bound and says so) and dropping it (`clear`, a stale key) says it lost
 them. `clear()` drops every entry: the backend's `invalidate`, which rank 0 orders on every
-data-parallel rank after a failed job, and a change of base model.
+data-parallel rank after a failed job, and a change of base model. `forget(run)` drops a
+deleted run's entry, its held gradients with it (the backend's `forget_run`).
 """
 
 from __future__ import annotations
@@ -207,6 +208,16 @@ class ResidentRuns:
         while self._bytes("host") > host_bytes and self._evict("host", f"resident_host_bytes={host_bytes}"):
             pass
         self._count()
+
+    def forget(self, run: str) -> bool:
+        """Drop the entry of a deleted run, gradients and all (they belong to no run now); False when
+        none is kept. Nothing is written: the run's files go too."""
+        entry = self._entries.pop(run, None)
+        if entry is not None:
+            log.info("resident.forget run=%s version=%d bytes=%d why=the run was deleted%s", run, entry.key[1],
+                     entry.nbytes, f" (with its {entry.unsaved})" if entry.unsaved else "")
+            self._count()
+        return entry is not None
 
     def clear(self, why: str) -> None:
         for entry in self._entries.values():

@@ -11,6 +11,7 @@ never builds any of it.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -68,6 +69,8 @@ class JobContext:
         self.metrics.watch_resident(backend.resident_stats)
         self.tracker = tracker
         """The experiment tracker each published step is logged to (tracking.py), if any."""
+        self._deleted: set[str] = set()
+        self._deleted_lock = threading.Lock()
 
     def run_spec(self, name: str) -> RunSpec:
         """The spec of the run a job names; a run that does not exist rejects the job."""
@@ -103,6 +106,28 @@ class JobContext:
             return
         with self.gpu.held() as waited:
             yield waited
+
+    # deleted runs ---------------------------------------------------------------
+    def run_deleted(self, run: str) -> None:
+        """Note, from any thread (the store cleaner's), that `run` was deleted: the next job forgets
+        what the backend holds of it before it starts (`forget_deleted`), so no later run of the name
+        ever meets its state; only the job thread touches the backend."""
+        with self._deleted_lock:
+            self._deleted.add(run)
+
+    def forget_deleted(self) -> list[str]:
+        """Forget, on every rank, what the backend holds of the runs deleted since the last call
+        (resident weights, optimizer state, held gradients); returns the runs it held something of."""
+        with self._deleted_lock:
+            runs, self._deleted = sorted(self._deleted), set()
+        forgot = []
+        for run in runs:
+            if self.backend.forget_run(run):
+                forgot.append(run)
+            self.tell("forget_run", run=run)
+        if forgot:
+            log.info("trainer.forget runs=%s (deleted)", forgot)
+        return forgot
 
     # the other ranks ------------------------------------------------------------
     def invalidate(self) -> None:

@@ -57,6 +57,7 @@ class Trainer(JobContext):
 
     def _perform(self, kind: JobKind[P, R], payload: BaseModel | JsonValue, *, retries_left: int,
                  job_id: str | None) -> R:
+        self.forget_deleted()  # what the backend held of runs deleted since the last job
         started = time.perf_counter()
         attempt = Attempt(*names(payload, job_id), started=started)
         log.info("%s.start run=%s job_id=%s", kind.name, attempt.run, attempt.job_id)
