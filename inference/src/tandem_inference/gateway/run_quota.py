@@ -71,7 +71,8 @@ class RunQuotas:
 
     @classmethod
     def from_settings(cls, settings: GatewaySettings) -> RunQuotas:
-        return cls(max_sequences=settings.run_max_in_flight_sequences, max_queued=settings.run_max_queued_requests,
+        return cls(max_sequences=settings.run_max_in_flight_sequences or settings.max_in_flight_sequences,
+                   max_queued=settings.run_max_queued_requests,
                    wait_s=settings.run_queue_timeout_s, retry_after_s=settings.retry_after_s)
 
     def in_flight(self, run: str) -> int:

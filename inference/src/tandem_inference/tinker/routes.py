@@ -26,6 +26,10 @@ from tandem_inference.tinker.service import TinkerService
 from tandem_inference.tinker.state import Future, new_id
 
 M = TypeVar("M", bound=BaseModel)
+#: A pending future's poll looks again after 10 ms, then 20, 40, ... up to 200 ms between looks, until
+#: `tinker.poll_wait_s`: a job that ends within a few ms is answered within a few ms, and a long one
+#: costs Redis five looks a second.
+POLL_FIRST_S, POLL_LAST_S = 0.01, 0.2
 
 
 def service(request: Request) -> TinkerService:
@@ -234,13 +238,15 @@ async def retrieve_future(request: Request) -> Response:
     svc = service(request)
     deadline = time.monotonic() + svc.settings.tinker.poll_wait_s
     future = await run_in_threadpool(svc.state.future, req.request_id)
+    tick = POLL_FIRST_S
     while True:
         done = await run_in_threadpool(futures.resolve, svc, future)
         if done is not None:
             break
         if time.monotonic() >= deadline:
             return JSONResponse(futures.try_again(req.request_id))
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(tick)
+        tick = min(2 * tick, POLL_LAST_S)
     data, proto = futures.answer(done)
     if proto is not None:
         return Response(proto, media_type=wire.PROTO)

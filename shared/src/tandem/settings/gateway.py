@@ -34,11 +34,13 @@ class GatewaySettings(BaseModel):
     """Longest a request waits in the queue for room before it is refused with 429, in seconds."""
     retry_after_s: int = Field(2, ge=1, le=3600)
     """Seconds a refused client is told to wait before it retries (the Retry-After header)."""
-    run_max_in_flight_sequences: int = Field(64, ge=1, le=65536)
+    run_max_in_flight_sequences: int | None = Field(None, ge=1, le=65536)
     """Most samples (each request's `n`) one run may have in flight at once, waiting for room or
     generating: its quota of concurrent rollouts. A run's requests beyond it wait for a turn of their
     run (the other runs' requests do not wait behind them); a request of more samples than this runs
-    once its run has nothing else in flight. The base model's requests are bounded by
+    once its run has nothing else in flight. Unset, a run may take the whole of
+    `max_in_flight_sequences` (one run alone uses the engine fully); set it below that when several
+    runs share the gateway and one's burst must not fill it. The base model's requests are bounded by
     `max_in_flight_sequences` only."""
     run_queue_timeout_s: float = Field(300.0, gt=0, le=3600)
     """Longest a request beyond its run's quota (`run_max_in_flight_sequences`) waits for a turn of its
