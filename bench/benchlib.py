@@ -45,8 +45,24 @@ SHAPES: dict[str, dict[str, Any]] = {
     "8b": {"hidden_size": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8,
            "intermediate_size": 14336, "max_position_embeddings": 4096, "initializer_range": 0.02},
 }
-SGLANG_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-                "--dtype", "bfloat16"]
+#: The random models are saved in float32; a real model's config says bfloat16, which SGLang's `auto`
+#: dtype would take: every bench engine runs in bfloat16, as it would serve a real model.
+SGLANG_DTYPE = ["--dtype", "bfloat16"]
+#: The kernels the first GPU runs pinned (triton attention, PyTorch sampling, no grammar backend), in
+#: place of what SGLang picks with tandem's shipped command line (fa3 attention, flashinfer sampling,
+#: xgrammar, prefill CUDA graphs on an H100/H200). The suite and gpu_check measure the shipped ones
+#: unless `--kernels bench` asks for these (a lever, measured beside them); the correctness harnesses
+#: (gpu_mixed, one_engine) keep them.
+SGLANG_KERNELS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
+SGLANG_FLAGS = SGLANG_KERNELS + SGLANG_DTYPE
+KERNELS = ("shipped", "bench")
+
+
+def sglang_flags(kernels: str) -> list[str]:
+    """The bench's SGLang flags: bfloat16, and with `kernels` "bench" the pinned kernels too."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels {kernels!r}: choose from {', '.join(KERNELS)}")
+    return SGLANG_FLAGS if kernels == "bench" else SGLANG_DTYPE
 
 class BenchStack(Stack):
     """The local stack with each side in an interpreter of its own choosing.

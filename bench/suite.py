@@ -53,7 +53,18 @@ from tandem.errors import StackError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `bench` when run as a script
 
-from bench.benchlib import SGLANG_FLAGS, SHAPES, BenchStack, Ctx, bench_run, machine, md_table, package_versions, python_versions
+from bench.benchlib import (
+    KERNELS,
+    SHAPES,
+    BenchStack,
+    Ctx,
+    bench_run,
+    machine,
+    md_table,
+    package_versions,
+    python_versions,
+    sglang_flags,
+)
 from bench.report import engine_log
 
 ON_STACK = ["sync", "swaps", "gateway_overhead", "prefix_cache", "pipeline", "load", "agreement", "throughput",
@@ -97,6 +108,10 @@ def parse() -> argparse.Namespace:
                    help="shared mode: gpus.release_tags as JSON (default the settings' [\"kv_cache\"]; [] frees nothing)")
     p.add_argument("--density-runs", type=run_counts, default=(),
                    help="run counts of the density scenario, comma-separated (default 1,8,32; --quick 1,4)")
+    p.add_argument("--kernels", choices=KERNELS, default="shipped",
+                   help="SGLang's kernels: those tandem's command line gets (shipped: fa3 attention, flashinfer "
+                        "sampling on H100/H200), or the pinned triton attention and PyTorch sampling of the first "
+                        "GPU runs (bench), a lever to measure beside them")
     p.add_argument("--engine-slots", type=int, default=MAX_LOADED_ADAPTERS,
                    help=f"engine.max_loaded_adapters of the suite's stack (default {MAX_LOADED_ADAPTERS}; "
                         "8, the shipped default, makes the density scenario's runs share 8 slots)")
@@ -145,8 +160,9 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
         "TANDEM_ENGINE__KIND": args.engine, "TANDEM_ENGINE__SGLANG_PYTHON": args.sglang_python,
         "TANDEM_ENGINE__VLLM_PYTHON": args.vllm_python,
         "TANDEM_ENGINE__MAX_LORA_RANK": "16", "TANDEM_ENGINE__CUDA_GRAPH_MAX_BS": str(args.cuda_graph_max_bs),
-        # SGLang's kernels as the GPU runs measured them; vLLM runs with tandem's flags alone
-        "TANDEM_ENGINE__EXTRA_ARGS": json.dumps((SGLANG_FLAGS if args.engine == "sglang" else [])
+        # SGLang in bfloat16 with the kernels it picks itself (--kernels bench: the first runs' pinned
+        # ones); vLLM runs with tandem's flags alone
+        "TANDEM_ENGINE__EXTRA_ARGS": json.dumps((sglang_flags(args.kernels) if args.engine == "sglang" else [])
                                                 + engine_args(args.engine_args)),
         "TANDEM_ENGINE__MEM_FRACTION_STATIC": str(mem_fraction(args)),
         "TANDEM_BACKEND__KIND": "auto", "TANDEM_LOG_LEVEL": "INFO",

@@ -39,7 +39,7 @@ from tandem.events import EventKind
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench` when run as a script
 
-from bench.benchlib import SGLANG_FLAGS, SHAPES, BenchStack, gpu_memory
+from bench.benchlib import KERNELS, SHAPES, BenchStack, gpu_memory, sglang_flags
 from bench.gpu import gpu_rank_kill
 from bench.report import engine_log
 
@@ -101,6 +101,9 @@ def main() -> int:
     parser.add_argument("--kill-rank", type=int, default=None,
                         help="SIGKILL this data-parallel trainer rank part-way through one job (gpu_rank_kill.py)")
     parser.add_argument("--kill-at-step", type=int, default=None, help="the step of --kill-rank (default: half-way)")
+    parser.add_argument("--kernels", choices=KERNELS, default="shipped",
+                        help="SGLang's kernels: shipped (what tandem's command line gets) or bench (triton attention, "
+                             "PyTorch sampling: the first GPU runs')")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     kill_step = (args.kill_at_step or max(2, args.steps // 2)) if args.kill_rank is not None else None
@@ -123,7 +126,7 @@ def main() -> int:
         "TANDEM_ENGINE__MAX_LORA_RANK": "16",
         "TANDEM_ENGINE__CUDA_GRAPH_MAX_BS": str(args.cuda_graph_max_bs),
         # SGLang's kernels as the GPU runs measured them; vLLM runs with tandem's flags alone (as bench/suite.py)
-        "TANDEM_ENGINE__EXTRA_ARGS": json.dumps(SGLANG_FLAGS if args.engine == "sglang" else []),
+        "TANDEM_ENGINE__EXTRA_ARGS": json.dumps(sglang_flags(args.kernels) if args.engine == "sglang" else []),
         "TANDEM_BACKEND__KIND": args.backend,
         "TANDEM_LOG_LEVEL": "INFO",
         # NVLink multicast stays off on shared hosts, also in the trainer's ranks

@@ -39,6 +39,8 @@
 # A part whose check fails exits non-zero (its files still come back). Each step has a time limit
 # (TEST_LIMIT per engine test, CHECK_LIMIT for gpu_check beside them) so that the part ends, and
 # leaves its files, inside a host's limit per command.
+# KERNELS=bench (check, suite) pins SGLang's triton attention and PyTorch sampling instead of the shipped
+# kernels (a lever to measure beside them).
 # ENGINE=sglang (default) or vllm; ENVS, as bench/gpu/gpu_env.sh reads it, adds vLLM's environment;
 # RECORD (PART=env) names the engines whose answers to record (default sglang; "" for none).
 #   PART=env bash bench/gpu/gpu_proof.sh          # from the repo root; STEPS (default 30)
@@ -61,7 +63,7 @@ case $mode in
 esac
 engines=(--sglang-python /tmp/sgpython --vllm-python /tmp/vlpython)
 pythons=(--tandem-python /tmp/tdpython "${engines[@]}" --trainer-python /tmp/trpython)
-common=(--engine "$engine" "${pythons[@]}" "${placement[@]}")
+common=(--engine "$engine" "${pythons[@]}" "${placement[@]}" ${KERNELS:+--kernels "$KERNELS"})
 second=$([ "$gpus" -ge 2 ] && echo 1 || echo 0)
 out=/tmp/proof-$part
 shared_check() {  # gpu_check of engine $1 in shared mode on GPU 1 (learning, not speed), into /tmp/gc/$1-shared-0.5b
