@@ -179,16 +179,18 @@ def make_backend(config: Config, *, resident: bool) -> Any:
 
 
 def measure(config: Config, progress: Callable[[str], None] = print,
-            phase: Callable[[str], AbstractContextManager[Any]] = lambda name: nullcontext()) -> dict[str, Any]:
+            phase: Callable[[str], AbstractContextManager[Any]] = lambda name: nullcontext(),
+            store: Any = None) -> dict[str, Any]:
     """Every phase's steps (`StepRecord`s as dicts) and the load average around each phase.
 
-    `phase(name)` is entered around each phase (the tests count the store's reads in it).
+    `phase(name)` is entered around each phase (the tests count the store's reads in it); `store`
+    is an `AdapterStore` (default: a new one under `config.out`).
     """
-    from tandem.adapters import AdapterStore
+    if store is None:
+        from tandem.adapters import AdapterStore
 
-    store_root = config.out / "store"
-    store_root.mkdir(parents=True, exist_ok=True)
-    store = AdapterStore(store_root)
+        (config.out / "store").mkdir(parents=True, exist_ok=True)
+        store = AdapterStore(config.out / "store")
     records: list[StepRecord] = []
     loads: dict[str, list[float]] = {}
     runs = TwoRuns(config, make_backend(config, resident=True), store)
