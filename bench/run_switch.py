@@ -8,11 +8,11 @@ stack: no Redis, no engine), with real forward, backward and optimizer steps thr
     (1) alone        N steps of run B in a row: B's adapter stays the training one (no switch)
     (2) interleaved  A, B, A, B, ... N pairs, both runs resident (backends/resident.py): each
                      step switches runs, a swap in memory
-                     (after warm-up steps of both; (1) and (2) alternate in --rounds rounds, N/rounds
-                     steps each, so that drift of a shared machine's load falls on both alike)
-    (3) from store   the same pairs on a backend that keeps no run resident (`runs` 1), so each
-                     switch reads the parent version from the store (for context; --no-store-phase
-                     leaves it out)
+                     (after warm-up steps; (1), (2) and (3) alternate in --rounds rounds of N/rounds
+                     steps each, so that drift of a shared machine's load falls on all alike)
+    (3) from store   the same pairs on a second backend that keeps no run resident (`runs` 1), so
+                     each switch reads the parent version from the store: two other runs of the
+                     same work, taken in the same rounds (for context; --no-store-phase leaves it out)
 
 After each step the trained version is published into an adapter store under --out as a train
 job publishes it (the adapter's files, the manifest, then the optimizer state beside it) and
@@ -34,7 +34,6 @@ these numbers.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
@@ -75,7 +74,7 @@ class Config:
     completion: int = 96
     micro_batch_tokens: int = 4096
     lr: float = 1e-3
-    rounds: int = 2
+    rounds: int = 4
     """The alone and interleaved steps are taken in this many rounds of both, alternating, so that the
     drift of a shared machine's load falls on both alike."""
     store_phase: bool = True
@@ -101,27 +100,32 @@ class StepRecord:
 
 
 class TwoRuns:
-    """Runs A and B of one base model on one backend, published into one store step by step."""
+    """Runs A and B of one base model on one backend, published into one store step by step.
 
-    def __init__(self, config: Config, backend: Any, store: Any, versions: dict[str, int] | None = None) -> None:
+    Runs are named by their role ("a", "b") and `suffix` (the store phase's are other runs, so that
+    neither backend finds the other's newer versions in place of what it holds); both pairs train
+    the same samples."""
+
+    def __init__(self, config: Config, backend: Any, store: Any, suffix: str = "") -> None:
         from tandem.runs import LoraConfig, OptimizerConfig, RunSpec
         from tandem_trainer.microbatch import Sample
 
         self.config, self.backend, self.store = config, backend, store
-        self.versions = versions if versions is not None else dict.fromkeys(RUNS, 0)
-        self.specs = {name: RunSpec(name=name, base_model=config.model, seed=seed,
+        self.names = {role: f"{role}{suffix}" for role in RUNS}
+        self.versions = dict.fromkeys(RUNS, 0)
+        self.specs = {role: RunSpec(name=self.names[role], base_model=config.model, seed=seed,
                                     lora=LoraConfig(r=config.rank, alpha=2.0 * config.rank),
                                     optimizer=OptimizerConfig(lr=config.lr))
-                      for seed, name in enumerate(RUNS)}
-        self.pad_id = backend.model_info(config.model).pad_id
+                      for seed, role in enumerate(RUNS)}
+        info = backend.model_info(config.model)
+        self.pad_id = info.pad_id
         rng = random.Random(1234)
-        vocab = backend.model_info(config.model).vocab_size
-        self.samples = {name: [Sample([rng.randrange(3, vocab) for _ in range(config.prompt)],
-                                      [rng.randrange(3, vocab) for _ in range(config.completion)],
+        self.samples = {role: [Sample([rng.randrange(3, info.vocab_size) for _ in range(config.prompt)],
+                                      [rng.randrange(3, info.vocab_size) for _ in range(config.completion)],
                                       [-6.2] * config.completion, [1] * config.completion,
                                       1.0 if i % 2 else -1.0)
                                for i in range(config.samples)]
-                        for name in RUNS}
+                        for role in RUNS}
 
     def now(self) -> float:
         self.backend.synchronize()  # torch.cuda.synchronize on CUDA: a clock read waits for the device
@@ -132,9 +136,9 @@ class TwoRuns:
         from tandem_trainer.stage_clock import StageClock
         from tandem_trainer.step import StepOrder, train_step
 
-        parent = self.versions[run]
+        parent, name = self.versions[run], self.names[run]
         order = StepOrder(spec=self.specs[run], parent=parent, samples=self.samples[run], pad_id=self.pad_id,
-                          version_dir=str(self.store.version_dir(run, parent)) if parent else None,
+                          version_dir=str(self.store.version_dir(name, parent)) if parent else None,
                           budget=self.config.micro_batch_tokens, entropy=False)
         clock = StageClock(self.backend.synchronize)
         switches = Counter(self.backend.resident_stats().switches)
@@ -148,11 +152,12 @@ class TwoRuns:
                           loss=outcome.stats.sums.get("loss", float("nan")), grad_norm=outcome.grad_norm,
                           stages_s=dict(clock.totals))
 
-    def publish(self, run: str, version: int) -> None:
-        """The trained adapter as version `version` of `run`, as a train job publishes it (the
+    def publish(self, role: str, version: int) -> None:
+        """The trained adapter as version `version` of the run, as a train job publishes it (the
         files, then the backend told it holds that version, then the optimizer state beside it)."""
         from tandem.adapters import ADAPTER_DIR, Manifest
 
+        run = self.names[role]
         adapter = self.backend.stage_adapter()
         with self.store.staging(run, version) as staged:
             checksums = adapter.write(staged / ADAPTER_DIR)
@@ -162,7 +167,7 @@ class TwoRuns:
         self.backend.mark_active(run, version, self.store.version_dir(run, version))
         with self.store.trainer_state(run, version) as state_dir:
             self.backend.save_state(state_dir, trainer_state={"run": run, "version": version})
-        self.versions[run] = version
+        self.versions[role] = version
 
 
 def split(steps: int, rounds: int) -> list[int]:
@@ -193,9 +198,10 @@ def measure(config: Config, progress: Callable[[str], None] = print,
         store = AdapterStore(config.out / "store")
     records: list[StepRecord] = []
     loads: dict[str, list[float]] = {}
-    runs = TwoRuns(config, make_backend(config, resident=True), store)
+    resident = TwoRuns(config, make_backend(config, resident=True), store)
+    through = TwoRuns(config, make_backend(config, resident=False), store, "-store") if config.store_phase else None
 
-    def timed(name: str, order: list[str], round_: int = 0) -> None:
+    def timed(runs: TwoRuns, name: str, order: list[str], round_: int = 0) -> None:
         where = f"{name} {round_}"
         loads[f"{where} start"] = list(os.getloadavg())
         with phase(name):
@@ -207,21 +213,14 @@ def measure(config: Config, progress: Callable[[str], None] = print,
         loads[f"{where} end"] = list(os.getloadavg())
 
     warm = config.warmup
-    timed("warmup", list(RUNS) * (warm + 1) + ["b"] * warm)
+    timed(resident, "warmup", list(RUNS) * (warm + 1) + ["b"] * warm)
+    if through is not None:
+        timed(through, "store-warmup", list(RUNS) * (warm + 1))
     for round_, n in enumerate(split(config.steps, config.rounds)):
-        timed("alone", ["b"] * n, round_)  # B was the last trained: none of these switches
-        timed("interleaved", list(RUNS) * n, round_)
-    if config.store_phase:
-        versions = runs.versions
-        del runs
-        gc.collect()
-        if config.device.startswith("cuda"):
-            import torch
-
-            torch.cuda.empty_cache()
-        runs = TwoRuns(config, make_backend(config, resident=False), store, versions)
-        timed("store-warmup", list(RUNS) * max(1, warm))
-        timed("store", list(RUNS) * config.steps)
+        timed(resident, "alone", ["b"] * n, round_)  # B was the last trained: none of these switches
+        timed(resident, "interleaved", list(RUNS) * n, round_)
+        if through is not None:
+            timed(through, "store", list(RUNS) * n, round_)
     return {"records": [asdict(r) for r in records], "loadavg": loads}
 
 
@@ -301,8 +300,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=8, help="sequences a step")
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens a sequence")
     parser.add_argument("--completion", type=int, default=96, help="completion tokens a sequence")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="alternate the alone and interleaved steps in this many rounds (default 2)")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="alternate the alone and interleaved steps in this many rounds (default 4)")
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads on the CPU (default 1, as the suite gives each service; 0: torch's)")

@@ -49,7 +49,7 @@ def test_the_bench_trains_both_runs_and_b_after_a_is_a_swap_in_memory(tiny_model
     # B's steps alone never switch; after A (both resident) each is a swap in memory, no store read;
     # with no run resident each switch reads the parent version's weights and optimizer state
     assert reads["alone"] == {} and reads["interleaved"] == {} and reads["warmup"] == {}
-    assert reads["store"] == {"weights": 4, "optimizer": 4}  # 2 pairs: A's and B's parents read
+    assert reads["store"] == {"weights": 4, "optimizer": 4}  # 2 pairs: each of A's and B's parents read
     rows = {row["case"]: row for row in result["rows"]}
     assert list(rows) == ["B alone", "B after A, resident", "A after B, resident", "B after A, from the store"]
     assert rows["B alone"]["outcomes"] == {"active": 2} and rows["B alone"]["n"] == 2
@@ -66,17 +66,18 @@ def test_the_bench_trains_both_runs_and_b_after_a_is_a_swap_in_memory(tiny_model
 
     # the steps trained: every step published a version, each from the one before, and the weights moved
     records = measured["records"]
-    steps = Counter(r["run"] for r in records)
-    assert steps == {"a": 2 + 0 + 2 + 1 + 2, "b": 3 + 2 + 2 + 1 + 2}  # warm-up, alone, interleaved, the store's two
-    for run in ("a", "b"):
+    steps = Counter((r["run"] + ("-store" if r["phase"].startswith("store") else "")) for r in records)
+    # warm-up, alone, interleaved; the store's warm-up and its pairs
+    assert steps == {"a": 2 + 0 + 2, "b": 3 + 2 + 2, "a-store": 2 + 2, "b-store": 2 + 2}
+    for run in steps:
+        role, phases = run[0], {"warmup", "alone", "interleaved"} if len(run) == 1 else {"store-warmup", "store"}
         assert store.versions(run) == list(range(1, steps[run] + 1))
-        assert [r["parent"] for r in records if r["run"] == run] == list(range(steps[run]))
+        assert [r["parent"] for r in records if r["run"] == role and r["phase"] in phases] == list(range(steps[run]))
         first, last = adapter(store, run, 1), adapter(store, run, steps[run])
         assert first.keys() == last.keys() and any(not torch.equal(first[k], last[k]) for k in first)
     assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in records)
     a, b = adapter(store, "a", steps["a"]), adapter(store, "b", steps["b"])
     assert any(not torch.equal(a[k], b[k]) for k in a)  # two runs, two adapters
-
 
 def test_the_command_writes_its_results(tiny_model: Path, tmp_path: Path) -> None:
     run_switch = bench_module("run_switch")
