@@ -54,7 +54,6 @@ from bench.benchlib import SHAPES, machine, md_table, pct
 __all__ = ["Config", "main", "measure", "report"]
 
 RUNS = ("a", "b")
-PHASES = ("warmup", "alone", "interleaved", "store")
 
 
 @dataclass(frozen=True)
