@@ -1,7 +1,7 @@
 """A run switch in the trainer: one step of run A between steps of run B, against B's steps alone.
 
-Issue 40 asks, measured: "One step of run A between steps of run B must cost no more than a step
-of B alone plus the swap." This script measures it on one peft backend (the trainer's, not the
+Many runs on one base need one step of run A between steps of run B to cost no more than a step
+of B alone plus the swap. This script measures it on one peft backend (the trainer's, not the
 stack: no Redis, no engine), with real forward, backward and optimizer steps through
 `tandem_trainer.step.train_step`, the function a train job calls:
 

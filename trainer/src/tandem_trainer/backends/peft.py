@@ -35,7 +35,7 @@ from tandem_trainer.backends.base import (
     ModelInfo,
 )
 from tandem_trainer.backends.peft_files import read_version, write_trainer_state
-from tandem_trainer.backends.resident import Outcome, ResidentBudget, ResidentRuns, ResidentStats, Stamp, stamp
+from tandem_trainer.backends.resident import Outcome, ResidentBudget, ResidentRun, ResidentRuns, ResidentStats, Stamp, stamp
 from tandem_trainer.errors import CheckpointError, TrainStepFailed
 from tandem_trainer.grpo import selective_logprobs, token_entropy
 from tandem_trainer.microbatch import MicroBatch
@@ -169,24 +169,12 @@ class PeftBackend(Backend):
         if self._base_name == spec.base_model:
             self._set_aside(spec.name)
         self._ensure_base(spec.base_model)
-        self._drop_adapter()
-        config = LoraConfig(
-            r=spec.lora.r,
-            # peft annotates lora_alpha as int, but scales by alpha / r in float; a run's may be 12.5
-            lora_alpha=spec.lora.alpha,  # type: ignore[arg-type]
-            lora_dropout=spec.lora.dropout,
-            target_modules=list(spec.lora.target_modules),
-            use_rslora=False,
-            bias="none",
-            task_type="CAUSAL_LM",
-        )
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(spec.seed)  # same seed, same fresh adapter
-            try:
-                model = self._wrap(spec, config)
-            except ValueError as exc:  # e.g. a target module the model does not have
-                raise CheckpointError(f"run {spec.name!r}: cannot apply its LoRA config: {exc}") from exc
+        model = self._model if entry is not None and self._layers_fit(spec, entry) else None
+        if model is not None:  # a resident run into the same LoRA layers: its tensors become theirs
+            self.drop_gradients("the run's adapter is replaced by a resident run's")
+        else:
+            self._drop_adapter()
+            model = self._fresh_layers(spec)
         model.train()  # what gradient checkpointing keys on...
         for name, module in model.named_modules():  # ...but the base model's own dropout stays off:
             if isinstance(module, torch.nn.Dropout) and "lora_dropout" not in name:
@@ -208,6 +196,32 @@ class PeftBackend(Backend):
             spec.name, version, version_dir is not None, outcome, time.perf_counter() - started,
         )
         return True
+
+    def _layers_fit(self, spec: RunSpec, entry: ResidentRun) -> bool:
+        """Whether the LoRA layers on the model now can take the resident run's tensors as they are
+        (same base and LoRA config): then switching runs moves tensors in, with no layers rebuilt."""
+        return (self._model is not None and self._spec is not None and self._spec.lora == spec.lora
+                and self._base_name == spec.base_model and self._resident.fits(entry, self._params))
+
+    def _fresh_layers(self, spec: RunSpec) -> PeftModel:
+        """New LoRA layers of the run's config on the base model, seeded by the run."""
+        config = LoraConfig(
+            r=spec.lora.r,
+            # peft annotates lora_alpha as int, but scales by alpha / r in float; a run's may be 12.5
+            lora_alpha=spec.lora.alpha,  # type: ignore[arg-type]
+            lora_dropout=spec.lora.dropout,
+            target_modules=list(spec.lora.target_modules),
+            use_rslora=False,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(spec.seed)  # same seed, same fresh adapter
+            try:
+                return self._wrap(spec, config)
+            except ValueError as exc:  # e.g. a target module the model does not have
+                raise CheckpointError(f"run {spec.name!r}: cannot apply its LoRA config: {exc}") from exc
 
     def _set_aside(self, next_run: str) -> None:
         """Keep the training run's state when it is a published version's (or version 0 holding

@@ -234,13 +234,18 @@ class ResidentRuns:
             weights, state, gradients = set_aside(params, optimizer)
             self.put(ResidentRun(key, stamp, weights, state, gradients, gradient_jobs))
 
+    @staticmethod
+    def fits(entry: ResidentRun, params: list[tuple[str, torch.nn.Parameter]]) -> bool:
+        """Whether the entry's tensors match the parameters by name, shape and dtype."""
+        return entry.weights.keys() == {n for n, _ in params} and all(
+            entry.weights[n].shape == p.shape and entry.weights[n].dtype == p.dtype for n, p in params)
+
     def restore(self, entry: ResidentRun, params: list[tuple[str, torch.nn.Parameter]],
                 optimizer: torch.optim.Optimizer) -> Outcome | None:
         """Make the entry's tensors the parameters' and the optimizer's: no copy when the entry is on
         the device (`hit`), one copy each from pinned host memory when it was spilled (`spill`).
         None (nothing changed) when the entry does not fit the parameters."""
-        if entry.weights.keys() != {n for n, _ in params} or any(
-                entry.weights[n].shape != p.shape or entry.weights[n].dtype != p.dtype for n, p in params):
+        if not self.fits(entry, params):
             self._dropped(entry, "its tensors do not fit the run's LoRA layers")
             return None
         outcome: Outcome = "hit"
