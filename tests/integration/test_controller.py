@@ -565,6 +565,35 @@ async def test_a_version_registered_and_announced_while_the_loop_reconciles_load
     assert controller.table.loaded(run) == [1, 2] and registry.serving(run) == 2
 
 
+async def test_a_controller_behind_the_trainer_loads_a_runs_newest_version_and_skips_the_ones_it_overtook(
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: TransformersEngine, tiny_model: Path,
+) -> None:
+    """While a slow load of another run holds the loop, the trainer publishes v2 and v3 of the run: the
+    next read of the stream finds both adapter_ready events, and only v3 is loaded and announced (a
+    controller behind the trainer loads each run's newest version, not every one it missed)."""
+    controller, registry, events = await serving_v1(start, redis_conn, store, tiny_model, run)
+    other, gate, real_load = f"{run}-b", asyncio.Event(), engine.load_adapter
+
+    async def held_load(name: str, path: str) -> float:
+        if name.startswith(f"{other}-v1"):
+            await gate.wait()
+        return await real_load(name, path)
+
+    engine.load_adapter = held_load  # type: ignore[method-assign]
+    loads = record_loads(engine)
+    registry.create_run(RunSpec(name=other, base_model=str(tiny_model)))
+    announce(events, store, publish(store, registry, tiny_model, other, 1))
+    await wait_until(lambda: any(n.startswith(f"{other}-v1") for n in loads), what="the other run's load begun")
+    for version in (2, 3):
+        announce(events, store, publish(store, registry, tiny_model, run, version))
+    gate.set()
+    await wait_until(lambda: controller.table.serving(run) == 3, what="v3 serving")
+
+    assert [n for n in loads if n.startswith(f"{run}-v")] == [f"{run}-v3"]
+    assert [e.version for e in events_of(events, EventKind.ADAPTER_LOADED, run)] == [1, 3]
+    assert controller.table.serving(other) == 1 and registry.serving(run) == 3
+
+
 async def test_a_version_announced_while_the_reconcile_loads_it_is_announced_once(
     run: str, start, settings: InferenceSettings, redis_conn: redis.Redis, store: AdapterStore,
     engine: TransformersEngine, tiny_model: Path,

@@ -139,6 +139,14 @@ class EventPage(list[Event]):
             page.last_id = text(eid)
         return page
 
+    def newest_ready(self) -> dict[str, int]:
+        """Each run's newest version an `adapter_ready` of this page announces."""
+        newest: dict[str, int] = {}
+        for e in self:
+            if e.kind is EventKind.ADAPTER_READY and e.version is not None:
+                newest[e.run] = max(e.version, newest.get(e.run, 0))
+        return newest
+
 
 class EventStream:
     """Append to and read from `tandem:events`."""

@@ -211,8 +211,9 @@ class Controller:
         log.info("following %s from %s", keys.EVENTS, after)
         while True:
             page = await asyncio.to_thread(self.events.read, after, block_ms=block_ms)
+            newest = page.newest_ready()
             for event in page:
-                await self.handle(event)
+                await self.handle(event, newest)
                 after = event.id or after
                 await asyncio.to_thread(self.cursor.commit, after)
             if page.malformed:
@@ -225,9 +226,10 @@ class Controller:
             await self.unload_retired()
             await self._tick(after)
 
-    async def handle(self, event: Event) -> None:
+    async def handle(self, event: Event, newest: dict[str, int] | None = None) -> None:
         """Act on one event: load an `adapter_ready`; note another replica's refusal; forget a
-        deleted run (a `run_deleted` counts only for a run the registry no longer has)."""
+        deleted run (a `run_deleted` counts only for a run the registry no longer has). `newest`:
+        each run's newest version announced in the page being handled (EventPage.newest_ready)."""
         if event.kind is EventKind.RUN_DELETED:
             if self.table.has_run(event.run) and not await asyncio.to_thread(self.registry.has_run, event.run):
                 self.forget_run(event.run)
@@ -241,7 +243,7 @@ class Controller:
             return
         try:
             async with self._lock:
-                await self._on_ready(event)
+                await self._on_ready(event, (newest or {}).get(event.run, 0))
         except (EngineUnreachable, BackendUnavailable):
             raise  # not the event's fault: it is handled again after recovery
         except Overloaded as exc:  # every slot served a request: the periodic reconcile loads it later
@@ -250,7 +252,7 @@ class Controller:
             log.exception("handling event %s (%s %s v%s) failed; skipping it",
                           event.id, event.kind, quoted(event.run), event.version)
 
-    async def _on_ready(self, event: Event) -> None:
+    async def _on_ready(self, event: Event, newest: int = 0) -> None:
         run, version = event.run, event.version
         if not RUN_NAME.fullmatch(run):
             self.metrics.rejections.labels("").inc()
@@ -285,6 +287,9 @@ class Controller:
         serving = self.table.serving(run)
         if serving > version:
             log.info("skipping %s v%d: v%d already serves", run, version, serving)
+            return
+        if newest > version:  # a controller behind the trainer loads each run's newest, not every version
+            log.info("skipping %s v%d: v%d of the run is announced after it, in this read", run, version, newest)
             return
         if self.loader.pending_for(run, version):
             log.info("skipping %s v%d: its timed-out load may still complete in the engine", run, version)

@@ -129,11 +129,14 @@ def _named(svc: TinkerService, future: Future, model_id: str, run: str, version:
 
 def serves(svc: TinkerService, run: str, version: int) -> bool:
     """Whether a ready inference replica holds the run's version (or, with no replica heartbeats,
-    whether the controller recorded it loaded)."""
+    whether the controller recorded it loaded), or serves a newer one: a controller behind the
+    trainer loads each run's newest version and skips the ones it overtook, and a sampler pinned
+    to a skipped version has it loaded on demand by its first request."""
     replicas = [r for r in Replicas(svc.conn, prune=False).live() if r.ready]
     if replicas:
-        return any(version in (r.runs[run].loaded if run in r.runs else []) for r in replicas)
-    return version in svc.registry.loaded(run)
+        return any(run in r.runs and (version in r.runs[run].loaded or r.runs[run].serving > version)
+                   for r in replicas)
+    return version in svc.registry.loaded(run) or svc.registry.serving(run) > version
 
 
 def answer(future: Future) -> tuple[dict[str, Any] | None, bytes | None]:
