@@ -8,7 +8,8 @@
 #   images/publish.sh kustomize FILE OVERLAY OUT   # OUT/kustomization.yaml: OVERLAY with FILE's digests
 #
 # push: for every IMAGE (a name such as tandem-trainer-cpu; the local image is IMAGE:LOCAL_TAG,
-# default dev), first every check, then every push, so one failed check publishes nothing:
+# default dev), first every check, then every push, so one failed check publishes nothing (the
+# images' checks at once, then their pushes at once):
 #   - the image runs as a user other than root;
 #   - its OCI labels (org.opencontainers.image.source, revision, version, licenses, created) are
 #     set: `make images` sets them from git;
@@ -140,6 +141,52 @@ sbom() {
   rm -rf "$tmp"
 }
 
+check_and_sbom() {
+  local image="$1" local_tag="$2" out="$3" tool="$4"
+  check_image "$image" "$image:$local_tag"
+  sbom "$image" "$image:$local_tag" "$out/sbom/$image.cdx.json" "$tool"
+}
+
+# Push IMAGE:LOCAL_TAG as REGISTRY/IMAGE:TAG for every TAG; its images.env line in $JOBS/IMAGE.line.
+push_image() {
+  local image="$1" local_ref="$1:$2" registry="$3" tag digest="" line started=$SECONDS
+  shift 3
+  for tag in "$@"; do
+    docker tag "$local_ref" "$registry/$image:$tag"
+    line="$(docker push "$registry/$image:$tag" | tail -n 1)"
+    [[ "$line" =~ digest:\ (sha256:[0-9a-f]{64}) ]] || die "push $registry/$image:$tag: no digest in docker's answer: $line"
+    [[ -z "$digest" || "$digest" == "${BASH_REMATCH[1]}" ]] \
+      || die "push $registry/$image: tag $tag got ${BASH_REMATCH[1]}, an earlier tag $digest"
+    digest="${BASH_REMATCH[1]}"
+  done
+  echo "publish: $registry/$image@$digest (tags: $*; pushed in $((SECONDS - started)) s)"
+  echo "$image=$registry/$image@$digest" >"$JOBS/$image.line"
+}
+
+# each_image WHY FUNC ARGS... -- IMAGE...: `FUNC IMAGE ARGS...` for every image at once (a check
+# is mostly imports and a push mostly compression, one core each: one after the other they took
+# twice as long on 2 cores), each one's output shown after, in the images' order; dies naming
+# every image whose FUNC failed, and WHY.
+each_image() {
+  local why="$1" func="$2" image
+  shift 2
+  local -a args=() pids=() failed=()
+  while [[ "$1" != -- ]]; do args+=("$1"); shift; done
+  shift
+  for image in "$@"; do
+    ( "$func" "$image" "${args[@]}" ) >"$JOBS/$image.out" 2>"$JOBS/$image.err" &
+    pids+=($!)
+  done
+  local i=0
+  for image in "$@"; do
+    wait "${pids[$i]}" || failed+=("$image")
+    cat "$JOBS/$image.out"
+    cat "$JOBS/$image.err" >&2
+    i=$((i + 1))
+  done
+  ((${#failed[@]} == 0)) || die "${failed[*]}: failed (above); $why"
+}
+
 push() {
   local registry="" out=".tandem/publish" local_tag="dev" tool="${SBOM_TOOL:-.venv-tools/bin/cyclonedx-py}"
   local -a tags=() images=()
@@ -164,30 +211,21 @@ push() {
   fi
   mkdir -p "$out/sbom"
 
-  local image local_ref tag digest line started=$SECONDS
+  local image started=$SECONDS
   for image in "${images[@]}"; do
     [[ "$image" =~ ^tandem-[a-z0-9-]+$ ]] || die "push: '$image' is not an image name such as tandem-trainer-cpu"
-    local_ref="$image:$local_tag"
-    check_image "$image" "$local_ref"
-    sbom "$image" "$local_ref" "$out/sbom/$image.cdx.json" "$tool"
   done
+  JOBS="$(mktemp -d)"
+  trap 'rm -rf "$JOBS"' EXIT
+  each_image "nothing is pushed" check_and_sbom "$local_tag" "$out" "$tool" -- "${images[@]}"
   echo "publish: ${#images[@]} image(s) checked, SBOMs written in $((SECONDS - started)) s; pushing"
+  started=$SECONDS
+  each_image "no images.env is written" push_image "$local_tag" "$registry" "${tags[@]}" -- "${images[@]}"
+  echo "publish: ${#images[@]} image(s) pushed in $((SECONDS - started)) s"
 
   local -a lines=()
   for image in "${images[@]}"; do
-    local_ref="$image:$local_tag"
-    digest=""
-    started=$SECONDS
-    for tag in "${tags[@]}"; do
-      docker tag "$local_ref" "$registry/$image:$tag"
-      line="$(docker push "$registry/$image:$tag" | tail -n 1)"
-      [[ "$line" =~ digest:\ (sha256:[0-9a-f]{64}) ]] || die "push $registry/$image:$tag: no digest in docker's answer: $line"
-      [[ -z "$digest" || "$digest" == "${BASH_REMATCH[1]}" ]] \
-        || die "push $registry/$image: tag $tag got ${BASH_REMATCH[1]}, an earlier tag $digest"
-      digest="${BASH_REMATCH[1]}"
-    done
-    echo "publish: $registry/$image@$digest (tags: ${tags[*]}; pushed in $((SECONDS - started)) s)"
-    lines+=("$image=$registry/$image@$digest")
+    lines+=("$(cat "$JOBS/$image.line")")
   done
   printf '%s\n' "${lines[@]}" | sort >"$out/images.env"
   echo "publish: wrote $out/images.env"

@@ -63,20 +63,22 @@ def kill_node(node: WorkerProcess) -> None:
 
 def test_a_node_killed_as_the_round_closes_leaves_the_other_waiting_for_it(workers, redis_conn) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
-    first = workers(node_env(port))
+    # what the dead node never writes is waited for parallel.rendezvous_read_timeout_s (60 s unset)
+    env = {**node_env(port), "TANDEM_PARALLEL__RENDEZVOUS_READ_TIMEOUT_S": "15"}
+    first = workers(env)
     wait_for(lambda: answers(port), 90, "the first node to host the rendezvous", first)
 
     dying = subprocess.run([sys.executable, "-c", DIES_AS_THE_ROUND_CLOSES, f"127.0.0.1:{port}"],
                            capture_output=True, text=True, timeout=90)
     assert dying.returncode == -signal.SIGKILL, dying.stderr[-3000:]
 
-    # torch's store waits 60 s for what the dead node never wrote; the first node then goes back
+    # torch's store waits 15 s for what the dead node never wrote; the first node then goes back
     wait_for(lambda: "trainer.rendezvous_lost" in first.log(), 100, "the first node to go back to the rendezvous",
              first)
     log = first.log()
     assert "a node that joined the round stopped before the ranks started" in log
     assert "waits up to 150s for the other nodes" in log
-    second = workers(node_env(port))
+    second = workers(env)
     wait_for(lambda: "parallel.start rank=" in first.log() and "parallel.start rank=" in second.log(), 120,
              "the two nodes to meet", first)
     assert "world=2" in first.log() and "world=2" in second.log()

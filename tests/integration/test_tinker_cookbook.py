@@ -104,8 +104,11 @@ def run_example(script: str, endpoint: tuple[str, str], args: list[str], log_pat
 @pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo"])
 def test_the_cookbooks_rl_loop_raises_the_reward(tinker_stack: tuple[str, str], tiny_model: Path,
                                                  loss_fn: str, tmp_path: Path) -> None:
+    # 2 groups of 8 a step, half the example's default: sampling is most of a step, and the reward
+    # still rises by about 0.75 (docs/tinker.md)
     rows = run_example("tinker_rl.py", tinker_stack, ["--model", str(tiny_model.resolve()), "--loss-fn", loss_fn,
-                                                      "--steps", "40", "--min-rise", "0.3"], tmp_path / "rl")
+                                                      "--steps", "40", "--min-rise", "0.3",
+                                                      "--groups-per-batch", "2"], tmp_path / "rl")
     rewards = [float(row[REWARD_KEY]) for row in rows if REWARD_KEY in row]
     assert len(rewards) == 40, f"the loop logged {len(rewards)} steps, not 40"
     first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])

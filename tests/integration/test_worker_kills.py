@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers.jobs import status
 from helpers.redis_server import RedisServer
-from helpers.workers import start_workers, stop_workers, wait_for
+from helpers.workers import WorkerProcess, start_workers, stop_workers, wait_for
 from rq.job import JobStatus
 
 from tandem import Client, LoraConfig
@@ -30,6 +30,10 @@ from tandem.trajectories import TrajectoryGroup
 from tandem_trainer.failpoints import POINTS
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+#: The trainers' liveness TTL (`liveness_ttl_s`, 8 s unset): a killed trainer is known dead, and its
+#: job handed back, this long after it died.
+FAST_LIVENESS = {"TANDEM_LIVENESS_TTL_S": "4"}
 
 
 class InferenceStack(Stack):
@@ -63,6 +67,11 @@ def side(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator
         redis.stop()
 
 
+def taken_or_dead(worker: WorkerProcess, job_id: str) -> bool:
+    """Whether `worker` took the job (rq logs its id as it dequeues it) or already died."""
+    return job_id in worker.log() or worker.proc.poll() is not None
+
+
 def groups(seed: int) -> list[TrajectoryGroup]:
     rng = random.Random(seed)
     out = []
@@ -81,12 +90,15 @@ def test_a_trainer_killed_at_any_point_leaves_one_served_version(point: str, sid
     run = side.client.create_run(f"kill-{point.replace('_', '-')}", base_model=str(tiny_model), lora=LoraConfig(r=4))
     start, started = start_workers(side.redis.url, side.root, tmp_path)
     try:
-        armed = start({"TANDEM_TRAINER_FAILPOINTS": point})
+        armed = start({**FAST_LIVENESS, "TANDEM_TRAINER_FAILPOINTS": point})
         handle = run.train(groups(seed=len(point)), wait=False, timeout_s=300)
+        # the rescuer starts once the job is the armed trainer's: it cannot take the job before
+        # the armed one dies, and it loads while the armed one runs to its failpoint
+        wait_for(lambda: taken_or_dead(armed, handle.job_id), 120, "the armed trainer to take the job", armed)
+        rescuer = start(FAST_LIVENESS)
         assert armed.wait_dead() == -signal.SIGKILL
         assert f"failpoint {point}" in armed.log()
 
-        rescuer = start()
         result = handle.result(timeout_s=120)  # returns once the version serves
         assert (result.version, result.parent, result.job_id) == (1, 0, handle.job_id)
 
@@ -113,7 +125,7 @@ def test_a_job_requeued_after_its_trainer_died_publishes_before_the_steps_sent_a
                                  max_staleness_steps=3)
     start, started = start_workers(side.redis.url, side.root, tmp_path)
     try:
-        named = {"TANDEM_WORKER_NAME": "trainer-pipelined"}
+        named = {**FAST_LIVENESS, "TANDEM_WORKER_NAME": "trainer-pipelined"}
         armed = start({**named, "TANDEM_TRAINER_FAILPOINTS": "mid_training"})
         handles = [run.train(groups(seed=s), wait=False, timeout_s=300) for s in (1, 2, 3)]
         assert armed.wait_dead() == -signal.SIGKILL

@@ -25,6 +25,9 @@ from tandem.runs import LoraConfig, RunSpec
 pytestmark = pytest.mark.integration
 
 INTERMEDIATE = f"rq:queue:{keys.TRAIN_QUEUE}:intermediate"
+#: The trainers' liveness TTL (`liveness_ttl_s`, 8 s unset): a dead trainer is known dead, and its
+#: job handed back, this long after it died.
+FAST = {"TANDEM_LIVENESS_TTL_S": "4"}
 
 
 @pytest.fixture
@@ -40,7 +43,7 @@ def events(conn, kind: EventKind, job_id: str) -> list:
 
 def test_a_job_taken_by_a_trainer_that_died_before_starting_it_runs_on_the_next(
         workers, redis_conn, registry: Registry) -> None:
-    first = workers()
+    first = workers(FAST)
     first.wait_listening()
     # "Listening on" is logged before rq cleans its registries and blocks: stop it only once Redis
     # shows it blocked in BLMOVE, so that Redis still hands it the next job.
@@ -54,7 +57,7 @@ def test_a_job_taken_by_a_trainer_that_died_before_starting_it_runs_on_the_next(
     first.proc.wait(10)
     assert status(redis_conn, job_id) == JobStatus.QUEUED  # taken, never started
 
-    second = workers()
+    second = workers(FAST)
     second.wait_listening()
     wait_for(lambda: status(redis_conn, job_id) == JobStatus.FINISHED, 45, "the job to finish", second)
     assert redis_conn.llen(INTERMEDIATE) == 0
@@ -65,12 +68,12 @@ def test_a_job_taken_by_a_trainer_that_died_before_starting_it_runs_on_the_next(
 def test_a_job_killed_between_register_and_announce_is_announced_by_its_retry(
         workers, redis_conn, registry: Registry) -> None:
     job_id = enqueue(redis_conn, make_job("unannounced"))
-    first = workers({"TANDEM_TRAINER_FAILPOINTS": "after_register"})
+    first = workers({**FAST, "TANDEM_TRAINER_FAILPOINTS": "after_register"})
     assert first.wait_dead() == -signal.SIGKILL
     assert registry.version_of_job(RUN, job_id) == 1  # registered...
     assert events(redis_conn, EventKind.ADAPTER_READY, job_id) == []  # ...never announced
 
-    second = workers()
+    second = workers(FAST)
     wait_for(lambda: status(redis_conn, job_id) == JobStatus.FINISHED, 90, "the retry to finish", second)
     ready = events(redis_conn, EventKind.ADAPTER_READY, job_id)
     assert [(e.run, e.version) for e in ready] == [(RUN, 1)]
@@ -84,11 +87,11 @@ def test_a_job_whose_version_is_published_ends_finished_even_with_no_retries_lef
         workers, redis_conn, registry: Registry) -> None:
     job_id = enqueue(redis_conn, make_job("published"))
     redis_conn.hset(f"rq:job:{job_id}", "retries_left", 0)  # earlier kills used up its retries
-    first = workers({"TANDEM_TRAINER_FAILPOINTS": "before_finish"})
+    first = workers({**FAST, "TANDEM_TRAINER_FAILPOINTS": "before_finish"})
     assert first.wait_dead() == -signal.SIGKILL
     assert registry.version_of_job(RUN, job_id) == 1  # published and announced; rq never heard
 
-    second = workers()
+    second = workers(FAST)
     wait_for(lambda: status(redis_conn, job_id) in (JobStatus.FINISHED, JobStatus.FAILED), 90,
              "the job to end", second)
     assert status(redis_conn, job_id) == JobStatus.FINISHED  # rq agrees with the registry
@@ -103,10 +106,10 @@ def test_a_job_abandoned_with_no_retries_left_fails_with_an_event(
         workers, redis_conn, registry: Registry) -> None:
     job_id = enqueue(redis_conn, make_job("out-of-retries"))
     redis_conn.hset(f"rq:job:{job_id}", "retries_left", 0)
-    first = workers({"TANDEM_TRAINER_FAILPOINTS": "mid_training"})
+    first = workers({**FAST, "TANDEM_TRAINER_FAILPOINTS": "mid_training"})
     assert first.wait_dead() == -signal.SIGKILL
 
-    second = workers()
+    second = workers(FAST)
     wait_for(lambda: status(redis_conn, job_id) == JobStatus.FAILED, 60, "the job to fail", second)
     [failed] = events(redis_conn, EventKind.TRAIN_FAILED, job_id)
     assert failed.run == RUN and failed.data["retries_left"] == 0 and "died" in failed.data["message"]
@@ -116,13 +119,13 @@ def test_a_job_abandoned_with_no_retries_left_fails_with_an_event(
 def test_a_recovery_lock_left_by_a_dead_trainer_does_not_keep_its_job_abandoned(
         workers, redis_conn, registry: Registry) -> None:
     job_id = enqueue(redis_conn, make_job("lock-left"))
-    first = workers({"TANDEM_TRAINER_FAILPOINTS": "mid_training", "TANDEM_WORKER_NAME": "trainer"})
+    first = workers({**FAST, "TANDEM_TRAINER_FAILPOINTS": "mid_training", "TANDEM_WORKER_NAME": "trainer"})
     assert first.wait_dead() == -signal.SIGKILL
     # As if it died inside a liveness tick's recovery: the lock names it and lives 30 s more.
     dead_token = redis_conn.get(keys.trainer_alive("trainer")) or b"trainer#0000dead"
     redis_conn.set(keys.TRAINER_RECOVERY, dead_token, px=30_000)
 
-    second = workers({"TANDEM_WORKER_NAME": "trainer"})  # the same name: a restarted container
+    second = workers({**FAST, "TANDEM_WORKER_NAME": "trainer"})  # the same name: a restarted container
     wait_for(lambda: status(redis_conn, job_id) == JobStatus.FINISHED, 25,
              "the job to finish before the dead trainer's lock would have expired", second)
     assert "recovery.lock_taken_over" in second.log()

@@ -68,7 +68,7 @@ def test_torchrun_starts_the_trainer_module_once_per_rank_on_this_machine() -> N
     args = torchrun_args(ParallelSettings(ranks=4, max_restarts=7), 4, ["--burst"], "127.0.0.1:41234")
     # the ranks of one machine meet on loopback, at the store the launcher hosts there
     assert args[:6] == ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:41234", "--rdzv-id=tandem-trainer",
-                        "--nnodes=1", "--rdzv-conf=join_timeout=900,is_host=false", "--local-addr=127.0.0.1"]
+                        "--nnodes=1", "--rdzv-conf=join_timeout=900,read_timeout=60,is_host=false", "--local-addr=127.0.0.1"]
     assert args[6:8] == ["--nproc-per-node=4", "--max-restarts=7"]
     assert args[-3:] == ["--module", "tandem_trainer.main", "--burst"]
     env = launch_env(ParallelSettings(ranks=4))
@@ -78,10 +78,11 @@ def test_torchrun_starts_the_trainer_module_once_per_rank_on_this_machine() -> N
 
 def test_several_nodes_meet_at_the_rendezvous_endpoint_instead_of_on_loopback() -> None:
     parallel = ParallelSettings(ranks=2, nodes=3, rendezvous_endpoint="trainer-0.trainer-ranks:29400",
-                                rendezvous_id="run-a", node_address="10.0.0.7", rendezvous_timeout_s=60)
+                                rendezvous_id="run-a", node_address="10.0.0.7", rendezvous_timeout_s=60,
+                                rendezvous_read_timeout_s=15)
     args = torchrun_args(parallel, 2, [], "trainer-0.trainer-ranks:29400")
     assert args[:6] == ["--rdzv-backend=c10d", "--rdzv-endpoint=trainer-0.trainer-ranks:29400", "--rdzv-id=run-a",
-                        "--nnodes=3", "--rdzv-conf=join_timeout=60,is_host=false", "--local-addr=10.0.0.7"]
+                        "--nnodes=3", "--rdzv-conf=join_timeout=60,read_timeout=15,is_host=false", "--local-addr=10.0.0.7"]
     assert "--nproc-per-node=2" in args
     assert parallel.total(GpuSettings(mode="cpu")) == 6
     env = launch_env(parallel)

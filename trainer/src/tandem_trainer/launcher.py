@@ -62,7 +62,8 @@ def torchrun_args(parallel: ParallelSettings, ranks: int, args: list[str], endpo
         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={parallel.rendezvous_id}",
         f"--nnodes={parallel.nodes}",
         # the launcher hosts the store (rendezvous.py): torchrun only joins it
-        f"--rdzv-conf=join_timeout={parallel.rendezvous_timeout_s},is_host=false",
+        f"--rdzv-conf=join_timeout={parallel.rendezvous_timeout_s},"
+        f"read_timeout={parallel.rendezvous_read_timeout_s},is_host=false",
         *([f"--local-addr={address}"] if address is not None else []),
         f"--nproc-per-node={ranks}", f"--max-restarts={parallel.max_restarts}",
         "--monitor-interval=0.5", "--module", "tandem_trainer.main", *args,

@@ -51,7 +51,6 @@ from tandem_trainer.metrics import TrainerMetrics, serve_metrics
 from tandem_trainer.outage import ride_out_outages
 from tandem_trainer.parallel import Group
 from tandem_trainer.recovery import (
-    LIVENESS_INTERVAL_S,
     LIVENESS_TTL_S,
     Liveness,
     any_trainer_alive,
@@ -160,7 +159,8 @@ def _trainer() -> Trainer:
     conn = ride_out_outages(settings.redis.connect(), settings.redis_outage_s)
     job = get_current_job()
     liveness = Liveness(ride_out_outages(settings.redis.connect(), settings.redis_outage_s),
-                        job.worker_name if job and job.worker_name else "rq")
+                        job.worker_name if job and job.worker_name else "rq", ttl_s=settings.liveness_ttl_s,
+                        interval_s=settings.liveness_ttl_s / 4)
     liveness.start()
     return setup(settings, conn, liveness)
 
@@ -215,9 +215,9 @@ def _run_job(kind: str, payload: JsonValue) -> dict[str, JsonValue]:
 
 
 # serving ------------------------------------------------------------------------
-def claim_name(conn: redis.Redis, name: str) -> None:
-    """Wait until no live process holds `name` (a predecessor's key runs out within the TTL)."""
-    deadline = time.monotonic() + LIVENESS_TTL_S + 2 * LIVENESS_INTERVAL_S
+def claim_name(conn: redis.Redis, name: str, ttl_s: float = LIVENESS_TTL_S) -> None:
+    """Wait until no live process holds `name` (a predecessor's key runs out within `ttl_s`)."""
+    deadline = time.monotonic() + ttl_s * 1.5
     with translated(conn, f"claim the worker name {name!r}"):
         while conn.exists(liveness_key(name)):
             if time.monotonic() > deadline:
@@ -238,7 +238,7 @@ def serve(settings: TrainerSettings, conn: redis.Redis, name: str, *, burst: boo
     """Recover abandoned jobs, then work the train queue until a (warm) shutdown; with `group`,
     as rank 0 of data-parallel ranks, which are told to stop when the worker does."""
     ride_out_outages(conn, settings.redis_outage_s)
-    claim_name(conn, name)
+    claim_name(conn, name, settings.liveness_ttl_s)
     started = time.perf_counter()
     alone = not any_trainer_alive(conn)
     thread_conn = ride_out_outages(settings.redis.connect(), settings.redis_outage_s)
@@ -248,7 +248,8 @@ def serve(settings: TrainerSettings, conn: redis.Redis, name: str, *, burst: boo
         recover_abandoned(thread_conn, holder=liveness.token)
         cleaner.poke(liveness.token)
 
-    liveness = Liveness(thread_conn, name, on_tick=tick)
+    liveness = Liveness(thread_conn, name, ttl_s=settings.liveness_ttl_s, interval_s=settings.liveness_ttl_s / 4,
+                        on_tick=tick)
     liveness.beat()  # the recovery lock names this process; others see it is alive
     recovered = recover_abandoned(conn, holder=liveness.token, dead_names=frozenset({name}), alone=alone)
     log.info("recovery.end requeued=%d duration_s=%.3f jobs=%s",

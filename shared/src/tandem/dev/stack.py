@@ -42,13 +42,28 @@ class Stack(Composition):
 
     def start(self) -> Stack:
         """Check the ports, hold the state directory, start every service of the plan in order and
-        wait for each, then write client.env; whatever fails stops what started."""
+        wait for each, then write client.env; whatever fails stops what started.
+
+        The trainer needs Redis only: it starts as soon as the stack's Redis is ready (first, with
+        an external Redis) and loads its libraries while the engines and inference services start,
+        and is waited for in its place in the plan."""
         self.check_ports()
         self.supervisor.open()
         try:
             env = self.env()
-            for svc in self.plan():
+            plan = self.plan()
+            trainer = next((svc for svc in plan if svc.name == "trainer"), None)
+            for svc in plan:
+                if svc is trainer:
+                    if svc.proc is None:
+                        self.supervisor.spawn(svc, env)
+                    self.supervisor.wait_ready(svc)
+                    continue
+                if trainer is not None and trainer.proc is None and svc.name != "redis":
+                    self.supervisor.spawn(trainer, env)
                 self.supervisor.start(svc, env)
+            order = {id(svc): i for i, svc in enumerate(plan)}
+            self.supervisor.services.sort(key=lambda svc: order[id(svc)])  # they stop in reverse
             self.write_client_env()
         except BaseException:
             self.stop()  # the ones already started, and the state directory's lock

@@ -88,13 +88,21 @@ class Supervisor:
     def start(self, svc: Service, env: dict[str, str]) -> None:
         """Start `svc` with `env` (and its own env over it), logging to `logs/<name>.log`, and wait
         until it is ready; if it dies or runs out of time first, stop every service and raise StackError."""
+        self.spawn(svc, env)
+        self.wait_ready(svc)
+
+    def spawn(self, svc: Service, env: dict[str, str]) -> None:
+        """Start `svc` as `start` does, without waiting for it: `wait_ready` does, later."""
         svc.log_path = self.logs / f"{svc.name}.log"
-        t0 = time.monotonic()
         log.info("starting %s (log: %s)", svc.name, svc.log_path)
         self._spawn(svc, env)
         self.services.append(svc)
+
+    def wait_ready(self, svc: Service) -> None:
+        """Until the spawned `svc` is ready; if it dies or runs out of time first (counted from
+        now), stop every service and raise StackError."""
         self._wait_ready(svc)
-        log.info("%s ready in %.1f s", svc.name, time.monotonic() - t0)
+        log.info("%s ready in %.1f s", svc.name, time.monotonic() - svc.started_at)
 
     def _spawn(self, svc: Service, env: dict[str, str]) -> None:
         assert svc.log_path is not None

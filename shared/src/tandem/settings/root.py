@@ -62,6 +62,12 @@ class TrainerSettings(_ServiceSettings):
     because Redis is away is tried again, with pauses growing to 2 s, for up to this long, so a job
     that ends while Redis is away completes once Redis is back; past it the worker exits and its
     restart recovers the job."""
+    liveness_ttl_s: float = Field(8.0, ge=2.0, le=300.0)
+    """How long the trainer's liveness key outlives its last refresh, in seconds (it is refreshed
+    every quarter of this): a trainer that died is known dead this long after, and the jobs it
+    held go back to the queue; a restarted trainer under the same name waits as long for it.
+    Every trainer of one Redis should have the same; shorter hands jobs back sooner, but a trainer
+    stalled for longer than this is taken for dead."""
     parallel: ParallelSettings = ParallelSettings()
     metrics: TrainerMetricsSettings = TrainerMetricsSettings()
     tracker: TrackerSettings = TrackerSettings()

@@ -121,6 +121,11 @@ class ParallelSettings(BaseModel):
     """How long a node waits at the rendezvous for the others, in seconds, at start, after a
     restart and after the nodes lost each other there (and, before, for the node that hosts it to
     answer); past it the node's trainer exits."""
+    rendezvous_read_timeout_s: int = Field(60, ge=5, le=3600)
+    """How long a node waits, in seconds, for what another node must write to the rendezvous store
+    (torchrun's c10d `read_timeout`): after a round closes, for the part of a node that joined the
+    round and stopped before writing it; past it this node goes back to the rendezvous. Above the
+    time a node takes to write its part once the round closes (well under a second on one network)."""
 
     def world(self, gpus: GpuSettings) -> int:
         """How many ranks train on this machine: `ranks`, or one per trainer GPU in split mode."""
