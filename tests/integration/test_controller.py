@@ -262,8 +262,9 @@ async def test_old_versions_unload_after_the_keep_window_once_idle(
     registry, events = Registry(redis_conn), EventStream(redis_conn)
     controller = await start()
     table = controller.table
-    for version in (1, 2):
+    for version in (1, 2):  # one at a time: of versions announced in one read only the newest loads
         announce(events, store, publish(store, registry, tiny_model, run, version))
+        await wait_until(lambda v=version: table.serving(run) == v, what=f"v{version} serving")
     await wait_until(lambda: table.loaded(run) == [1, 2], what="v1 and v2 loaded")
 
     lease = table.checkout(f"{run}@v1")  # a request still running on v1
@@ -292,9 +293,9 @@ async def test_failed_unload_is_retried_and_never_stops_the_controller(
 ) -> None:
     registry, events = Registry(redis_conn), EventStream(redis_conn)
     controller = await start()
-    for version in (1, 2, 3):
+    for version in (1, 2, 3):  # one at a time: of versions announced in one read only the newest loads
         announce(events, store, publish(store, registry, tiny_model, run, version))
-    await wait_until(lambda: controller.table.serving(run) == 3, what="v3 serving")
+        await wait_until(lambda v=version: controller.table.serving(run) == v, what=f"v{version} serving")
     await wait_until(lambda: _lacks(engine, f"{run}-v1"), what="v1 unloaded")
 
     # an engine that fails every unload: the controller logs, backs off and keeps following
@@ -384,9 +385,9 @@ async def test_an_adapter_the_engine_holds_is_adopted_only_if_its_files_check_ou
 ) -> None:
     registry, events = Registry(redis_conn), EventStream(redis_conn)
     first = await start()
-    for version in (1, 2):
+    for version in (1, 2):  # one at a time: of versions announced in one read only the newest loads
         announce(events, store, publish(store, registry, tiny_model, run, version))
-    await wait_until(lambda: first.table.serving(run) == 2, what="v2 serving")
+        await wait_until(lambda v=version: first.table.serving(run) == v, what=f"v{version} serving")
     await first.stop()
 
     flip_a_byte(store, run, 2)  # damaged on the volume while the controller was down

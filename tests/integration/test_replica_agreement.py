@@ -177,6 +177,8 @@ async def test_a_version_served_after_agree_s_names_the_replicas_it_did_not_wait
     store = AdapterStore(tmp_path / "store")
     announce(EventStream(redis_conn), store, publish(store, Registry(redis_conn), tiny_model, "late", 1, rank=4))
     await wait_until(lambda: a.table.serving("late") == 1, what="a serves v1 without b")
+    await wait_until(lambda: bool(events_of(redis_conn, EventKind.ADAPTER_LOADED, "late")),
+                     what="a announces v1")  # a replica serves, then appends its adapter_loaded
     [loaded] = events_of(redis_conn, EventKind.ADAPTER_LOADED, "late")
     assert loaded.data["replica"] == "replica-a" and loaded.data["without"] == ["replica-b"]
 
