@@ -35,7 +35,6 @@ more: it may take jobs off the queue, never put one on it.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import cast
@@ -51,7 +50,7 @@ from tandem.errors import RunBusy, RunNotFound
 from tandem.events import Event, EventKind, EventStream
 from tandem.fair_queue import fair_key
 from tandem.jobs import GuardedJob, train_queue
-from tandem.runs import RUN_NAME
+from tandem.runs import RUN_NAME, stored_run
 
 __all__ = ["Deletion", "delete_episodes", "delete_run"]
 
@@ -167,7 +166,7 @@ def _delete_episode(conn: redis.Redis, key: str, run: str) -> int:
     with conn.pipeline() as pipe:
         try:
             pipe.watch(key)  # type: ignore[no-untyped-call]
-            if _episode_run(pipe.get(key)) != run:
+            if stored_run(pipe.get(key)) != run:
                 return 0
             pipe.multi()
             pipe.delete(key)
@@ -177,14 +176,3 @@ def _delete_episode(conn: redis.Redis, key: str, run: str) -> int:
             log.warning("episode %s changed while run %s was deleted; left for its expiry", key, run)
             return 0
 
-
-def _episode_run(raw: bytes | str | None) -> str | None:
-    """The run a stored episode names (the gateway's `Episode.run`), None for anything else."""
-    if raw is None:
-        return None
-    try:
-        stored = json.loads(raw)
-    except ValueError:
-        return None
-    found = stored.get("run") if isinstance(stored, dict) else None
-    return found if isinstance(found, str) else None

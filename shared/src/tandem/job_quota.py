@@ -23,7 +23,6 @@ under its lock, so neither does in practice.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 
@@ -33,6 +32,7 @@ from tandem.connection import text, translated
 from tandem.errors import RunQueueFull
 from tandem.fair_queue import WINDOW
 from tandem.jobs import GuardedJob, train_queue
+from tandem.runs import stored_run
 
 #: Pause between looks at the queue while a job waits for room, in seconds.
 POLL_S = 0.25
@@ -49,7 +49,7 @@ def queued_jobs(conn: redis.Redis, run: str) -> int:
             for job_id in ids:
                 pipe.hget(GuardedJob.key_for(job_id), "meta")
             metas = pipe.execute()
-    return sum(1 for raw in metas if _run_of(raw) == run)
+    return sum(1 for raw in metas if stored_run(raw) == run)
 
 
 def has_room(conn: redis.Redis, run: str, limit: int) -> bool:
@@ -73,14 +73,3 @@ def wait_for_room(conn: redis.Redis, run: str, limit: int, wait_s: float, *,
                 "Wait for the run's jobs, or raise TANDEM_RUN_MAX_QUEUED_JOBS or TANDEM_QUEUE_WAIT_S")
         sleep(POLL_S)
 
-
-def _run_of(raw: bytes | str | None) -> str | None:
-    """The run a job's rq meta (JSON) names; None when it names none or cannot be read."""
-    if raw is None:
-        return None
-    try:
-        meta = json.loads(raw)
-    except ValueError:
-        return None
-    run = meta.get("run") if isinstance(meta, dict) else None
-    return run if isinstance(run, str) else None

@@ -8,6 +8,7 @@ splits OpenAI model names at the first ':').
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path, PurePosixPath
@@ -179,3 +180,16 @@ class RunSpec(_Strict):
         if not self.base_model.strip():
             raise ValueError("base_model is empty; give a hub id or a local path")
         return self
+
+
+def stored_run(raw: bytes | str | None) -> str | None:
+    """The run a stored JSON object names in its `run` field (a job's rq meta, a gateway episode);
+    None for anything else: missing, not JSON, not an object, or a `run` that is no string."""
+    if raw is None:
+        return None
+    try:
+        stored = json.loads(raw)
+    except ValueError:
+        return None
+    run = stored.get("run") if isinstance(stored, dict) else None
+    return run if isinstance(run, str) else None
