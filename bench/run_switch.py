@@ -43,13 +43,12 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `bench` when run as a script
 
-from bench.benchlib import SHAPES, machine, md_table, pct
+from bench.benchlib import SHAPES, machine, md_table, package_versions, pct
 
 __all__ = ["Config", "main", "measure", "report"]
 
@@ -266,16 +265,6 @@ def report(measured: dict[str, Any], config: Config) -> dict[str, Any]:
     return {"rows": rows, "verdict": verdict, "table": table, "verdict_lines": lines}
 
 
-def versions() -> dict[str, str]:
-    out = {}
-    for name in ("torch", "transformers", "peft", "safetensors"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
-
-
 def _model(args: argparse.Namespace) -> str:
     if args.model:
         return str(args.model)
@@ -330,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     measured = measure(config, progress=lambda msg: print(f"  {msg}", flush=True))
     result = {"config": {**asdict(config), "out": str(out), "threads": torch.get_num_threads()},
-              "machine": machine(), "versions": versions(), "wall_s": time.monotonic() - t0,
+              "machine": machine(), "versions": package_versions(("torch", "transformers", "peft", "safetensors")),
+              "wall_s": time.monotonic() - t0,
               **report(measured, config), **measured}
     (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "report.md").write_text(result["table"] + "\n\n" + "\n".join(f"- {line}" for line in result["verdict_lines"])
