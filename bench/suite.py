@@ -106,6 +106,9 @@ def parse() -> argparse.Namespace:
                         "'[\"--enable-lora-overlap-loading\"]')")
     p.add_argument("--release-tags", default=None,
                    help="shared mode: gpus.release_tags as JSON (default the settings' [\"kv_cache\"]; [] frees nothing)")
+    p.add_argument("--serve-while-training", action="store_true",
+                   help="shared mode with --release-tags '[]': gpus.serve_while_training, the engine serves while "
+                        "the trainer steps (no hand-over)")
     p.add_argument("--density-runs", type=run_counts, default=(),
                    help="run counts of the density scenario, comma-separated (default 1,8,32; --quick 1,4)")
     p.add_argument("--kernels", choices=KERNELS, default="shipped",
@@ -172,6 +175,11 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
     }
     if args.release_tags is not None:  # shared mode: what the engine frees for the trainer
         env["TANDEM_GPUS__RELEASE_TAGS"] = args.release_tags
+    if args.serve_while_training:
+        if args.mode != "shared" or json.loads(args.release_tags or '["kv_cache"]') != []:
+            raise SystemExit("--serve-while-training is for --mode shared with --release-tags '[]' (an engine that "
+                             "frees its memory for the trainer cannot serve meanwhile)")
+        env["TANDEM_GPUS__SERVE_WHILE_TRAINING"] = "true"
     return env
 
 

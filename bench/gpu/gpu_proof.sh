@@ -17,7 +17,8 @@
 #   PART=check    bench/gpu/gpu_check.py --engine $ENGINE --steps $STEPS (gpu_check.json/.md)
 #   PART=suite    bench/suite.py --engine $ENGINE --only $ONLY (default sync,swaps; suite.json/.md, plots),
 #                 SHAPE (default 0.5b; 8b: the suite builds the model), MEM (--mem-fraction) and, in
-#                 shared mode, RELEASE (--release-tags: '[]' frees nothing at the hand-over), and
+#                 shared mode, RELEASE (--release-tags: '[]' frees nothing at the hand-over), SERVE=1
+#                 (--serve-while-training, with RELEASE='[]': no hand-over at all), and
 #                 ENGINE_ARGS (--engine-args: a JSON list of engine flags, a lever) to choose; ONLY=density
 #                 runs the density scenario (1, 8 and 32 runs on one base; DENSITY=1,8 sets the counts; SLOTS=8, the
 #                 shipped engine.max_loaded_adapters, instead of the suite's 128)
@@ -167,7 +168,7 @@ suite)
   [ "$shape" = 0.5b ] || built=()
   timeout "${LIMIT:-560}" /tmp/tdpython bench/suite.py --mode "$mode" --shape "$shape" --only "${ONLY:-sync,swaps}" \
     "${built[@]}" "${common[@]}" ${MEM:+--mem-fraction "$MEM"} ${RELEASE:+--release-tags "$RELEASE"} \
-    ${ENGINE_ARGS:+--engine-args "$ENGINE_ARGS"} ${DENSITY:+--density-runs "$DENSITY"} \
+    ${SERVE:+--serve-while-training} ${ENGINE_ARGS:+--engine-args "$ENGINE_ARGS"} ${DENSITY:+--density-runs "$DENSITY"} \
     ${SLOTS:+--engine-slots "$SLOTS"} --out /tmp/suite --state /tmp/suite-state \
     >/tmp/suite.log 2>&1
   echo "suite: exit $? after $((SECONDS - t0)) s"

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from tandem.errors import ConfigError
 from tandem.settings import EngineSettings, GpuSettings, InferenceSettings
@@ -41,6 +42,24 @@ def test_shared_mode_enables_the_memory_saver_and_keys_pass_through() -> None:
     assert flag(argv, "--mem-fraction-static") == "0.5"
     assert flag(argv, "--cuda-graph-max-bs-decode") == "8"
     assert argv[-2:] == ["--x", "1"]
+
+
+def test_shared_mode_with_nothing_to_release_starts_no_memory_saver() -> None:
+    s = settings().model_copy(update={"gpus": GpuSettings(mode="shared", inference=[0], release_tags=[])})
+    assert "--enable-memory-saver" not in sglang_argv(s)
+    s = settings().model_copy(update={"gpus": GpuSettings(mode="shared", inference=[0], release_tags=["weights"])})
+    assert {"--enable-memory-saver", "--enable-weights-cpu-backup"} <= set(sglang_argv(s))
+
+
+def test_serving_while_training_needs_nothing_released_and_takes_no_lease() -> None:
+    with pytest.raises(ValidationError, match=r"serve_while_training needs gpus.release_tags=\[\], but it is \['kv_cache'\]"):
+        GpuSettings(mode="shared", serve_while_training=True)
+    serving = GpuSettings(mode="shared", release_tags=[], serve_while_training=True)
+    assert not serving.leased and not serving.lends_memory
+    assert GpuSettings(mode="shared", release_tags=[]).leased
+    assert GpuSettings(mode="shared").leased and GpuSettings(mode="shared").lends_memory
+    split = GpuSettings(mode="split", serve_while_training=True)  # ignored: split mode always serves
+    assert not split.leased and not split.lends_memory
 
 
 def test_disable_cuda_graph_wins_over_max_bs() -> None:

@@ -53,6 +53,11 @@ def test_shared_mode_enables_sleep_mode_and_memory_and_graph_flags_map() -> None
     assert "--enforce-eager" in eager and "--max-cudagraph-capture-size" not in eager
 
 
+def test_shared_mode_with_nothing_to_release_starts_no_sleep_mode() -> None:
+    s = settings().model_copy(update={"gpus": GpuSettings(mode="shared", inference=[0], release_tags=[])})
+    assert "--enable-sleep-mode" not in vllm_argv(s)
+
+
 def test_env_switches_on_runtime_lora_and_dev_routes_and_carries_the_key_off_the_command_line() -> None:
     env = vllm_env(settings(admin_api_key="sekret"), base={"PATH": "/bin", "VLLM_API_KEY": "stale"})
     assert env["CUDA_VISIBLE_DEVICES"] == "2"

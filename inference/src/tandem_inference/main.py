@@ -108,7 +108,7 @@ async def serve(settings: InferenceSettings) -> None:
             running.push_async_callback(controller.stop)
             controller.start()
             admission = None
-            if settings.gpus.mode == "shared":
+            if settings.gpus.leased:  # not when it serves while the trainer steps: nothing changes hands
                 admission = Admission()
                 jobs.append(GpuSharing(settings, conn, engine, table, admission).run)
             heartbeat = Heartbeat(settings, conn, table, ready=lambda: _ready(engine, controller))

@@ -180,7 +180,7 @@ def follow(settings: TrainerSettings, group: Group) -> None:
     and with it the group, which torchrun then starts again.
     """
     backend = select_backend(settings.backend, device_index=group.device_index,
-                             shared_gpu=settings.gpus.mode == "shared")
+                             shared_gpu=settings.gpus.lends_memory)
     log.info("rank.follow rank=%d world=%d backend=%s", group.rank, group.world, backend.name)
     while True:
         message = group.receive()

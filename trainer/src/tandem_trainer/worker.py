@@ -140,11 +140,11 @@ def setup(settings: TrainerSettings, conn: redis.Redis, liveness: Liveness, grou
     if _context is None:
         index = group.device_index if group is not None else None
         metrics = TrainerMetrics()
-        backend = select_backend(settings.backend, device_index=index, shared_gpu=settings.gpus.mode == "shared")
+        backend = select_backend(settings.backend, device_index=index, shared_gpu=settings.gpus.lends_memory)
         trainer = Trainer(
             settings, conn, backend, AdapterStore(settings.store.root),
             owner=liveness.token, holder_alive=lambda owner: owner_alive(conn, owner),
-            gpu=SharedGpu(conn, settings.gpus, holder=liveness.token) if settings.gpus.mode == "shared" else None,
+            gpu=SharedGpu(conn, settings.gpus, holder=liveness.token) if settings.gpus.leased else None,
             group=group, metrics=metrics, tracker=open_tracker(settings.tracker, metrics),
         )
         _context = _Context(trainer=trainer, liveness=liveness)

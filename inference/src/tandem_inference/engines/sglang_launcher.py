@@ -36,7 +36,7 @@ def sglang_argv(settings: InferenceSettings) -> list[str]:
         argv += ["--admin-api-key", eng.admin_api_key.get_secret_value()]
     if eng.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", str(eng.mem_fraction_static)]
-    if settings.gpus.mode == "shared":
+    if settings.gpus.lends_memory:  # with nothing to release, nothing to save
         argv.append("--enable-memory-saver")
         if "weights" in settings.gpus.release_tags:
             # Released weights come back as garbage unless SGLang keeps a CPU copy to restore.

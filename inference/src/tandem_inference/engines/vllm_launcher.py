@@ -55,7 +55,7 @@ def vllm_argv(settings: InferenceSettings) -> list[str]:
     ]
     if eng.mem_fraction_static is not None:
         argv += ["--gpu-memory-utilization", str(eng.mem_fraction_static)]
-    if settings.gpus.mode == "shared":
+    if settings.gpus.lends_memory:
         argv.append("--enable-sleep-mode")
     if eng.disable_cuda_graph:
         argv.append("--enforce-eager")

@@ -33,12 +33,36 @@ class GpuSettings(BaseModel):
     release_tags: list[ReleaseTag] = Field(default_factory=_default_release_tags)
     """Shared mode: what the engine frees for the trainer. The KV cache is nearly all of it; adding
     `weights` makes SGLang keep a CPU copy of the base weights (--enable-weights-cpu-backup). None
-    (`[]`): the engine keeps all of its memory and only stops serving while the trainer steps, for
-    a trainer that fits beside it; each hand-over then skips the release and the resume (vLLM's
-    wake-up took 0.43 s of every policy sync in shared mode)."""
+    (`[]`): the engine keeps all of its memory and only stops serving while the trainer steps
+    (not even that with `serve_while_training`), for a trainer that fits beside it; each hand-over
+    then skips the release and the resume (vLLM's wake-up took 0.43 s of every policy sync in
+    shared mode)."""
+    serve_while_training: bool = False
+    """Shared mode with `release_tags` empty: go on serving while the trainer steps. There is no
+    hand-over at all: the trainer takes no lease and the gateway never holds requests back; rollouts
+    and training share the GPU's compute, each slower than alone, neither waiting for the other.
+    It needs `release_tags=[]` (an engine that frees its memory cannot serve) and a trainer that
+    fits beside the engine's memory (lower `engine.mem_fraction_static` to make room). Ignored in
+    split and cpu mode, which always serve while training."""
+
+    @property
+    def leased(self) -> bool:
+        """Whether the GPU changes hands for each training job (shared mode, unless it serves while training)."""
+        return self.mode == "shared" and not self.serve_while_training
+
+    @property
+    def lends_memory(self) -> bool:
+        """Whether the engine frees GPU memory for each training job (shared mode with release tags)."""
+        return self.mode == "shared" and bool(self.release_tags)
 
     @model_validator(mode="after")
     def _disjoint(self) -> GpuSettings:
+        if self.mode == "shared" and self.serve_while_training and self.release_tags:
+            raise ValueError(
+                f"gpus.serve_while_training needs gpus.release_tags=[], but it is {self.release_tags}: an engine "
+                "that frees its memory for the trainer cannot serve meanwhile; set release_tags to [] (for a "
+                "trainer that fits beside the engine) or serve_while_training to false"
+            )
         if self.mode == "split":
             both = sorted(set(self.inference) & set(self.trainer))
             if both:

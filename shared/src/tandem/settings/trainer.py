@@ -45,8 +45,9 @@ class TrainerBackendSettings(BaseModel):
     """Bytes of GPU memory that resident runs other than the training one may hold; past it the
     least recent are spilled to pinned host memory. Unset: a fifth of the GPU's free memory
     (`torch.cuda.mem_get_info`, what neither torch's allocator nor another process holds) when the
-    first run is set aside; 0 in shared mode (`gpus.mode=shared`: the free memory is inference's,
-    lent for the job). Ignored on the CPU."""
+    first run is set aside; 0 in shared mode when the engine frees memory for each job
+    (`gpus.release_tags` not empty: the free memory is inference's, lent for the job). Ignored on
+    the CPU."""
     resident_host_bytes: int | None = Field(None, ge=0)
     """Bytes of host memory (pinned on CUDA) that resident runs may hold: those spilled from the
     GPU, or every one on the CPU; past it the least recent are forgotten. Unset: a fifth of the
