@@ -33,6 +33,7 @@ runs are deleted afterwards, so that later scenarios find the slots free.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import re
 import tempfile
@@ -153,14 +154,15 @@ def publish_all(ctx: Ctx, store: AdapterStore, template: Path, sz: Size) -> list
         for version in range(1, sz.versions + 1):
             seed = 1000 + i * sz.versions + version
             manifests.append(publish_version(store, run, version, base_model=ctx.model, rank=RANK,
-                                             write=lambda adapter, seed=seed: reseed(template, adapter, seed)))
+                                             write=functools.partial(reseed, template, seed=seed)))
     return manifests
 
 
 def reseed(template: Path, out: Path, seed: int) -> Path:
     from tandem_trainer.tiny_model import reseed_adapter
 
-    return reseed_adapter(template, out, seed)
+    written: Path = reseed_adapter(template, out, seed)
+    return written
 
 
 def register_and_announce(ctx: Ctx, store: AdapterStore, manifests: list[Manifest], runs: list[str]) -> float:
@@ -284,7 +286,7 @@ def measure(ctx: Ctx, settings: EngineSettings, store: AdapterStore, manifests: 
     requests_s = time.time() - t0
     counted = {k: metric(ctx.stack.gateway_url, name) - before[k] for k, name in METRICS.items()}
     checked = check(plan, replies, refs, newest, None if gpu else CPU_LOGPROB_TOLERANCE)
-    summary = {
+    summary: dict[str, Any] = {
         "runs": len(runs), "versions": len(manifests), "engine_slots": slots, "exceeded": len(manifests) > slots,
         "requests": sz.requests, "concurrency": sz.concurrency, "versions_asked": len(asked),
         "failed": len(checked.failed), "failed_examples": checked.failed[:3], "wrong": len(checked.wrong),
