@@ -245,8 +245,9 @@ def run(ctx: Ctx) -> dict[str, Any]:
     settings = engine_settings(ctx)
     held, slots = asyncio.run(free_slots(settings))
     if held >= slots:
-        return not_run(f"the engine holds {held} adapters in its {slots} slots, none free for the references "
-                       "(it loads each version alone beside them): run it first, `--only versions`")
+        return not_run(f"all {slots} of the engine's adapter slots are taken (it holds {held}), none free for the "
+                       "references (each version is loaded alone beside what it holds): run it first, "
+                       "`--only versions`")
     store = AdapterStore(ctx.store_root)
     with tempfile.TemporaryDirectory() as tmp:
         from tandem_trainer.tiny_model import build_random_adapter
