@@ -5,6 +5,8 @@ SGLang or vLLM + Unsloth on GPUs with --engine sglang or --engine vllm), runs th
 bench/results/<timestamp>/ with results.json, report.md and the PNG plots:
 
     1 sync          policy-sync latency per stage, against the floor (write + read + copy)
+   14 versions      many adapter versions through few engine slots: every answer checked against the
+                    reference of the version asked for (references from the same engine, each version alone)
     3 swaps         serving during swaps: concurrent clients while versions are published
     4 gateway       gateway overhead: the same load through the gateway and straight to the engine
     6 prefix_cache  prefix-cache share of a shared system prompt after each swap
@@ -67,7 +69,7 @@ from bench.benchlib import (
 )
 from bench.report import engine_log
 
-ON_STACK = ["sync", "swaps", "gateway_overhead", "prefix_cache", "pipeline", "load", "agreement", "throughput",
+ON_STACK = ["sync", "versions", "swaps", "gateway_overhead", "prefix_cache", "pipeline", "load", "agreement", "throughput",
             "memory", "density", "tinker"]
 AFTER_STACK = ["hotload", "replicas"]
 #: Adapters the engine holds: bench's and the pipeline runs' two versions each (8), the throughput

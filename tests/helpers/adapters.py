@@ -2,20 +2,21 @@
 
 A version is a random LoRA of the tiny model (`build_random_adapter`: nonzero B, so each
 version changes the outputs) saved into a store staging directory, published with a
-manifest, registered, and announced with `adapter_ready`.
+manifest, registered, and announced with `adapter_ready` (`tandem.dev.versions`, which the
+benchmarks share).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 from tandem.adapters import AdapterStore, Manifest
-from tandem.events import Event, EventKind, EventStream
+from tandem.dev.versions import announce_ready, publish_version
+from tandem.events import EventStream
 from tandem.registry import Registry
-from tandem_trainer.tiny_model import build_random_adapter
+from tandem_trainer.tiny_model import build_random_adapter, reseed_adapter
 
 ATTENTION_QV = ("q_proj", "v_proj")
 
@@ -52,53 +53,14 @@ def publish(
     return manifest
 
 
-def reseeded(template: Path, out: Path, seed: int, *, scale: float = 0.5) -> Path:
-    """A copy of the adapter at `template` with every lora_B drawn anew from `seed` (and A kept):
-    another adapter of the same shape whose outputs differ, written in milliseconds instead of
-    building a peft model (for tests that publish hundreds of versions)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(template / "adapter_config.json", out / "adapter_config.json")
-    gen = torch.Generator().manual_seed(seed)
-    tensors = load_file(str(template / "adapter_model.safetensors"))
-    for name, tensor in sorted(tensors.items()):
-        if "lora_B" in name:
-            tensors[name] = torch.randn(tensor.shape, generator=gen, dtype=tensor.dtype) * scale
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    return out
-
-
 def publish_reseeded(store: AdapterStore, registry: Registry, template: Path, tiny_model: Path, run: str, version: int,
                      *, seed: int, rank: int = 4) -> Manifest:
-    """Publish and register version `version` of `run` as `reseeded(template, seed)`."""
-    with store.staging(run, version) as staged:
-        reseeded(template, staged / "adapter", seed)
-        manifest = store.publish(
-            staged,
-            Manifest(run=run, version=version, parent=version - 1, step=version, job_id=f"job-{run}-{version}",
-                     base_model=str(tiny_model), lora_rank=rank),
-        )
-    registry.register_version(manifest)
-    return manifest
+    """Publish and register version `version` of `run` as a copy of `template` reseeded from `seed`
+    (`reseed_adapter`: new weights in milliseconds, for tests that publish hundreds of versions)."""
+    return publish_version(store, run, version, base_model=str(tiny_model), rank=rank, registry=registry,
+                           write=lambda adapter: reseed_adapter(template, adapter, seed))
 
 
 def announce(events: EventStream, store: AdapterStore, manifest: Manifest, *, path: str | None = None) -> str:
     """Append the version's `adapter_ready` (with the adapter's path in the store, or `path`); returns its id."""
-    rel = str(store.adapter_dir(manifest.run, manifest.version).relative_to(store.root))
-    return events.append(
-        Event(
-            kind=EventKind.ADAPTER_READY,
-            run=manifest.run,
-            version=manifest.version,
-            job_id=manifest.job_id,
-            data={
-                "path": path if path is not None else rel,
-                "step": manifest.step,
-                "parent": manifest.parent,
-                "metrics": {},
-                "published_at": manifest.created_at,
-            },
-        )
-    )
+    return announce_ready(events, store, manifest, path=path)

@@ -9,7 +9,9 @@ Hugging Face format. Everything is derived from fixed seeds, so two builds with
 the same parameters are byte-identical and cache keys stay stable.
 
 ``build_random_adapter`` gives a LoRA adapter of such a model whose weights are random
-but seeded, so tests and benchmarks have adapters that change the outputs without training.
+but seeded, so tests and benchmarks have adapters that change the outputs without training;
+``reseed_adapter`` copies one with new random B matrices, another adapter of the same shape
+in milliseconds (for those that publish hundreds of versions).
 
 Usage: ``python -m tandem_trainer.tiny_model OUT_DIR [--seed N] [--overwrite]``
 """
@@ -35,7 +37,7 @@ from tandem_trainer.errors import TinyModelDirTaken
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-__all__ = ["build_random_adapter", "build_tiny_model"]
+__all__ = ["build_random_adapter", "build_tiny_model", "reseed_adapter"]
 
 log = logging.getLogger(__name__)
 
@@ -355,6 +357,26 @@ def build_random_adapter(
                 param.data = param.data.to(getattr(torch, dtype))
     model.save_pretrained(str(out))
     return Path(out)
+
+
+def reseed_adapter(template: str | Path, out: str | Path, seed: int, *, scale: float = 0.5) -> Path:
+    """Write to ``out`` a copy of the adapter at ``template`` with every lora_B drawn anew from
+    ``seed`` (times ``scale``; A and the config kept) and return ``out``: another adapter of the
+    same shape whose outputs differ, written without building a peft model. The same arguments
+    give the same adapter."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    template, out = Path(template), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(template / "adapter_config.json", out / "adapter_config.json")
+    gen = torch.Generator().manual_seed(seed)
+    tensors = load_file(str(template / "adapter_model.safetensors"))
+    for name, tensor in sorted(tensors.items()):
+        if "lora_B" in name:
+            tensors[name] = (torch.randn(tensor.shape, generator=gen) * scale).to(tensor.dtype)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
