@@ -972,6 +972,47 @@ async def test_a_full_engine_evicts_the_least_recently_used_idle_adapter_and_loa
                 await controller.stop()
 
 
+async def test_a_load_that_finds_every_slot_in_flight_drains_the_least_recently_used_one(
+    redis_conn: redis.Redis, settings: InferenceSettings, store: AdapterStore, tiny_model: Path
+) -> None:
+    """More busy runs than slots: no adapter goes idle on its own, so a new version's load takes the
+    least recently used adapter out of routing while its request goes on, and loads as soon as that
+    request ends, with the other slots still serving theirs (tandem_inference.controller.slots)."""
+    registry, events = Registry(redis_conn), EventStream(redis_conn)
+    a, b, c, d = (f"busy{uuid.uuid4().hex[:6]}{x}" for x in "abcd")
+    for name in (a, b, c, d):
+        registry.create_run(RunSpec(name=name, base_model=str(tiny_model)))
+    small = EngineSettings(model=str(tiny_model), device="cpu", max_lora_rank=MAX_RANK, max_loaded_adapters=3)
+    with serve_app(create_engine_app(small)) as url:
+        async with httpx.AsyncClient() as http:
+            engine = TransformersEngine(http, url)
+            limited = settings.model_copy(update={
+                "engine": settings.engine.model_copy(update={"url": url, "max_loaded_adapters": 3})})
+            controller = Controller(limited, redis_conn, engine, store, RoutingTable("base"))
+            controller.start()
+            try:
+                table = controller.table
+                for run in (a, b, c):
+                    announce(events, store, publish(store, registry, tiny_model, run, 1))
+                    await wait_until(lambda r=run: table.serving(r) == 1, what=f"{run} v1")
+                held = {run: table.checkout(run) for run in (a, b, c)}  # a's is the least recent use
+                announce(events, store, publish(store, registry, tiny_model, d, 1))
+                await wait_until(lambda: table.evicted(a) == [1], what="a v1 drained for d v1")
+                with pytest.raises(ModelNotFound):  # a new request for `a` loads it again on demand
+                    table.checkout(a)
+                assert f"{a}-v1" in await engine.loaded_adapters()  # its request still uses it
+                assert table.serving(d) == 0
+                held.pop(a).release()
+                await wait_until(lambda: table.serving(d) == 1, what="d v1 serving once a's request ended")
+                assert sorted(await engine.loaded_adapters()) == sorted([f"{b}-v1", f"{c}-v1", f"{d}-v1"])
+                assert all(table.adapter(run, 1) == f"{run}-v1" for run in (b, c))  # their requests untouched
+                for hold in held.values():
+                    hold.release()
+                assert not events_of(events, EventKind.ADAPTER_REJECTED, d)
+            finally:
+                await controller.stop()
+
+
 async def test_a_run_created_after_start_gets_its_gauges_at_the_next_reconcile(
     start, settings: InferenceSettings, redis_conn: redis.Redis, tiny_model: Path
 ) -> None:

@@ -108,3 +108,38 @@ def test_retiring_or_dropping_forgets_evicted_versions(table: RoutingTable) -> N
     assert table.evicted("a") == [] and table.serving("a") == 0
     table.drop_run("b")
     assert table.evicted("b") == [] and not table.has_run("b")
+
+
+def test_a_drain_takes_the_least_recently_used_version_even_in_flight(table: RoutingTable) -> None:
+    """Every version serves a request: `drain_lru` still takes the least recently used out of routing;
+    its requests go on (counted by its adapter), a new request for it finds it not resident."""
+    holds = [table.checkout(model) for model in ("a@v1", "b", "c", "a")]
+    assert table.evict_idle() is None
+    assert table.drain_lru() == ("a", 1, "a-v1")
+    assert table.in_flight_adapter("a-v1") == 1  # its request goes on, with its adapter
+    with pytest.raises(NotResident):
+        table.checkout("a@v1")
+    assert table.drain_lru(run="c") == ("c", 1, "c-v1")
+    with pytest.raises(NotResident):  # c's serving version was drained: `c` still means v1, to load again
+        table.checkout("c")
+    assert table.serving("c") == 1 and table.evicted("c") == [1]
+    for hold in holds:
+        hold.release()
+    assert table.in_flight_adapter("a-v1") == 0 and table.in_flight_adapter("c-v1") == 0
+
+
+def test_a_drain_never_takes_a_held_version(table: RoutingTable) -> None:
+    table.add_version("b", 2, serve=False)  # held for the replicas' agreement
+    assert table.drain_lru(run="b") == ("b", 1, "b-v1")
+    assert table.drain_lru(run="b") is None and table.adapter("b", 2) == "b-v2"
+
+
+def test_requests_count_by_adapter_so_a_reload_under_a_new_name_is_apart(table: RoutingTable) -> None:
+    old = table.checkout("b")
+    assert table.drain_lru(run="b") == ("b", 1, "b-v1")
+    table.add_version("b", 1, "b-v1-a1")  # loaded again on demand, under a fresh name
+    new = table.checkout("b")
+    assert (table.in_flight("b", 1), table.in_flight_adapter("b-v1"), table.in_flight_adapter("b-v1-a1")) == (2, 1, 1)
+    old.release()
+    assert table.in_flight_adapter("b-v1") == 0 and table.in_flight_adapter("b-v1-a1") == 1
+    new.release()

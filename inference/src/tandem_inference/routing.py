@@ -101,6 +101,7 @@ class RoutingTable:
         self._loaded: dict[str, dict[int, str]] = defaultdict(dict)  # run -> version -> adapter name
         self._alias: dict[str, int] = {}  # run -> newest version the alias may point at
         self._in_flight: dict[Route, int] = defaultdict(int)
+        self._in_flight_adapters: dict[str, int] = defaultdict(int)  # adapter name -> requests holding it
         self._evicted: dict[str, set[int]] = defaultdict(set)  # run -> serving versions unloaded for room
         self._used: dict[tuple[str, int], int] = {}  # (run, version) -> tick of its last checkout or load
         self._ticks = itertools.count(1)
@@ -159,18 +160,30 @@ class RoutingTable:
         The check and the removal are one step under the lock, so a checkout either counted its
         request first (the version is not evicted) or finds it gone (and loads it again)."""
         with self._lock:
-            idle = [(self._used.get((r, v), 0), r, v)
-                    for r, versions in self._loaded.items() if run is None or r == run for v in versions
-                    if (r, v) not in keep and v <= self._serving(r)
-                    and not self._in_flight.get(Route(r, v), 0)]
-            if not idle:
-                return None
-            _, victim, version = min(idle)
-            if version == self._serving(victim):
-                self._evicted[victim].add(version)
-            name = self._loaded[victim].pop(version)
-            self._used.pop((victim, version), None)
-            return victim, version, name
+            return self._evict(keep, run, idle=True)
+
+    def drain_lru(self, *, run: str | None = None) -> tuple[str, int, str] | None:
+        """As `evict_idle`, but of the least recently used version even if requests hold it: they
+        go on with its adapter, and new requests for it load it again on demand. For a load that
+        waits while every slot serves requests (under steady load from more runs than slots, an
+        adapter may never go idle on its own); the adapter is unloaded once
+        `in_flight_adapter(name)` is 0."""
+        with self._lock:
+            return self._evict(frozenset(), run, idle=False)
+
+    def _evict(self, keep: frozenset[tuple[str, int]], run: str | None, *, idle: bool) -> tuple[str, int, str] | None:
+        candidates = [(self._used.get((r, v), 0), r, v)
+                      for r, versions in self._loaded.items() if run is None or r == run for v in versions
+                      if (r, v) not in keep and v <= self._serving(r)
+                      and not (idle and self._in_flight.get(Route(r, v), 0))]
+        if not candidates:
+            return None
+        _, victim, version = min(candidates)
+        if version == self._serving(victim):
+            self._evicted[victim].add(version)
+        name = self._loaded[victim].pop(version)
+        self._used.pop((victim, version), None)
+        return victim, version, name
 
     def drop_run(self, run: str) -> dict[int, str]:
         """Forget a deleted run: it resolves no more. Returns its routable versions (version ->
@@ -228,6 +241,12 @@ class RoutingTable:
         with self._lock:
             return self._in_flight.get(Route(run, version), 0)
 
+    def in_flight_adapter(self, name: str) -> int:
+        """Requests holding the adapter loaded under `name` (a version loaded again after it was
+        taken out of routing has another name, and its requests are not counted here)."""
+        with self._lock:
+            return self._in_flight_adapters.get(name, 0)
+
     def in_flight_total(self) -> int:
         with self._lock:
             return sum(self._in_flight.values())
@@ -267,6 +286,8 @@ class RoutingTable:
         with self._lock:
             route = self._resolve(model)
             self._in_flight[route] += 1
+            if route.adapter is not None:
+                self._in_flight_adapters[route.adapter] += 1
             if route.run is not None and route.version:
                 self._used[(route.run, route.version)] = next(self._ticks)
         return VersionHold(self, route)
@@ -297,8 +318,15 @@ class RoutingTable:
 
     def _release(self, route: Route) -> None:
         with self._lock:
-            n = self._in_flight.get(route, 0) - 1
-            if n > 0:
-                self._in_flight[route] = n
-            else:
-                self._in_flight.pop(route, None)
+            _count_down(self._in_flight, route)
+            if route.adapter is not None:
+                _count_down(self._in_flight_adapters, route.adapter)
+
+
+def _count_down(counts: dict[Any, int], key: Any) -> None:
+    """One fewer in `counts[key]`; the key goes at 0."""
+    n = counts.get(key, 0) - 1
+    if n > 0:
+        counts[key] = n
+    else:
+        counts.pop(key, None)

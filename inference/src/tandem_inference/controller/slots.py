@@ -6,8 +6,13 @@ recent versions, ask for more. Before any load the controller makes room here: r
 no request holds are unloaded first, then the least recently used adapter that no request holds
 is evicted (RoutingTable.evict_idle: taken out of the routable set and unloaded, in one step
 with respect to checkouts, so what a request uses is never unloaded). When every slot serves a
-request in flight, the load waits for one to end, up to `controller.slot_wait_s`; past it the
-load fails with `Overloaded` (`adapter_slots`): the gateway answers 429 with Retry-After.
+request in flight, the least recently used adapter is drained (RoutingTable.drain_lru): taken
+out of the routable set while its requests go on, so that new requests for it load it again on
+demand, and unloaded once its last request ends. Without the drain, more busy runs than slots
+starve a load: each adapter gets its next request before its last one ends and never goes idle
+(on one GPU with 32 runs through 8 slots, a version waited 316 s for its load). The load waits
+for the drained slot up to `controller.slot_wait_s`; past it the load fails with `Overloaded`
+(`adapter_slots`): the gateway answers 429 with Retry-After.
 
 A run has a quota of its own, `controller.run_max_loaded_adapters`: before the engine's slots are
 counted, a run that already holds that many adapters (by the engine's own list, so retired ones
@@ -76,7 +81,7 @@ class Slots:
         parsed = parse_adapter_name(for_adapter)
         if parsed is not None and self.run_limit < self.limit:
             touched |= await self._make_run_room(parsed[0], for_adapter, deadline)
-        waited = False
+        waited = drained = False
         while True:
             held = await self._held_count()
             if held < self.limit:
@@ -94,6 +99,10 @@ class Slots:
                 await self._evict(*victim)
                 touched.add(victim[0])
                 continue
+            if not drained:
+                drained = self._drain(for_adapter)
+                if drained:
+                    continue
             if time.monotonic() >= deadline:
                 raise Overloaded(
                     f"the engine's {self.limit} adapter slots (engine.max_loaded_adapters) all serve requests in "
@@ -110,7 +119,7 @@ class Slots:
         """Return once `run` holds fewer than `run_limit` adapters in the engine, having unloaded its
         retired ones and evicted its own least recently used idle ones; Overloaded past `deadline`."""
         touched: set[str] = set()
-        waited = False
+        waited = drained = False
         while True:
             held = await self._run_count(run)
             if held < self.run_limit:
@@ -126,6 +135,10 @@ class Slots:
                 await self._evict(*victim)
                 touched.add(run)
                 continue
+            if not drained:
+                drained = self._drain(for_adapter, run=run)
+                if drained:
+                    continue
             if time.monotonic() >= deadline:
                 raise Overloaded(
                     f"run {run!r} holds {held} adapters, its quota of engine slots "
@@ -143,6 +156,21 @@ class Slots:
         """Adapters of `run` the engine holds (its own list, retired ones included)."""
         names = await self.engine.loaded_adapters()
         return sum(1 for name in names if (parsed := parse_adapter_name(name)) is not None and parsed[0] == run)
+
+    def _drain(self, for_adapter: str, *, run: str | None = None) -> bool:
+        """Drain the least recently used adapter (of `run` only, when given) for `for_adapter`:
+        out of routing now, queued to unload once its requests end. False when none can be (every
+        adapter is held: newer than its run serves)."""
+        victim = self.table.drain_lru(run=run)
+        if victim is None:
+            return False
+        name = victim[2]
+        self.unloader.add(name, victim[0], victim[1], routed=True)
+        self.evictions.labels(victim[0]).inc()
+        log.info("adapter_drain run=%s version=%d adapter=%s requests_in_flight=%d: every slot serves requests, "
+                 "so %s takes this least recently used one once they end", victim[0], victim[1], name,
+                 self.table.in_flight_adapter(name), for_adapter)
+        return True
 
     async def _evict(self, run: str, version: int, name: str) -> None:
         """Unload an adapter taken out of routing for room; a failed unload is retried by the

@@ -88,7 +88,7 @@ class Unloader:
             if self.table.adapter(run, version) == name:  # routed again since: never unload what serves
                 del self.queued[name]
                 continue
-            if state.next_try > now or (state.routed and self.table.in_flight(run, version) > 0):
+            if state.next_try > now or (state.routed and self.table.in_flight_adapter(name) > 0):
                 continue
             t0 = time.monotonic()
             try:

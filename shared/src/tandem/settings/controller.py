@@ -22,8 +22,9 @@ class ControllerSettings(BaseModel):
     """How long one blocking read of the event stream waits, in milliseconds."""
     slot_wait_s: float = Field(30.0, gt=0, le=3600)
     """How long a load waits for a free engine slot (`engine.max_loaded_adapters`) while every
-    loaded adapter serves a request in flight, in seconds; past it a request that needed the load is
-    answered 429 (`adapter_slots`, with Retry-After) and a newest version is tried again later."""
+    loaded adapter serves a request in flight (the least recently used one is drained for it: out
+    of routing, unloaded when its requests end), in seconds; past it a request that needed the load
+    is answered 429 (`adapter_slots`, with Retry-After) and a newest version is tried again later."""
     run_max_loaded_adapters: int = Field(4, ge=1, le=256)
     """Most engine slots (`engine.max_loaded_adapters`) one run's adapters may take at once: its quota
     of resident adapters. Loading one more of its versions first evicts the run's own least recently
