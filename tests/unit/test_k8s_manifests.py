@@ -300,6 +300,9 @@ COMPOSE_STACKS = {
 KUBERNETES_ONLY = {
     "HF_HOME": "/models/huggingface",  # the hub cache lives on the models volume
     "TANDEM_GATEWAY__PUBLISHED_HOST": None,  # the router reaches the port beyond loopback: the key is required
+    # shared mode's settings: Kubernetes offers split mode only (two pods cannot share one GPU)
+    "TANDEM_GPUS__RELEASE_TAGS": None,
+    "TANDEM_GPUS__SERVE_WHILE_TRAINING": None,
 }
 
 

@@ -175,7 +175,7 @@ class RoutingTable:
         candidates = [(self._used.get((r, v), 0), r, v)
                       for r, versions in self._loaded.items() if run is None or r == run for v in versions
                       if (r, v) not in keep and v <= self._serving(r)
-                      and not (idle and self._in_flight.get(Route(r, v), 0))]
+                      and not (idle and self._in_flight_adapters.get(versions[v], 0))]
         if not candidates:
             return None
         _, victim, version = min(candidates)

@@ -27,7 +27,8 @@ class ControllerMetrics:
         self.unloads = Counter("tandem_adapter_unloads", "Unload attempts by outcome.", ["run", "outcome"],
                                registry=registry)
         self.evictions = Counter("tandem_adapter_evictions",
-                                 "Adapters unloaded for room: the least recently used one no request held.",
+                                 ("Adapters taken out for room: the least recently used one no request held, or drained "
+                                  "when every one served requests."),
                                  ["run"], registry=registry)
         self.on_demand_loads = Counter("tandem_adapter_on_demand_loads",
                                        "Versions loaded because a request asked for one the engine did not hold.",

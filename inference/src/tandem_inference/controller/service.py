@@ -20,7 +20,9 @@ keep-window stop being routed at once and are unloaded when no request uses them
 adapters unload the same way.
 
 The engine's slots (`engine.max_loaded_adapters`) may be fewer than the versions asked for: every
-load first makes room, evicting the least recently used adapter no request holds, and a request
+load first makes room, evicting the least recently used adapter no request holds (or, when every
+one serves requests, draining the least recently used: out of routing, unloaded once its requests
+end), and a request
 for a registered version the engine does not hold has it loaded on demand
 (tandem_inference.controller.slots).
 

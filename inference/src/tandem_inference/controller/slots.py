@@ -159,8 +159,11 @@ class Slots:
 
     def _drain(self, for_adapter: str, *, run: str | None = None) -> bool:
         """Drain the least recently used adapter (of `run` only, when given) for `for_adapter`:
-        out of routing now, queued to unload once its requests end. False when none can be (every
-        adapter is held: newer than its run serves)."""
+        out of routing now, queued to unload once its requests end. False when no drain is needed
+        (a retired or drained adapter is queued to unload already: its slot comes free) or none can
+        be drained (every routable adapter is held: newer than its run serves)."""
+        if self.unloader.coming_free(run):
+            return False
         victim = self.table.drain_lru(run=run)
         if victim is None:
             return False

@@ -76,6 +76,11 @@ class Unloader:
             log.info("retiring %s v%d (%s, outside the newest %d; %d requests in flight)",
                      run, version, name, keep, busy)
 
+    def coming_free(self, run: str | None = None) -> bool:
+        """Whether an adapter (of `run` only, when given) is queued to unload once its requests end:
+        its slot comes free without another drain."""
+        return any(state.routed and (run is None or state.run == run) for state in self.queued.values())
+
     def __contains__(self, name: object) -> bool:
         return name in self.queued
 

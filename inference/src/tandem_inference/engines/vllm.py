@@ -181,7 +181,7 @@ class VLLMEngine(HttpEngine):
 
         With the weights (or `tags` None): sleep level 1, the weights copied to the CPU and the
         KV cache dropped. The KV cache alone: pause the scheduler, then drop the KV cache; the
-        weights stay. vLLM needs `--enable-sleep-mode` (the launcher sets it in shared mode).
+        weights stay. vLLM needs `--enable-sleep-mode` (the launcher sets it in shared mode with release tags).
         """
         if tags is None or "weights" in tags:
             await self._call(CallKind.MEMORY, "POST", "/sleep?level=1&mode=wait")

@@ -14,9 +14,9 @@ Flags and variables as vLLM 0.33.0 reads them (vllm/engine/arg_utils.py, vllm/en
 - runtime LoRA: `--enable-lora`, `--max-loras` (adapters in one batch), `--max-cpu-loras` (held),
   `--max-lora-rank` and VLLM_ALLOW_RUNTIME_LORA_UPDATING; one API server (`--api-server-count
   1`: a load reaches only the server process that answered it).
-- VLLM_SERVER_DEV_MODE=1 for the sleep, pause, prefix-cache and RPC routes; in shared mode
-  `--enable-sleep-mode` (weights copied to the CPU and back, vLLM's counterpart of SGLang's
-  memory saver).
+- VLLM_SERVER_DEV_MODE=1 for the sleep, pause, prefix-cache and RPC routes; in shared mode with
+  something to release (`gpus.release_tags` not empty) `--enable-sleep-mode` (weights copied to
+  the CPU and back, vLLM's counterpart of SGLang's memory saver).
 - the key: vLLM's only key, VLLM_API_KEY (never on the command line, which `ps` shows), is
   `engine.admin_api_key`; it guards `/v1` (generation, adapters), not the dev routes, so vLLM
   must listen on loopback: a non-loopback `engine.url` is refused.

@@ -42,7 +42,9 @@ class GpuSettings(BaseModel):
     hand-over at all: the trainer takes no lease and the gateway never holds requests back; rollouts
     and training share the GPU's compute, each slower than alone, neither waiting for the other.
     It needs `release_tags=[]` (an engine that frees its memory cannot serve) and a trainer that
-    fits beside the engine's memory (lower `engine.mem_fraction_static` to make room). Ignored in
+    fits beside the engine's memory (lower `engine.mem_fraction_static` to make room). Set it on
+    both services alike (one `.env`; compose passes its SERVE_WHILE_TRAINING to both): a trainer that takes the lease
+    from an inference side that does not lend it waits `lease_wait_s` for each job. Ignored in
     split and cpu mode, which always serve while training."""
 
     @property

@@ -46,8 +46,9 @@ def unsloth_problem(device: Device) -> str | None:
 def select_backend(settings: TrainerBackendSettings, *, device_index: int | None = None,
                    shared_gpu: bool = False) -> Backend:
     """The backend `settings.kind` asks for; `auto` falls back to peft. `device_index` picks the
-    GPU of a data-parallel rank (default: the current CUDA device); `shared_gpu` (shared mode: the
-    GPU's free memory is inference's) keeps resident runs off the GPU unless a budget is set."""
+    GPU of a data-parallel rank (default: the current CUDA device); `shared_gpu` (shared mode with
+    release tags: the GPU's free memory is inference's, lent for the job) keeps resident runs off
+    the GPU unless a budget is set."""
     from tandem_trainer.backends.resident import ResidentBudget
 
     device = resolve_device(settings.device)
