@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -912,16 +913,14 @@ async def test_an_engine_that_refuses_loads_with_503_is_not_asked_again_at_once(
     assert controller.table.serving(run) == 0
 
 
-async def test_a_full_engine_evicts_the_least_recently_used_idle_adapter_and_loads_on_demand(
-    redis_conn: redis.Redis, settings: InferenceSettings, store: AdapterStore, tiny_model: Path
-) -> None:
-    """Runs share the engine's `max_loaded_adapters`: a new version evicts the least recently used
-    adapter no request holds, a run's evicted serving version still is what the run means and is
-    loaded again when asked for, and while every slot serves a request a load waits, then is
-    refused with a clear 429 (tandem_inference.controller.slots)."""
-    registry, events = Registry(redis_conn), EventStream(redis_conn)
-    a, b, c, d = (f"full{uuid.uuid4().hex[:6]}{x}" for x in "abcd")
-    for name in (a, b, c, d):
+@asynccontextmanager
+async def three_slot_controller(redis_conn: redis.Redis, settings: InferenceSettings, store: AdapterStore,
+                                tiny_model: Path, prefix: str,
+                                **controller: Any) -> AsyncIterator[tuple[Controller, TransformersEngine, list[str]]]:
+    """A started controller in front of a CPU engine of 3 adapter slots, and four registered runs."""
+    registry = Registry(redis_conn)
+    runs = [f"{prefix}{uuid.uuid4().hex[:6]}{x}" for x in "abcd"]
+    for name in runs:
         registry.create_run(RunSpec(name=name, base_model=str(tiny_model)))
     small = EngineSettings(model=str(tiny_model), device="cpu", max_lora_rank=MAX_RANK, max_loaded_adapters=3)
     with serve_app(create_engine_app(small)) as url:
@@ -929,47 +928,61 @@ async def test_a_full_engine_evicts_the_least_recently_used_idle_adapter_and_loa
             engine = TransformersEngine(http, url)
             limited = settings.model_copy(update={
                 "engine": settings.engine.model_copy(update={"url": url, "max_loaded_adapters": 3}),
-                "controller": settings.controller.model_copy(update={"slot_wait_s": 0.5})})
-            controller = Controller(limited, redis_conn, engine, store, RoutingTable("base"))
-            controller.start()
+                "controller": settings.controller.model_copy(update=controller)})
+            started = Controller(limited, redis_conn, engine, store, RoutingTable("base"))
+            started.start()
             try:
-                table = controller.table
-                for run, version in ((a, 1), (a, 2), (b, 1), (b, 2)):  # a v1, the least recently used, makes room
-                    announce(events, store, publish(store, registry, tiny_model, run, version))
-                    await wait_until(lambda r=run, v=version: table.serving(r) == v, what=f"{run} v{version}")
-                assert table.loaded(a) == [2] and f"{a}-v1" not in await engine.loaded_adapters()
-
-                table.checkout(f"{b}@v1").release()  # b v1 used: a v2 is now the least recently used
-                announce(events, store, publish(store, registry, tiny_model, c, 1))
-                await wait_until(lambda: table.serving(c) == 1, what="c v1 serving")
-                assert sorted(await engine.loaded_adapters()) == sorted([f"{b}-v1", f"{b}-v2", f"{c}-v1"])
-                assert table.serving(a) == 2 and table.evicted(a) == [2]  # `a` still means v2, not v1 or the base
-
-                with pytest.raises(ModelNotFound) as missing:
-                    table.checkout(a)
-                with await controller.checkout_on_demand(a, 2, missing.value) as hold:  # b v2 makes room
-                    assert hold.route.version == 2 and hold.route.adapter == f"{a}-v2-a1"  # a fresh name
-                    (out,) = await engine.complete([5, 6, 7], Sampling(max_tokens=2, temperature=0),
-                                                   adapter=hold.route.adapter)
-                    assert out.token_ids
-                assert f"{b}-v2" not in await engine.loaded_adapters() and table.evicted(b) == [2]
-
-                holds = [table.checkout(model) for model in (a, f"{b}@v1", c)]  # every slot in flight
-                announce(events, store, publish(store, registry, tiny_model, d, 1))
-                with pytest.raises(ModelNotFound) as missing:
-                    table.checkout(b)
-                with pytest.raises(Overloaded) as busy:
-                    await controller.checkout_on_demand(b, 2, missing.value)
-                assert busy.value.reason == "adapter_slots" and "TANDEM_ENGINE__MAX_LOADED_ADAPTERS" in str(busy.value)
-                assert sorted(await engine.loaded_adapters()) == sorted([f"{a}-v2-a1", f"{b}-v1", f"{c}-v1"])
-                for hold in holds:
-                    hold.release()
-                await wait_until(lambda: table.serving(d) == 1, what="d v1 serving once a slot is free")
-                with await controller.checkout_on_demand(b, 2, missing.value) as hold:
-                    assert hold.route.version == 2
-                assert not events_of(events, EventKind.ADAPTER_REJECTED, d)  # waiting for a slot refuses nothing
+                yield started, engine, runs
             finally:
-                await controller.stop()
+                await started.stop()
+
+
+async def test_a_full_engine_evicts_the_least_recently_used_idle_adapter_and_loads_on_demand(
+    redis_conn: redis.Redis, settings: InferenceSettings, store: AdapterStore, tiny_model: Path
+) -> None:
+    """Runs share the engine's `max_loaded_adapters`: a new version evicts the least recently used
+    adapter no request holds, a run's evicted serving version still is what the run means and is
+    loaded again when asked for, and while every slot serves a request a load waits for the one it
+    drains, then is refused with a clear 429 when that request does not end in time
+    (tandem_inference.controller.slots)."""
+    registry, events = Registry(redis_conn), EventStream(redis_conn)
+    async with three_slot_controller(redis_conn, settings, store, tiny_model, "full", slot_wait_s=0.5) as (
+            controller, engine, (a, b, c, d)):
+        table = controller.table
+        for run, version in ((a, 1), (a, 2), (b, 1), (b, 2)):  # a v1, the least recently used, makes room
+            announce(events, store, publish(store, registry, tiny_model, run, version))
+            await wait_until(lambda r=run, v=version: table.serving(r) == v, what=f"{run} v{version}")
+        assert table.loaded(a) == [2] and f"{a}-v1" not in await engine.loaded_adapters()
+
+        table.checkout(f"{b}@v1").release()  # b v1 used: a v2 is now the least recently used
+        announce(events, store, publish(store, registry, tiny_model, c, 1))
+        await wait_until(lambda: table.serving(c) == 1, what="c v1 serving")
+        assert sorted(await engine.loaded_adapters()) == sorted([f"{b}-v1", f"{b}-v2", f"{c}-v1"])
+        assert table.serving(a) == 2 and table.evicted(a) == [2]  # `a` still means v2, not v1 or the base
+
+        with pytest.raises(ModelNotFound) as missing:
+            table.checkout(a)
+        with await controller.checkout_on_demand(a, 2, missing.value) as hold:  # b v2 makes room
+            assert hold.route.version == 2 and hold.route.adapter == f"{a}-v2-a1"  # a fresh name
+            (out,) = await engine.complete([5, 6, 7], Sampling(max_tokens=2, temperature=0),
+                                           adapter=hold.route.adapter)
+            assert out.token_ids
+        assert f"{b}-v2" not in await engine.loaded_adapters() and table.evicted(b) == [2]
+
+        holds = [table.checkout(model) for model in (a, f"{b}@v1", c)]  # every slot in flight
+        announce(events, store, publish(store, registry, tiny_model, d, 1))
+        with pytest.raises(ModelNotFound) as missing:
+            table.checkout(b)
+        with pytest.raises(Overloaded) as busy:
+            await controller.checkout_on_demand(b, 2, missing.value)
+        assert busy.value.reason == "adapter_slots" and "TANDEM_ENGINE__MAX_LOADED_ADAPTERS" in str(busy.value)
+        assert sorted(await engine.loaded_adapters()) == sorted([f"{a}-v2-a1", f"{b}-v1", f"{c}-v1"])
+        for hold in holds:
+            hold.release()
+        await wait_until(lambda: table.serving(d) == 1, what="d v1 serving once a slot is free")
+        with await controller.checkout_on_demand(b, 2, missing.value) as hold:
+            assert hold.route.version == 2
+        assert not events_of(events, EventKind.ADAPTER_REJECTED, d)  # waiting for a slot refuses nothing
 
 
 async def test_a_load_that_finds_every_slot_in_flight_drains_the_least_recently_used_one(
@@ -979,38 +992,25 @@ async def test_a_load_that_finds_every_slot_in_flight_drains_the_least_recently_
     least recently used adapter out of routing while its request goes on, and loads as soon as that
     request ends, with the other slots still serving theirs (tandem_inference.controller.slots)."""
     registry, events = Registry(redis_conn), EventStream(redis_conn)
-    a, b, c, d = (f"busy{uuid.uuid4().hex[:6]}{x}" for x in "abcd")
-    for name in (a, b, c, d):
-        registry.create_run(RunSpec(name=name, base_model=str(tiny_model)))
-    small = EngineSettings(model=str(tiny_model), device="cpu", max_lora_rank=MAX_RANK, max_loaded_adapters=3)
-    with serve_app(create_engine_app(small)) as url:
-        async with httpx.AsyncClient() as http:
-            engine = TransformersEngine(http, url)
-            limited = settings.model_copy(update={
-                "engine": settings.engine.model_copy(update={"url": url, "max_loaded_adapters": 3})})
-            controller = Controller(limited, redis_conn, engine, store, RoutingTable("base"))
-            controller.start()
-            try:
-                table = controller.table
-                for run in (a, b, c):
-                    announce(events, store, publish(store, registry, tiny_model, run, 1))
-                    await wait_until(lambda r=run: table.serving(r) == 1, what=f"{run} v1")
-                held = {run: table.checkout(run) for run in (a, b, c)}  # a's is the least recent use
-                announce(events, store, publish(store, registry, tiny_model, d, 1))
-                await wait_until(lambda: table.evicted(a) == [1], what="a v1 drained for d v1")
-                with pytest.raises(ModelNotFound):  # a new request for `a` loads it again on demand
-                    table.checkout(a)
-                assert f"{a}-v1" in await engine.loaded_adapters()  # its request still uses it
-                assert table.serving(d) == 0
-                held.pop(a).release()
-                await wait_until(lambda: table.serving(d) == 1, what="d v1 serving once a's request ended")
-                assert sorted(await engine.loaded_adapters()) == sorted([f"{b}-v1", f"{c}-v1", f"{d}-v1"])
-                assert all(table.adapter(run, 1) == f"{run}-v1" for run in (b, c))  # their requests untouched
-                for hold in held.values():
-                    hold.release()
-                assert not events_of(events, EventKind.ADAPTER_REJECTED, d)
-            finally:
-                await controller.stop()
+    async with three_slot_controller(redis_conn, settings, store, tiny_model, "busy") as (controller, engine, (a, b, c, d)):
+        table = controller.table
+        for run in (a, b, c):
+            announce(events, store, publish(store, registry, tiny_model, run, 1))
+            await wait_until(lambda r=run: table.serving(r) == 1, what=f"{run} v1")
+        held = {run: table.checkout(run) for run in (a, b, c)}  # a's is the least recent use
+        announce(events, store, publish(store, registry, tiny_model, d, 1))
+        await wait_until(lambda: table.evicted(a) == [1], what="a v1 drained for d v1")
+        with pytest.raises(ModelNotFound):  # a new request for `a` loads it again on demand
+            table.checkout(a)
+        assert f"{a}-v1" in await engine.loaded_adapters()  # its request still uses it
+        assert table.serving(d) == 0
+        held.pop(a).release()
+        await wait_until(lambda: table.serving(d) == 1, what="d v1 serving once a's request ended")
+        assert sorted(await engine.loaded_adapters()) == sorted([f"{b}-v1", f"{c}-v1", f"{d}-v1"])
+        assert all(table.adapter(run, 1) == f"{run}-v1" for run in (b, c))  # their requests untouched
+        for hold in held.values():
+            hold.release()
+        assert not events_of(events, EventKind.ADAPTER_REJECTED, d)
 
 
 async def test_a_run_created_after_start_gets_its_gauges_at_the_next_reconcile(
