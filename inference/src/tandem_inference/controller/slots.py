@@ -1,18 +1,19 @@
 """Engine slots: more adapter versions than the engine holds, served by loading on demand.
 
 The engine holds at most `engine.max_loaded_adapters` adapters (its slots; SGLang's
-`--max-loaded-loras`, vLLM's `--max-cpu-loras`). Many runs on one base model, each with its
-recent versions, ask for more. Before any load the controller makes room here: retired versions
-no request holds are unloaded first, then the least recently used adapter that no request holds
-is evicted (RoutingTable.evict_idle: taken out of the routable set and unloaded, in one step
-with respect to checkouts, so what a request uses is never unloaded). When every slot serves a
-request in flight, the least recently used adapter is drained (RoutingTable.drain_lru): taken
-out of the routable set while its requests go on, so that new requests for it load it again on
-demand, and unloaded once its last request ends. Without the drain, more busy runs than slots
-starve a load: each adapter gets its next request before its last one ends and never goes idle
-(on one GPU with 32 runs through 8 slots, a version waited 316 s for its load). The load waits
-for the drained slot up to `controller.slot_wait_s`; past it the load fails with `Overloaded`
-(`adapter_slots`): the gateway answers 429 with Retry-After.
+`--max-loaded-loras`, vLLM's `--max-cpu-loras`). Many runs on one base model, each with its recent
+versions, ask for more. Before any load the controller makes room here: retired versions no
+request holds are unloaded first, then the least recently used adapter that no request holds is
+evicted (RoutingTable.evict_idle: taken out of the routable set and unloaded, in one step with
+respect to checkouts, so what a request uses is never unloaded). When every slot serves a
+request in flight and none went idle within `DRAIN_AFTER_S`, the least recently used adapter is
+drained (RoutingTable.drain_lru): taken out of the routable set while its requests go on, so
+that new requests for it load it again on demand, and unloaded once its last request ends.
+Without the drain, more busy runs than slots starve a load: each adapter gets its next request
+before its last one ends and never goes idle (on one GPU with 32 runs through 8 slots, a
+version waited 316 s for its load). The load waits for the drained slot up to
+`controller.slot_wait_s`; past it the load fails with `Overloaded` (`adapter_slots`): the
+gateway answers 429 with Retry-After.
 
 A run has a quota of its own, `controller.run_max_loaded_adapters`: before the engine's slots are
 counted, a run that already holds that many adapters (by the engine's own list, so retired ones
@@ -51,6 +52,9 @@ log = logging.getLogger(__name__)
 SLOT_POLL_S = 0.01
 #: Retry-After of a request refused because no slot came free in time, in seconds.
 SLOT_RETRY_AFTER_S = 1
+#: How long a load looks for an adapter going idle by itself before it drains one, in seconds: under
+#: moderate load one usually does within a request's time, and a drain costs its run a reload.
+DRAIN_AFTER_S = 0.25
 
 
 class Slots:
@@ -77,10 +81,11 @@ class Slots:
         """Return once the engine holds fewer than `limit` adapters; returns the runs that lost
         one (their status is to be written). Overloaded when no slot came free within `wait_s`."""
         deadline = time.monotonic() + self.wait_s
+        drain_at = time.monotonic() + DRAIN_AFTER_S
         touched: set[str] = set()
         parsed = parse_adapter_name(for_adapter)
         if parsed is not None and self.run_limit < self.limit:
-            touched |= await self._make_run_room(parsed[0], for_adapter, deadline)
+            touched |= await self._make_run_room(parsed[0], for_adapter, deadline, drain_at)
         waited = drained = False
         while True:
             held = await self._held_count()
@@ -99,7 +104,7 @@ class Slots:
                 await self._evict(*victim)
                 touched.add(victim[0])
                 continue
-            if not drained:
+            if not drained and time.monotonic() >= drain_at:
                 drained = self._drain(for_adapter)
                 if drained:
                     continue
@@ -115,7 +120,7 @@ class Slots:
                 waited = True
             await asyncio.sleep(SLOT_POLL_S)
 
-    async def _make_run_room(self, run: str, for_adapter: str, deadline: float) -> set[str]:
+    async def _make_run_room(self, run: str, for_adapter: str, deadline: float, drain_at: float) -> set[str]:
         """Return once `run` holds fewer than `run_limit` adapters in the engine, having unloaded its
         retired ones and evicted its own least recently used idle ones; Overloaded past `deadline`."""
         touched: set[str] = set()
@@ -135,7 +140,7 @@ class Slots:
                 await self._evict(*victim)
                 touched.add(run)
                 continue
-            if not drained:
+            if not drained and time.monotonic() >= drain_at:
                 drained = self._drain(for_adapter, run=run)
                 if drained:
                     continue
