@@ -54,7 +54,7 @@ SLOT_POLL_S = 0.01
 SLOT_RETRY_AFTER_S = 1
 #: How long a load looks for an adapter going idle by itself before it drains one, in seconds: under
 #: moderate load one usually does within a request's time, and a drain costs its run a reload.
-DRAIN_AFTER_S = 0.25
+DRAIN_AFTER_S = 1.0
 
 
 class Slots:
