@@ -35,22 +35,16 @@ def publish(
 ) -> Manifest:
     """Publish version `version` of `run` (seeded by the version) and register it unless told not to
     (or without a registry); `config_patch` edits its adapter_config.json, `config_text` replaces it whole."""
-    with store.staging(run, version) as staged:
-        adapter = build_random_adapter(tiny_model, staged / "adapter", rank=rank, seed=version,
-                                       target_modules=ATTENTION_QV)
+    def write(out: Path) -> None:
+        adapter = build_random_adapter(tiny_model, out, rank=rank, seed=version, target_modules=ATTENTION_QV)
         config_path = adapter / "adapter_config.json"
         if config_patch:
             config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **config_patch}))
         if config_text is not None:
             config_path.write_text(config_text)
-        manifest = store.publish(
-            staged,
-            Manifest(run=run, version=version, parent=version - 1, step=version, job_id=f"job-{run}-{version}",
-                     base_model=str(tiny_model), lora_rank=rank),
-        )
-    if register and registry is not None:
-        registry.register_version(manifest)
-    return manifest
+
+    return publish_version(store, run, version, base_model=str(tiny_model), rank=rank, write=write,
+                           registry=registry if register else None)
 
 
 def publish_reseeded(store: AdapterStore, registry: Registry, template: Path, tiny_model: Path, run: str, version: int,
