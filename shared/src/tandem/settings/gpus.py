@@ -43,9 +43,9 @@ class GpuSettings(BaseModel):
     and training share the GPU's compute, each slower than alone, neither waiting for the other.
     It needs `release_tags=[]` (an engine that frees its memory cannot serve) and a trainer that
     fits beside the engine's memory (lower `engine.mem_fraction_static` to make room). Set it on
-    both services alike (one `.env`; compose passes its SERVE_WHILE_TRAINING to both): a trainer that takes the lease
-    from an inference side that does not lend it waits `lease_wait_s` for each job. Ignored in
-    split and cpu mode, which always serve while training."""
+    both services alike (one `.env`; compose passes its SERVE_WHILE_TRAINING to both): a trainer
+    that takes the lease from an inference side that does not lend it waits `lease_wait_s` for
+    each job. Ignored in split and cpu mode, which always serve while training."""
 
     @property
     def leased(self) -> bool:
@@ -58,13 +58,17 @@ class GpuSettings(BaseModel):
         return self.mode == "shared" and bool(self.release_tags)
 
     @model_validator(mode="after")
-    def _disjoint(self) -> GpuSettings:
+    def _serving_frees_nothing(self) -> GpuSettings:
         if self.mode == "shared" and self.serve_while_training and self.release_tags:
             raise ValueError(
                 f"gpus.serve_while_training needs gpus.release_tags=[], but it is {self.release_tags}: an engine "
                 "that frees its memory for the trainer cannot serve meanwhile; set release_tags to [] (for a "
                 "trainer that fits beside the engine) or serve_while_training to false"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> GpuSettings:
         if self.mode == "split":
             both = sorted(set(self.inference) & set(self.trainer))
             if both:
