@@ -100,7 +100,9 @@ def test_a_node_that_lost_the_rendezvous_host_hosts_it_and_the_restarted_node_jo
     assert "127.0.0.1" in addresses and not addresses & {"0.0.0.0", "::"}, addresses
 
     kill_node(host)  # the rendezvous store goes with it
-    wait_for(lambda: answers(port), 90, "the node left to host the rendezvous", other)
+    # the port may answer a moment before the node has logged that it hosts: wait for both
+    wait_for(lambda: answers(port) and "trainer.rendezvous_host" in other.log(), 90,
+             "the node left to host the rendezvous", other)
     assert "trainer.rendezvous_lost" in other.log() and "trainer.rendezvous_host" in other.log()
     back = workers(node_env(port))
     wait_for(lambda: "parallel.start rank=" in back.log() and other.log().count("parallel.start rank=") == 2, 120,
