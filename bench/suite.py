@@ -120,6 +120,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--engine-slots", type=int, default=MAX_LOADED_ADAPTERS,
                    help=f"engine.max_loaded_adapters of the suite's stack (default {MAX_LOADED_ADAPTERS}; "
                         "8, the shipped default, makes the density scenario's runs share 8 slots)")
+    p.add_argument("--loras-per-batch", type=int, default=None,
+                   help="engine.max_loras_per_batch of a GPU engine (default the settings' 8): adapters mixed in "
+                        "one batch; with more runs rolling out at once than this, the engine batches them in turns")
+    p.add_argument("--keep-versions", type=int, default=0,
+                   help="retention.keep_versions of the suite's stack (default 0 keeps every version; at the 0.5B "
+                        "shape a version takes about 125 MB of store, so the density scenario's 32 runs of 8 steps "
+                        "write about 32 GB without it)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=64,
                    help="the largest decode batch the engine captures a CUDA graph for: 64 covers the throughput "
                         "grid's 64 clients (at 8, both engines served 64 clients slower than 8)")
@@ -173,8 +180,11 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
         "TANDEM_BACKEND__KIND": "auto", "TANDEM_LOG_LEVEL": "INFO",
         "TANDEM_ENGINE__MAX_LOADED_ADAPTERS": str(args.engine_slots),
         "TANDEM_GATEWAY__MAX_IN_FLIGHT_TOKENS": "524288",  # as compose.yaml: a GPU takes far more than a CPU
+        "TANDEM_GATEWAY__MAX_IN_FLIGHT_SEQUENCES": "4096",
         "TANDEM_GATEWAY__QUEUE_TIMEOUT_S": str(QUEUE_TIMEOUT_S),
     }
+    if args.loras_per_batch is not None:
+        env["TANDEM_ENGINE__MAX_LORAS_PER_BATCH"] = str(args.loras_per_batch)
     if args.release_tags is not None:  # shared mode: what the engine frees for the trainer
         env["TANDEM_GPUS__RELEASE_TAGS"] = args.release_tags
     if args.serve_while_training:
@@ -250,6 +260,8 @@ def main() -> int:
         print(f"model: {args.shape} at {model_dir} ...", flush=True)
         model = str(build_tiny_model(model_dir, **SHAPES[args.shape]).resolve())
     env = engine_env(args)
+    if args.keep_versions:
+        env["TANDEM_RETENTION__KEEP_VERSIONS"] = str(args.keep_versions)
     gpu = args.engine != "transformers"
     device = "cuda" if gpu else "cpu"
     state = Path(args.state).resolve() if args.state else out / "stack"

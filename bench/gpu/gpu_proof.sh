@@ -21,7 +21,9 @@
 #                 (--serve-while-training, with RELEASE='[]': no hand-over at all), and
 #                 ENGINE_ARGS (--engine-args: a JSON list of engine flags, a lever) to choose; ONLY=density
 #                 runs the density scenario (1, 8 and 32 runs on one base; DENSITY=1,8 sets the counts; SLOTS=8, the
-#                 shipped engine.max_loaded_adapters, instead of the suite's 128)
+#                 shipped engine.max_loaded_adapters, instead of the suite's 128; LORAS=64 --loras-per-batch; KEEP=2
+#                 --keep-versions, so that 32 runs of 8 steps do not fill the disk); each call starts from an
+#                 empty state folder
 #   PART=first    bench/gpu/gpu_first_forward.py --profile: the first response after a load, taken apart
 #   PART=compare  SGLang and vLLM side by side: bench/suite.py --only $ONLY (default
 #                 sync,swaps,agreement,throughput; ONLY=memory,hotload is a second call: all six
@@ -166,10 +168,12 @@ suite)
   shape=${SHAPE:-0.5b}
   built=(--model "$model")  # the 0.5B model of PART=env; another shape the suite builds itself
   [ "$shape" = 0.5b ] || built=()
+  rm -rf /tmp/suite /tmp/suite-state  # an earlier call's runs and versions (a cut call deletes none)
   timeout "${LIMIT:-560}" /tmp/tdpython bench/suite.py --mode "$mode" --shape "$shape" --only "${ONLY:-sync,swaps}" \
     "${built[@]}" "${common[@]}" ${MEM:+--mem-fraction "$MEM"} ${RELEASE:+--release-tags "$RELEASE"} \
     ${SERVE:+--serve-while-training} ${ENGINE_ARGS:+--engine-args "$ENGINE_ARGS"} ${DENSITY:+--density-runs "$DENSITY"} \
-    ${SLOTS:+--engine-slots "$SLOTS"} --out /tmp/suite --state /tmp/suite-state \
+    ${SLOTS:+--engine-slots "$SLOTS"} ${LORAS:+--loras-per-batch "$LORAS"} ${KEEP:+--keep-versions "$KEEP"} \
+    --out /tmp/suite --state /tmp/suite-state \
     >/tmp/suite.log 2>&1
   echo "suite: exit $? after $((SECONDS - t0)) s"
   tail -50 /tmp/suite.log
