@@ -9,13 +9,14 @@ talks to Redis as its own role's user (tandem.acl), and the admin only sets the 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import redis
-from helpers.adapters import announce, publish
+from helpers.adapters import announce, publish, publish_reseeded
 from helpers.jobs import make_job
 from helpers.servers import gateway, inference_settings
 from helpers.waiting import wait_until
@@ -32,6 +33,7 @@ from tandem.jobs import enqueue, train_queue
 from tandem.registry import Registry
 from tandem.runs import RunSpec
 from tandem.settings import InferenceSettings
+from tandem_trainer.store_cleanup import remove_deleted_runs
 
 pytestmark = pytest.mark.integration
 
@@ -206,3 +208,43 @@ def test_every_replica_forgets_a_run_deleted_elsewhere_and_a_missed_deletion_at_
         wait_until(lambda: engine_adapters(engine_url) == ["stays-v1"], what="missed unloaded at start-up")
         assert httpx.post(f"{url}/v1/completions", json={"model": "missed", "prompt": "x"}).status_code == 404
         assert httpx.get(f"{url}/v1/runs/stays").json()["serving_version"] == 1
+
+
+def greedy(url: str, model: str) -> list[tuple[str, float]]:
+    """Tokens and logprobs of a short greedy answer by `model` (the gateway's run, or an engine's adapter)."""
+    body = {"model": model, "messages": CHAT, "max_tokens": 4, "temperature": 0, "logprobs": True}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return [(t["token"], round(t["logprob"], 4)) for t in response.json()["choices"][0]["logprobs"]["content"]]
+
+
+def test_a_run_created_again_under_a_deleted_runs_name_never_serves_the_deleted_runs_adapter(
+    settings: InferenceSettings, tokenizer: Any, redis_conn: redis.Redis, role_conns: dict[Role, redis.Redis],
+    tiny_model: Path, engine_url: str, tmp_path: Path,
+) -> None:
+    """The deleted run's v1 is still in the engine when a run of the same name publishes its own v1
+    from the same directory (here its controller was down; a request still generating holds it
+    the same way). The new run's v1 loads under a name no engine was given for the deleted run, and
+    the old adapter is unloaded, not taken for the new run's."""
+    trainer = role_conns[Role.TRAINER]
+    store = AdapterStore(settings.store.root)
+    with gateway(settings, tokenizer) as url:
+        serve_versions(settings, role_conns, tiny_model, url, "again", 1)
+    base = settings.engine.served_model_name  # the engine picks an adapter by `<base>:<adapter>`
+    deleted = greedy(engine_url, f"{base}:again-v1")
+    template = tmp_path / "template"
+    shutil.copytree(store.adapter_dir("again", 1), template)
+    delete_run(role_conns[Role.INFERENCE], "again")
+    assert remove_deleted_runs(trainer, store, "test-owner", lambda owner: True) == ["again"]
+    Registry(role_conns[Role.CLIENT]).create_run(RunSpec(name="again", base_model=str(tiny_model)))
+    announce(EventStream(trainer), store,
+             publish_reseeded(store, Registry(trainer), template, tiny_model, "again", 1, seed=1234))
+    assert engine_adapters(engine_url) == ["again-v1"]  # the deleted run's, from the directory the new v1 is in now
+
+    with gateway(settings, tokenizer) as url:
+        wait_until(lambda: engine_adapters(engine_url) == ["again-v1-a1"],
+                   what="the new run's v1 loaded under a name of its own and the deleted run's unloaded")
+        assert httpx.get(f"{url}/v1/runs/again").json()["serving_version"] == 1
+        assert greedy(url, "again")  # answered, by the one adapter of the run the engine holds
+    assert greedy(engine_url, f"{base}:again-v1-a1") != deleted  # the new run's weights, not the deleted run's
+    assert redis_conn.hget(keys.run_load_attempts("again"), "floor:1") == b"1"

@@ -108,7 +108,8 @@ _RULES = {
         f"(~{keys.EVENTS} +xadd +xread +xrange +xrevrange)",
         f"(~{keys.cursor('*')} +get +set)",
         f"(~{keys.run_serving('*')} ~{keys.run_loaded('*')} +set)",
-        f"(~{keys.run_load_attempts('*')} +hincrby)",
+        # counted per load; deleting a run sets its floors (tandem.deletion)
+        f"(~{keys.run_load_attempts('*')} +hincrby +hgetall +hset)",
         f"({_REPLICAS} +set +mget +del +sadd +srem +smembers)",
         f"(~{keys.episode('*')} +get +set +del +watch)",
         f"(~{keys.run_episodes('*')} +sadd +pexpire +smembers +del)",

@@ -6,7 +6,12 @@
 client could change under it (the run's spec and lock, the train queue, the jobs taken off it):
 
 - the run's keys (`keys.run_state`: spec, versions, job records, step counter, serving and
-  loaded versions, load counts) and its name in `tandem:runs`;
+  loaded versions) and its name in `tandem:runs`;
+- not its load attempts (`keys.run_load_attempts`): they stay, each version's count made its
+  floor, so that a run created again under the name continues the count. Its adapters get names
+  no engine was given for the deleted run, whose adapters may still be loaded (a request holds
+  them) or be found in an engine whose controller was down; those below the floor are never
+  taken for the new run's;
 - its entry in the train queue's fair turns (`rq:fair:<queue>`, tandem.fair_queue): a run of the
   same name created later starts at the queue's clock, as any new run does;
 - its jobs still on the train queue, each with a `train_failed` event, so that a client waiting
@@ -97,7 +102,8 @@ def _delete(conn: redis.Redis, pipe: Pipeline, run: str) -> Deletion:
     queue = train_queue(conn)
     lock = keys.run_lock(run)
     # two WATCHes: a command's keys must all fall under one rule of the Redis user (tandem.acl)
-    pipe.watch(keys.run(run), lock)  # type: ignore[no-untyped-call]
+    attempts = keys.run_load_attempts(run)
+    pipe.watch(keys.run(run), lock, attempts)  # type: ignore[no-untyped-call]
     pipe.watch(queue.key, queue.intermediate_queue_key, queue.started_job_registry.key)  # type: ignore[no-untyped-call]
     if pipe.get(keys.run(run)) is None:
         known = sorted(text(m) for m in pipe.smembers(keys.RUNS))
@@ -114,8 +120,12 @@ def _delete(conn: redis.Redis, pipe: Pipeline, run: str) -> Deletion:
     queued = [j for j in _jobs(conn, [text(i) for i in pipe.lrange(queue.key, 0, -1)]) if j.named_run() == run]
     scored = cast(list[tuple[bytes, float]], pipe.zrange(keys.run_versions(run), 0, -1, withscores=True))
     versions = sorted(int(score) for _, score in scored)
+    counts = cast(dict[bytes, bytes], pipe.hgetall(attempts))
+    floors = {f"floor:{text(v)}": int(n) for v, n in counts.items() if text(v).isdigit()}
     pipe.multi()
     pipe.delete(*keys.run_state(run))
+    for field, count in floors.items():
+        pipe.hset(attempts, field, count)
     if holder is not None:
         pipe.delete(lock)  # its holder is dead
     pipe.srem(keys.RUNS, run)

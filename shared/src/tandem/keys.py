@@ -53,7 +53,10 @@ def run_loaded(name: str) -> str:
 
 
 def run_load_attempts(name: str) -> str:
-    """Hash version -> load attempts the controller has made, so no adapter name is reused."""
+    """Hash version -> load attempts the controller has made, so no adapter name is reused; and
+    `floor:<version>` -> the attempts made before the run was last deleted (tandem.deletion): an
+    engine's adapter of a lower attempt belongs to the deleted run, never to a run of the same
+    name created since. Deleting the run keeps this key."""
     return f"{PREFIX}:run:{name}:load_attempts"
 
 
@@ -63,9 +66,10 @@ def run_lock(name: str) -> str:
 
 
 def run_state(name: str) -> list[str]:
-    """Every key of one run but its lock: what deleting the run removes (tandem.deletion)."""
-    return [run(name), run_versions(name), run_jobs(name), run_steps(name), run_serving(name), run_loaded(name),
-            run_load_attempts(name)]
+    """Every key of one run but its lock and its load attempts: what deleting the run removes
+    (tandem.deletion). The load attempts outlive it, so that a run created again under the same
+    name never gets an adapter name an engine was given for the deleted one."""
+    return [run(name), run_versions(name), run_jobs(name), run_steps(name), run_serving(name), run_loaded(name)]
 
 
 def cursor(consumer: str) -> str:

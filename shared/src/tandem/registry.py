@@ -210,3 +210,10 @@ class Registry:
         """
         with translated(self.conn, f"count the load attempts of run {run!r} version {version}"):
             return int(self.conn.hincrby(keys.run_load_attempts(run), str(version), 1)) - 1
+
+    def load_attempt_floor(self, run: str, version: int) -> int:
+        """The first load attempt of `version` that belongs to the run registered now: those below
+        it were made for a deleted run of the same name (tandem.deletion); 0 when none was."""
+        with translated(self.conn, f"read the load attempts of run {run!r} version {version}"):
+            floor = self.conn.hget(keys.run_load_attempts(run), f"floor:{version}")
+        return int(floor) if floor is not None else 0

@@ -27,7 +27,7 @@ from pathlib import Path
 from tandem.adapters import ADAPTER_DIR, AdapterStore, Manifest
 from tandem.errors import AdapterNotVisible, AdapterRejected
 from tandem.registry import Registry
-from tandem.runs import adapter_name
+from tandem.runs import adapter_name, parse_adapter_name
 from tandem.settings import InferenceSettings
 from tandem_inference.controller.agreement import Held
 from tandem_inference.controller.announcements import Announcer
@@ -182,12 +182,21 @@ class AdapterLoader:
 
     async def adopt(self, name: str, path: str, run: str, version: int, *, announce: bool) -> None:
         """Route to an adapter the engine already holds if it was loaded from this version's
-        directory and its files check out; one that fails its checks is rejected and unloaded.
+        directory for the run registered now, and its files check out; one that fails its checks
+        is rejected and unloaded, as is one loaded for a deleted run of the same name (its weights
+        are not the files now in that directory).
 
         `announce`: append `adapter_loaded` (a timed-out load that completed after all)."""
         expected = self.store.adapter_dir(run, version)
         if path and Path(path).resolve() != expected:
             log.warning("engine holds %s from %s, not %s; unloading it", name, path, expected)
+            self.unloader.add(name, run, version, routed=False)
+            return
+        parsed = parse_adapter_name(name)
+        floor = await asyncio.to_thread(self.registry.load_attempt_floor, run, version)
+        if parsed is not None and parsed[2] < floor:
+            log.warning("engine holds %s, loaded for a deleted run named %s (its load attempts of v%d start at %d "
+                        "since); unloading it", name, run, version, floor)
             self.unloader.add(name, run, version, routed=False)
             return
         try:
