@@ -143,3 +143,26 @@ def test_requests_count_by_adapter_so_a_reload_under_a_new_name_is_apart(table: 
     old.release()
     assert table.in_flight_adapter("b-v1") == 0 and table.in_flight_adapter("b-v1-a1") == 1
     new.release()
+
+
+def test_evicted_versions_outside_the_keep_window_are_forgotten() -> None:
+    """A run whose serving version is evicted at every step (more busy runs than slots) keeps only
+    its keep-window of them: older ones are forgotten when the controller retires old versions, and
+    a request pinned to one finds it not resident (it loads again), as before."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from tandem_inference.controller.unloading import Unloader
+
+    table = RoutingTable("base")
+    table.add_run("a")
+    unloads = Counter("unloads", "test", ["run", "outcome"], registry=CollectorRegistry())
+    unloader = Unloader(engine=None, table=table, unloads=unloads)  # type: ignore[arg-type]  # retire_old never calls it
+    for version in range(1, 51):
+        table.add_version("a", version)
+        assert table.evict_idle() == ("a", version, f"a-v{version}")
+        unloader.retire_old("a", keep=2)
+    assert table.evicted("a") == [49, 50] and table.serving("a") == 50
+    with pytest.raises(NotResident):
+        table.checkout("a@v3")
+    with pytest.raises(NotResident):
+        table.checkout("a")  # v50, evicted, is still what `a` means

@@ -185,6 +185,16 @@ class RoutingTable:
         self._used.pop((victim, version), None)
         return victim, version, name
 
+    def forget_evicted(self, run: str, below: int) -> None:
+        """Forget the run's versions evicted for room that are older than `below` (outside its
+        keep-window: no longer what `<run>` means). A request pinned to one loads it again on
+        demand, as any version not loaded; without this, a run whose serving version is evicted
+        at step after step would be remembered for every one of them."""
+        with self._lock:
+            evicted = self._evicted.get(run)
+            if evicted:
+                evicted.difference_update([v for v in evicted if v < below])
+
     def drop_run(self, run: str) -> dict[int, str]:
         """Forget a deleted run: it resolves no more. Returns its routable versions (version ->
         adapter name), to unload once the requests that hold them (still counted in flight) end."""

@@ -69,6 +69,8 @@ class Unloader:
         unload once idle."""
         serving = self.table.serving(run)
         window = sorted(v for v in {*self.table.loaded(run), *self.table.evicted(run)} if v <= serving)[-keep:]
+        if window:
+            self.table.forget_evicted(run, below=window[0])
         for version in [v for v in self.table.loaded(run) if v <= serving and v not in window]:
             name = self.table.adapter(run, version) or adapter_name(run, version)
             busy = self.table.retire(run, version)
