@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
-import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ from bench.benchlib import Ctx, goal, md_table
 from bench.scenarios.density import delete_runs
 from tandem.acl import Role
 from tandem.adapters import AdapterStore, Manifest
+from tandem.dev.metrics import metric
 from tandem.dev.versions import announce_ready, publish_version
 from tandem.events import EventKind, EventStream
 from tandem.registry import Registry
@@ -241,12 +241,6 @@ def check(plan: list[tuple[str, int | None]], replies: list[httpx.Response | str
             out.wrong.append(f"{model}: v{sorted(stated, key=str)} gave {ids} (logprob diff {diff:.2g}), "
                              f"v{version}'s reference {ref_ids}")
     return out
-
-
-def metric(url: str, name: str) -> float:
-    """The sum of a metric's samples on the gateway's /metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
 
 
 def not_run(reason: str) -> dict[str, Any]:

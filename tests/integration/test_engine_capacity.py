@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from helpers.waiting import wait_until
 
 from tandem.acl import Role
 from tandem.adapters import AdapterStore, Manifest
+from tandem.dev.metrics import metric
 from tandem.events import EventKind, EventStream
 from tandem.registry import Registry
 from tandem.runs import RunSpec
@@ -111,12 +111,6 @@ async def load(url: str, plan: list[tuple[str, int | None]]) -> list[httpx.Respo
                                                                  "max_tokens": MAX_TOKENS, "temperature": 0})
 
         return await asyncio.gather(*(one(run, version) for run, version in plan))
-
-
-def metric(url: str, name: str) -> float:
-    """The sum of a metric's samples on the gateway's /metrics."""
-    text = httpx.get(f"{url}/metrics").text
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
 
 
 async def test_256_versions_through_8_slots_fail_no_request_and_serve_no_wrong_version(

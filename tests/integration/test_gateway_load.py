@@ -6,7 +6,6 @@ client leaves (measured with the engine's own count of generated tokens)."""
 from __future__ import annotations
 
 import asyncio
-import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -20,6 +19,7 @@ from helpers.loopback import held_stream_proxy, serve_app
 from helpers.servers import gateway, inference_settings
 from helpers.waiting import wait_until
 
+from tandem.dev.metrics import metric
 from tandem.settings import EngineSettings
 from tandem_inference.engines.base import Sampling
 from tandem_inference.engines.calls import ADMIN_CONNECTIONS, pool_limits
@@ -52,19 +52,12 @@ def make_gateway(redis_url: str, redis_conn: redis.Redis, tmp_path: Path, engine
         yield start
 
 
-def metric(url: str, name: str, labels: str = "") -> float:
-    """One sample of a Prometheus text page (0 when absent)."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    m = re.search(rf"^{re.escape(name)}{re.escape('{' + labels + '}') if labels else ''} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
-
-
 def generated(engine_url: str) -> float:
     return metric(engine_url, "tandem_engine_generated_tokens_total")
 
 
 def generate_calls(engine_url: str) -> float:
-    return metric(engine_url, "tandem_engine_requests_total", 'route="/generate",status="200"')
+    return metric(engine_url, "tandem_engine_requests_total", route="/generate", status="200")
 
 
 def burst(url: str, bodies: list[dict[str, Any]], *, timeout_s: float = 120) -> tuple[threading.Thread, list[Any]]:
@@ -159,7 +152,7 @@ def test_beyond_capacity_requests_are_refused_with_429_and_retry_after(
     url = make_gateway(max_in_flight_tokens=4096, max_queued_requests=2, retry_after_s=3)
     big = {"model": "base", "prompt": "Count:", "max_tokens": 500, "n": 8}  # 4000 tokens: one at a time
     thread, answers = burst(url, [big] * 50)
-    wait_until(lambda: metric(url, "tandem_gateway_refused_total", 'reason="queue_full"') >= 40,
+    wait_until(lambda: metric(url, "tandem_gateway_refused_total", reason="queue_full") >= 40,
                what="refusals")
     # saturated: readiness does not depend on rollouts, and a small request fits beside them
     assert httpx.get(f"{url}/ready", timeout=20).status_code == 200
@@ -174,7 +167,7 @@ def test_beyond_capacity_requests_are_refused_with_429_and_retry_after(
         error = a.json()["error"]
         assert error["type"] == "rate_limit_exceeded" and error["code"] == 429 and error["reason"] == "queue_full"
         assert "gateway.max_queued_requests=2" in error["message"]
-    assert metric(url, "tandem_gateway_refused_total", 'reason="queue_full"') == len(refused)
+    assert metric(url, "tandem_gateway_refused_total", reason="queue_full") == len(refused)
     wait_until(lambda: metric(url, "tandem_gateway_in_flight_tokens") == 0, what="admitted work released")
     assert metric(url, "tandem_gateway_queued_requests") == 0 and metric(url, "tandem_gateway_in_flight_sequences") == 0
 
@@ -209,7 +202,7 @@ def test_a_small_request_passes_an_overdue_large_one_which_gets_in_after_it(
             thread.join(30)
             assert isinstance(small[0], httpx.Response) and small[0].status_code == 200, small
             wait_until(lambda: metric(url, "tandem_gateway_queued_requests") == 0, what="the large one admitted")
-            assert metric(url, "tandem_gateway_refused_total", 'reason="queue_timeout"') == 0
+            assert metric(url, "tandem_gateway_refused_total", reason="queue_timeout") == 0
             release.set()
             reader.join(30)
             assert large == [200]
@@ -240,7 +233,7 @@ def test_a_stream_whose_client_leaves_stops_generating(
             next(line for line in resp.iter_lines() if line.startswith("data: {"))
         # leaving the block closes the connection after the first chunk
     assert settle(engine_url, before) < 3 * n * LIMIT / 4
-    wait_until(lambda: metric(url, "tandem_gateway_cancelled_total", 'route="/v1/completions"') == 3,
+    wait_until(lambda: metric(url, "tandem_gateway_cancelled_total", route="/v1/completions") == 3,
                what="the cancellations counted")
 
 
@@ -258,6 +251,6 @@ def test_requests_whose_clients_give_up_stop_generating(
 
     assert all(isinstance(r, httpx.ReadTimeout) for r in asyncio.run(give_up()))
     assert settle(engine_url, before) < len(prompts) * LIMIT / 4
-    wait_until(lambda: metric(url, "tandem_gateway_cancelled_total", 'route="/v1/completions"') == len(prompts),
+    wait_until(lambda: metric(url, "tandem_gateway_cancelled_total", route="/v1/completions") == len(prompts),
                what="the cancellations counted")
     assert f'status="499"}} {float(len(prompts))}' in httpx.get(f"{url}/metrics").text

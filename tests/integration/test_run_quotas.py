@@ -30,6 +30,7 @@ from helpers.waiting import wait_until
 
 from tandem.acl import Role
 from tandem.adapters import AdapterStore
+from tandem.dev.metrics import metric
 from tandem.events import EventStream
 from tandem.registry import Registry
 from tandem.runs import RunSpec
@@ -67,13 +68,6 @@ def serve(url: str, store: AdapterStore, conns: dict[Role, redis.Redis], tiny_mo
     for run in runs:
         wait_until(lambda r=run: httpx.get(f"{url}/v1/runs/{r}").json()["serving_version"] == versions,
                    what=f"{run} v{versions} serving")
-
-
-def metric(url: str, name: str, labels: str = "") -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(f"{name}{{{labels}}} " if labels else f"{name} "):
-            return float(line.split()[-1])
-    return 0.0
 
 
 def burst(url: str, run: str, count: int) -> tuple[threading.Thread, list[httpx.Response]]:
@@ -142,7 +136,7 @@ def test_a_wait_past_its_limit_is_a_429_that_names_the_quota_and_the_setting(
         gate.release.set()
         first.join(60)
         assert [a.status_code for a in first_answers] == [200]
-        assert metric(url, "tandem_gateway_refused_total", 'reason="run_quota_timeout"') == 1
+        assert metric(url, "tandem_gateway_refused_total", reason="run_quota_timeout") == 1
         assert gate.peak["slow"] == 1
 
 
