@@ -78,88 +78,79 @@ class Slots:
         is never evicted, so when only held ones are left, serving them frees the older ones."""
 
     async def make_room(self, for_adapter: str) -> set[str]:
-        """Return once the engine holds fewer than `limit` adapters; returns the runs that lost
-        one (their status is to be written). Overloaded when no slot came free within `wait_s`."""
+        """Return once the engine holds fewer than `limit` adapters (and the adapter's run fewer than
+        `run_limit`); returns the runs that lost one (their status is to be written). Overloaded
+        when no slot came free within `wait_s`."""
         deadline = time.monotonic() + self.wait_s
         drain_at = time.monotonic() + DRAIN_AFTER_S
         touched: set[str] = set()
         parsed = parse_adapter_name(for_adapter)
         if parsed is not None and self.run_limit < self.limit:
-            touched |= await self._make_run_room(parsed[0], for_adapter, deadline, drain_at)
+            touched |= await self._room(for_adapter, parsed[0], deadline, drain_at)
+        return touched | await self._room(for_adapter, None, deadline, drain_at)
+
+    async def _room(self, for_adapter: str, run: str | None, deadline: float, drain_at: float) -> set[str]:
+        """Return once the engine holds fewer adapters than its slots, or, with `run`, the run fewer
+        than its quota of them: retired versions no request holds are unloaded first, then the least
+        recently used idle adapter (the run's own, with `run`) is evicted, then one is drained; past
+        `deadline`, Overloaded. Returns the runs that lost an adapter."""
+        limit = self.limit if run is None else self.run_limit
+        touched: set[str] = set()
         waited = drained = False
         while True:
-            held = await self._held_count()
-            if held < self.limit:
+            held = await self._count(run)
+            if held < limit:
                 if waited:
                     log.info("a slot came free for %s", for_adapter)
                 return touched
             touched |= await self.unloader.unload_idle()  # retired versions no request holds go first
-            if await self._held_count() < self.limit:
-                continue
-            victim = self.table.evict_idle()
-            if victim is None and self.advance is not None and self._any_held():
-                await self.advance()
-                victim = self.table.evict_idle()
-            if victim is not None:
-                await self._evict(*victim)
-                touched.add(victim[0])
-                continue
-            if not drained and time.monotonic() >= drain_at:
-                drained = self._drain(for_adapter)
-                if drained:
-                    continue
-            if time.monotonic() >= deadline:
-                raise Overloaded(
-                    f"the engine's {self.limit} adapter slots (engine.max_loaded_adapters) all serve requests in "
-                    f"flight, and none came free within {self.wait_s:g} s (controller.slot_wait_s) to load "
-                    f"{for_adapter}; retry after {SLOT_RETRY_AFTER_S} s, or raise TANDEM_ENGINE__MAX_LOADED_ADAPTERS",
-                    reason="adapter_slots", retry_after_s=SLOT_RETRY_AFTER_S)
-            if not waited:
-                log.info("every one of the engine's %d slots serves a request; %s waits for one", self.limit,
-                         for_adapter)
-                waited = True
-            await asyncio.sleep(SLOT_POLL_S)
-
-    async def _make_run_room(self, run: str, for_adapter: str, deadline: float, drain_at: float) -> set[str]:
-        """Return once `run` holds fewer than `run_limit` adapters in the engine, having unloaded its
-        retired ones and evicted its own least recently used idle ones; Overloaded past `deadline`."""
-        touched: set[str] = set()
-        waited = drained = False
-        while True:
-            held = await self._run_count(run)
-            if held < self.run_limit:
-                return touched
-            touched |= await self.unloader.unload_idle()  # its retired versions no request holds go first
-            if await self._run_count(run) < self.run_limit:
+            if await self._count(run) < limit:
                 continue
             victim = self.table.evict_idle(run=run)
-            if victim is None and self.advance is not None and self.table.held(run):
+            if victim is None and self.advance is not None and self._any_held(run):
                 await self.advance()
                 victim = self.table.evict_idle(run=run)
             if victim is not None:
                 await self._evict(*victim)
-                touched.add(run)
+                touched.add(victim[0])
                 continue
             if not drained and time.monotonic() >= drain_at:
                 drained = self._drain(for_adapter, run=run)
                 if drained:
                     continue
             if time.monotonic() >= deadline:
-                raise Overloaded(
-                    f"run {run!r} holds {held} adapters, its quota of engine slots "
-                    f"(controller.run_max_loaded_adapters={self.run_limit}), and each serves requests in flight; "
-                    f"none came free within {self.wait_s:g} s (controller.slot_wait_s) to load {for_adapter}; "
-                    f"retry after {SLOT_RETRY_AFTER_S} s, or raise TANDEM_CONTROLLER__RUN_MAX_LOADED_ADAPTERS",
-                    reason="run_adapter_slots", retry_after_s=SLOT_RETRY_AFTER_S)
+                raise self._overloaded(for_adapter, run, held)
             if not waited:
-                log.info("run %s holds its %d slots, each serving a request; %s waits for one", run,
-                         self.run_limit, for_adapter)
+                if run is None:
+                    log.info("every one of the engine's %d slots serves a request; %s waits for one", limit,
+                             for_adapter)
+                else:
+                    log.info("run %s holds its %d slots, each serving a request; %s waits for one", run, limit,
+                             for_adapter)
                 waited = True
             await asyncio.sleep(SLOT_POLL_S)
 
-    async def _run_count(self, run: str) -> int:
-        """Adapters of `run` the engine holds (its own list, retired ones included)."""
+    def _overloaded(self, for_adapter: str, run: str | None, held: int) -> Overloaded:
+        """The refusal of a load that found no slot within `wait_s`: the engine's, or `run`'s quota."""
+        if run is None:
+            return Overloaded(
+                f"the engine's {self.limit} adapter slots (engine.max_loaded_adapters) all serve requests in "
+                f"flight, and none came free within {self.wait_s:g} s (controller.slot_wait_s) to load "
+                f"{for_adapter}; retry after {SLOT_RETRY_AFTER_S} s, or raise TANDEM_ENGINE__MAX_LOADED_ADAPTERS",
+                reason="adapter_slots", retry_after_s=SLOT_RETRY_AFTER_S)
+        return Overloaded(
+            f"run {run!r} holds {held} adapters, its quota of engine slots "
+            f"(controller.run_max_loaded_adapters={self.run_limit}), and each serves requests in flight; "
+            f"none came free within {self.wait_s:g} s (controller.slot_wait_s) to load {for_adapter}; "
+            f"retry after {SLOT_RETRY_AFTER_S} s, or raise TANDEM_CONTROLLER__RUN_MAX_LOADED_ADAPTERS",
+            reason="run_adapter_slots", retry_after_s=SLOT_RETRY_AFTER_S)
+
+    async def _count(self, run: str | None) -> int:
+        """Adapters the engine holds (its own list: strays and retired ones take slots too), or,
+        with `run`, those of that run."""
         names = await self.engine.loaded_adapters()
+        if run is None:
+            return len(names)
         return sum(1 for name in names if (parsed := parse_adapter_name(name)) is not None and parsed[0] == run)
 
     def _drain(self, for_adapter: str, *, run: str | None = None) -> bool:
@@ -194,9 +185,7 @@ class Slots:
         log.info("adapter_evict end run=%s version=%d adapter=%s duration_ms=%.1f (least recently used, idle)",
                  run, version, name, (time.monotonic() - t0) * 1000)
 
-    def _any_held(self) -> bool:
-        return any(self.table.held(run) for run in self.table.runs())
+    def _any_held(self, run: str | None) -> bool:
+        """Whether a version newer than its run serves is held (of `run` only, when given)."""
+        return any(self.table.held(r) for r in ([run] if run is not None else self.table.runs()))
 
-    async def _held_count(self) -> int:
-        """Adapters the engine holds (its own list: strays and retired ones take slots too)."""
-        return len(await self.engine.loaded_adapters())
