@@ -120,7 +120,7 @@ dev: install ## start the stack as local processes (Ctrl-C stops it)
 # not know, since a dependency's deprecation is news, not a defect; make test-latest fails on it.
 LOCKED_WARNINGS = -W default::DeprecationWarning -W default::PendingDeprecationWarning -W default::FutureWarning
 
-test: install cookbook ## unit and integration tests (real redis-server, real HTTP servers, tiny model; 32 min 26 s on 2 cores)
+test: install cookbook ## unit and integration tests (real redis-server, real HTTP servers, tiny model; 27 min 04 s on 2 cores)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/unit tests/integration $(LOCKED_WARNINGS) $(PYTEST_ARGS)
 
 test-unit: install ## unit tests only
