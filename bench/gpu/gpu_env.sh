@@ -32,6 +32,9 @@ envs=${ENVS:-sglang trainer tandem bench}
 install_env() {  # env: its staged wheels into /tmp/lk-<env>
   local wheels
   wheels=$(awk -v e="$1" -v d="$stage" '{ n = split($2, envs, ","); for (i = 1; i <= n; i++) if (envs[i] == e) print d "/" $1 }' "$stage/envs.txt")
+  if [ "$1" != bench ]; then  # a machine changed since its inventory: its lost pins from other environments' wheels
+    wheels="$wheels"$'\n'"$(python3 "$repo/bench/gpu/lock_parity.py" fill --env "$1" --stage "$stage")" || return 1
+  fi
   mkdir -p "/tmp/lk-$1"
   if [ -n "$wheels" ]; then
     # shellcheck disable=SC2086

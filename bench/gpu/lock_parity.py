@@ -16,6 +16,11 @@ line). Three steps:
     python bench/gpu/lock_parity.py pack --wheels DIR --stage-list stage.txt --prefix .lstage --first sglang,trainer,tandem,bench
 
 `bench/gpu/gpu_env.sh` installs the staged wheels into one folder per environment on the machine.
+A machine that has lost a package since its inventory would leave an environment short; there
+`fill` takes the pin from another environment's staged wheel of the same hash, or names what is
+missing before anything is imported:
+
+    python3 bench/gpu/lock_parity.py fill --env sglang --stage /tmp/lstage   # the wheels to add, one a line
 """
 
 from __future__ import annotations
@@ -100,6 +105,44 @@ def inventory(out: Path) -> None:
     with gzip.open(out, "wt") as f:
         json.dump(body, f)
     print(f"inventory: {len(dists)} distributions, {len(jobs)} files hashed -> {out}")
+
+
+def installed_versions() -> dict[str, str]:
+    """name -> version of every distribution python3 sees (the first on sys.path, as for imports)."""
+    out: dict[str, str] = {}
+    for dist in metadata.distributions():
+        name = normalize(dist.metadata["Name"] or "")
+        if name and name not in out:
+            out[name] = dist.version
+    return out
+
+
+def fill(lock: Path, stage: Path, env: str, installed: dict[str, str]) -> tuple[list[Path], list[str]]:
+    """What the staged folder must add to `env` beyond the wheels envs.txt gives it: (wheels, missing pins).
+
+    The stage list was made against an inventory of the machine; a machine that has changed since
+    (a package gone, or another version) would leave the environment short, and its first import
+    would fail. Each pin neither staged for `env` nor installed at its version here is taken from
+    any staged wheel of that name and version whose sha256 is among the lock's hashes (another
+    environment's); what none covers is returned as missing."""
+    own = set()
+    for line in (stage / "envs.txt").read_text().splitlines():
+        wheel, envs = line.split()
+        if env in envs.split(","):
+            name, version = wheel.split("-")[:2]
+            own.add((normalize(name), version))
+    index = wheel_index(stage)
+    borrowed: list[Path] = []
+    missing: list[str] = []
+    for name, (version, hashes) in sorted(read_lock(lock).items()):
+        if (name, version) in own or installed.get(name) == version:
+            continue
+        wheel = index.get((name, version))
+        if wheel is not None and sha256_hex(wheel) in hashes:
+            borrowed.append(wheel)
+        else:
+            missing.append(f"{name}=={version} (this machine: {installed.get(name, 'none')})")
+    return borrowed, missing
 
 
 # --- here --------------------------------------------------------------------------------------------
@@ -278,6 +321,9 @@ def main() -> int:
     b.add_argument("--stage-list", type=Path, required=True)
     b.add_argument("--staged", type=Path, default=None, help="what was copied over (.lstage0/envs.txt)")
     b.add_argument("--envs", default=",".join(ENVS), help="the locks to prove, comma-separated")
+    d = sub.add_parser("fill", help="on the GPU machine: the staged wheels an environment lacks beyond envs.txt")
+    d.add_argument("--env", choices=ENVS, required=True)
+    d.add_argument("--stage", type=Path, required=True, help="the folder the staged wheels were copied to")
     c = sub.add_parser("pack")
     c.add_argument("--wheels", type=Path, required=True)
     c.add_argument("--stage-list", type=Path, required=True)
@@ -288,6 +334,18 @@ def main() -> int:
     args = p.parse_args()
     if args.cmd == "inventory":
         inventory(args.out)
+        return 0
+    if args.cmd == "fill":
+        borrowed, missing = fill(LOCKS / f"{args.env}.txt", args.stage, args.env, installed_versions())
+        for wheel in borrowed:
+            print(wheel)
+            print(f"lock_parity fill: {args.env}: {wheel.name} from another environment's staged wheels "
+                  "(this machine lacks its pin)", file=sys.stderr)
+        if missing:
+            print(f"lock_parity fill: {args.env}: {len(missing)} locked package(s) neither staged for it nor on this "
+                  f"machine: {', '.join(missing)}. The machine changed since its inventory: run PART=env's "
+                  "inventory, lock_parity.py compare and pack again, and stage the new folders.", file=sys.stderr)
+            return 1
         return 0
     if args.cmd == "compare":
         envs = tuple(args.envs.split(","))
