@@ -193,14 +193,26 @@ def memory(runs: Sequence[dict[str, Any]], labels: Sequence[str]) -> str:
         goals = (scenario(r, "memory") or {}).get("goals") or []
         return ("flat (met)" if goals[0]["met"] else "**growing (missed)**") if goals else "–"
 
-    return side_by_side(runs, labels, "", [
+    def host(key: str, fmt: str) -> Callable[[dict[str, Any]], str]:
+        """The engine's host memory (RSS) beside a GPU series: where a GPU engine keeps its CPU copies of adapters."""
+        def cell(r: dict[str, Any]) -> str:
+            s = (scenario(r, "memory") or {}).get("summary") or {}
+            return num((s.get("rss_mib") or {}).get(key), fmt) if s.get("measured") != "rss_mib" else "–"
+        return cell
+
+    rows = [
         ("what is measured", lambda r: MEASURED.get(((scenario(r, "memory") or {}).get("summary") or {})
                                                      .get("measured", ""), "–")),
         ("versions", summary_rows("memory", [("versions", "")])[0][1]),
         ("after the first version, MiB", field("first", "{:.0f}")), ("after the last, MiB", field("last", "{:.0f}")),
         ("max, MiB", field("max", "{:.0f}")), ("MiB per 10 versions", field("slope_mib_per_10", "{:+.1f}")),
         ("growth", lambda r: num(100 * m["growth"], "{:+.1f} %") if (m := measured(r)) else "–"),
-        ("growth ≤ 5 %", verdict)])
+        ("growth ≤ 5 %", verdict)]
+    if any(((scenario(r, "memory") or {}).get("summary") or {}).get("measured") == "gpu_mib" for r in runs):
+        rows += [("host memory (RSS of the engine's processes) after the first version, MiB", host("first", "{:.0f}")),
+                 ("… after the last, MiB", host("last", "{:.0f}")),
+                 ("… MiB per 10 versions", host("slope_mib_per_10", "{:+.1f}"))]
+    return side_by_side(runs, labels, "", rows)
 
 
 def agreement(runs: Sequence[dict[str, Any]], labels: Sequence[str]) -> str:

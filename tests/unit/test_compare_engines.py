@@ -74,6 +74,22 @@ def test_sync_memory_agreement_and_hotload_come_from_each_run(compare) -> None:
     assert agree["1.0, 0.9"][1].startswith(f"{row['mean_abs']:.1e} / {row['max_abs']:.1e}")
 
 
+def test_a_gpu_engines_host_memory_stands_beside_its_gpu_memory(compare) -> None:
+    # A GPU engine's series is its GPU memory; its CPU copies of adapters show only in the RSS
+    a, b = fixture("suite-a.json"), copy.deepcopy(fixture("suite-b.json"))
+    summary = b["scenarios"]["memory"]["summary"]
+    summary["measured"], summary["gpu_mib"] = "gpu_mib", {**summary["rss_mib"], "slope_mib_per_10": 0.0}
+    summary["rss_mib"] = {**summary["rss_mib"], "first": 4189.0, "last": 6725.0, "slope_mib_per_10": 256.6}
+    memory = {r[0]: r[1:] for r in section(compare.page([a, b], [None, None]),
+                                           "Engine memory across versions (scenario 11)")}
+    assert memory["what is measured"] == ["RSS of the engine's processes", "GPU memory of the engine"]
+    assert memory["MiB per 10 versions"][1] == "+0.0"
+    # the CPU run's series is already its RSS: no second copy of it
+    assert memory["host memory (RSS of the engine's processes) after the first version, MiB"] == ["–", "4189"]
+    assert memory["… after the last, MiB"] == ["–", "6725"]
+    assert memory["… MiB per 10 versions"] == ["–", "+256.6"]
+
+
 def test_the_runs_are_labelled_and_a_goal_with_a_bar_keeps_its_cell(compare) -> None:
     a, b = fixture("suite-a.json"), fixture("suite-b.json")
     page = compare.page([a, b], [None, None])
