@@ -126,6 +126,9 @@ class Ctx:
     notes: list[str] = field(default_factory=list)
     vllm_python: str = "python3"
     """Interpreter of vLLM's environment (--engine vllm)."""
+    agreement_backends: tuple[str, ...] = ()
+    """The trainer backends the agreement scenario recomputes logprobs with (`--agreement-backends`);
+    empty: the stack's own."""
     call: str = field(default_factory=lambda: time.strftime("%Y%m%dt%H%M%S"))
     """This call of the suite: the runs a scenario starts afresh carry it in their names, so that a state
     directory of an earlier call (`--state`) does not continue them."""

@@ -130,7 +130,19 @@ def parse() -> argparse.Namespace:
     p.add_argument("--cuda-graph-max-bs", type=int, default=64,
                    help="the largest decode batch the engine captures a CUDA graph for: 64 covers the throughput "
                         "grid's 64 clients (at 8, both engines served 64 clients slower than 8)")
+    p.add_argument("--agreement-backends", type=backend_list, default=(),
+                   help="comma-separated trainer backends (peft, unsloth) the agreement scenario recomputes the "
+                        "sampled tokens' logprobs with, each on the same samples (default: the stack's own)")
     return p.parse_args()
+
+
+def backend_list(text: str) -> tuple[str, ...]:
+    """--agreement-backends: peft and/or unsloth, comma-separated."""
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in ("peft", "unsloth")]
+    if unknown or len(set(kinds)) != len(kinds):
+        raise argparse.ArgumentTypeError(f"{text!r}: give peft and/or unsloth, each once, comma-separated")
+    return kinds
 
 
 def run_counts(text: str) -> tuple[int, ...]:
@@ -272,7 +284,8 @@ def main() -> int:
               sglang_python=args.sglang_python, vllm_python=args.vllm_python, trainer_python=args.trainer_python,
               engine_env=env, store_root=state / "adapters",
               run_name="bench", device=device, served_model="base", shape=args.shape,
-              lr=5e-3 if args.shape == "tiny" else 2e-3, density_runs=args.density_runs)
+              lr=5e-3 if args.shape == "tiny" else 2e-3, density_runs=args.density_runs,
+              agreement_backends=args.agreement_backends)
     meta = {
         "timestamp": stamp, "quick": args.quick, "engine": args.engine, "shape": args.shape, "model": model,
         "mode": args.mode if gpu else "cpu", "machine": machine(), "packages": package_versions(),

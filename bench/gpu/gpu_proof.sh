@@ -32,7 +32,10 @@
 #                 GPU 1 at once (one GPU: one after the other, LIMIT each; ENGINES=vllm runs one), each with its trainer on the
 #                 same GPU (shared mode), then bench/report/compare_engines.py (engines.md);
 #                 suite-<engine>.json of separate calls (ONLY=throughput,memory; ONLY=hotload) merge
-#                 there: compare_engines.py a.json,b.json c.json,d.json
+#                 there: compare_engines.py a.json,b.json c.json,d.json. AGREE=peft,unsloth recomputes
+#                 the agreement scenario's tokens with both trainer backends; SLOTS (adapters held,
+#                 default 128) and ENGINE_ARGS (a JSON list: '["--kv-cache-memory-bytes", "8G"]') are
+#                 levers; an engine's own variables pass through (VLLM_BATCH_INVARIANT=1 ...)
 # MODE=split (default with two GPUs: the engine on GPU 0, the trainer on GPU 1; TRAINER_GPUS='[1,2,3]': a
 # data-parallel trainer of one rank a GPU there) or shared (one GPU); PART=check's KILL_RANK=1 (KILL_AT=step)
 # sends SIGKILL to that trainer rank mid-job (bench/gpu/gpu_rank_kill.py); SHAPE (PART=check, suite) 0.5b or 8b;
@@ -190,7 +193,8 @@ compare)
     timeout "${LIMIT:-560}" /tmp/tdpython bench/suite.py --engine "$e" --mode shared --shape 0.5b \
       --only "${ONLY:-sync,swaps,agreement,throughput}" --model "$model_cmp" "${pythons[@]}" --inference-gpus "[$g]" \
       --trainer-gpus "[$g]" --mem-fraction 0.6 ${RELEASE:+--release-tags "$RELEASE"} --out "/tmp/cmp-$e" \
-      --state "/tmp/cmp-state-$e" >"/tmp/cmp-$e.log" 2>&1 &
+      ${AGREE:+--agreement-backends "$AGREE"} ${SLOTS:+--engine-slots "$SLOTS"} \
+      ${ENGINE_ARGS:+--engine-args "$ENGINE_ARGS"} --state "/tmp/cmp-state-$e" >"/tmp/cmp-$e.log" 2>&1 &
     lanes+=($!)
     if [ "$second" = 0 ]; then  # one GPU: one engine after the other
       wait "${lanes[-1]}" || status=1

@@ -216,17 +216,24 @@ def memory(runs: Sequence[dict[str, Any]], labels: Sequence[str]) -> str:
 
 
 def agreement(runs: Sequence[dict[str, Any]], labels: Sequence[str]) -> str:
+    """One row a setting, or a setting and trainer backend where a run recomputed with several
+    (`--agreement-backends`; rows of runs before it carry no backend)."""
     settings = [(0.3, 1.0), (0.7, 1.0), (1.0, 1.0), (0.3, 0.9), (0.7, 0.9), (1.0, 0.9)]
+    backends = sorted({x.get("backend", "") for r in runs for x in (scenario(r, "agreement") or {}).get("rows", [])})
+    several = len(backends) > 1
 
-    def at(t: float, p: float) -> Callable[[dict[str, Any]], str]:
+    def at(b: str, t: float, p: float) -> Callable[[dict[str, Any]], str]:
         def cell(r: dict[str, Any]) -> str:
             row = next((x for x in (scenario(r, "agreement") or {}).get("rows", [])
-                        if x["temperature"] == t and x["top_p"] == p and "control" not in x), None)
+                        if x["temperature"] == t and x["top_p"] == p and "control" not in x
+                        and (not several or x.get("backend", "") == b)), None)
             return f"{row['mean_abs']:.1e} / {row['max_abs']:.1e} / {row['over_outlier']:.4f}" if row else "–"
         return cell
 
-    return side_by_side(runs, [f"{x}: mean / max \\|Δ\\| / share > 0.1" for x in labels], "T, top_p",
-                        [(f"{t}, {p}", at(t, p)) for t, p in settings])
+    return side_by_side(runs, [f"{x}: mean / max \\|Δ\\| / share > 0.1" for x in labels],
+                        "trainer backend, T, top_p" if several else "T, top_p",
+                        [((f"{b or '–'}, " if several else "") + f"{t}, {p}", at(b, t, p))
+                         for b in (backends if several else [""]) for t, p in settings])
 
 
 def handover(runs: Sequence[dict[str, Any]], labels: Sequence[str], checks: Sequence[dict[str, Any] | None]) -> str:

@@ -3,7 +3,8 @@
 A fresh version is trained on the stack; completions are sampled through the gateway at
 temperatures 0.3, 0.7 and 1.0, with and without top_p 0.9; the trainer's backend (its own
 interpreter, `python -m tandem_trainer.logprob_check`) recomputes every completion token's
-logprob on the same version at the sample's temperature. Per token: mean and max |Δ logprob|,
+logprob on the same version at the sample's temperature: the stack's own backend, or each of
+`--agreement-backends peft,unsloth` in turn on the same samples (the GPU trainer's two). Per token: mean and max |Δ logprob|,
 the share above 0.1, and the first epoch's mean importance ratio (1 when engine and trainer
 agree). A control row reads the T = 0.7 samples as the unscaled model would (the other logprob
 convention): what a convention mismatch looks like. A wrong LoRA kernel or a mixed-batch bug
@@ -45,8 +46,11 @@ PROMPTS = ["Count from 3 to 9.", "Write some numbers.", "What is 12 plus 30?", "
 SETTINGS = [(t, p) for t in (0.3, 0.7, 1.0) for p in (1.0, 0.9)]
 
 
-def trainer_env(ctx: Ctx) -> dict[str, str]:
+def trainer_env(ctx: Ctx, backend: str = "") -> dict[str, str]:
+    """The trainer's environment as the stack has it; `backend` (peft, unsloth) overrides its backend."""
     env = {**os.environ, **ctx.engine_env, "HF_HUB_OFFLINE": "1"}
+    if backend:
+        env["TANDEM_BACKEND__KIND"] = backend
     if ctx.engine != "transformers":  # the trainer's GPU (shared mode: the engine's)
         gpus = env["TANDEM_GPUS__TRAINER"] if env.get("TANDEM_GPUS__MODE") == "split" else env["TANDEM_GPUS__INFERENCE"]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in json.loads(gpus)[:1])
@@ -54,18 +58,20 @@ def trainer_env(ctx: Ctx) -> dict[str, str]:
 
 
 def trainer_logprobs(ctx: Ctx, spec_json: str, version: int, version_dir: Path,
-                     samples: list[dict[str, Any]]) -> list[list[float]]:
-    """The trainer's logprob of every completion token of `samples`, each at its own temperature."""
+                     samples: list[dict[str, Any]], backend: str = "") -> tuple[list[list[float]], str]:
+    """The trainer's logprob of every completion token of `samples`, each at its own temperature, and
+    the backend that computed them (peft, unsloth): `backend`, else the one the stack's trainer uses."""
     work = ctx.out / "agreement"
     work.mkdir(exist_ok=True)
     (work / "spec.json").write_text(spec_json)
     (work / "samples.json").write_text(json.dumps(samples))
+    out = work / f"trainer-{backend or 'stack'}.json"
     argv = [ctx.trainer_python, "-m", "tandem_trainer.logprob_check", "--spec", str(work / "spec.json"),
             "--version", str(version), "--version-dir", str(version_dir), "--samples", str(work / "samples.json"),
-            "--out", str(work / "trainer.json")]
-    subprocess.run(argv, check=True, env=trainer_env(ctx), timeout=900)
-    trainer: list[list[float]] = json.loads((work / "trainer.json").read_text())["trainer"]
-    return trainer
+            "--out", str(out)]
+    subprocess.run(argv, check=True, env=trainer_env(ctx, backend), timeout=900)
+    body = json.loads(out.read_text())
+    return body["trainer"], str(body.get("backend", "")).removesuffix("Backend").lower()
 
 
 def sample(completion: Any) -> dict[str, Any]:
@@ -91,27 +97,33 @@ def run(ctx: Ctx) -> dict[str, Any]:
     flat = [c for comps in sampled.values() for c in comps]
     ctx.progress(f"v{version}: {len(flat)} completions sampled; the trainer recomputes them")
     control_samples = sampled[0.7, 1.0]
-    # one trainer process for both (its backend loads once): the control is the T = 0.7 samples
-    # again, each marked as sampled at T = 1 (the unscaled model)
-    both = trainer_logprobs(ctx, spec_json, version, version_dir,
-                            [sample(c) for c in flat] + [{**sample(c), "temperature": 1.0} for c in control_samples])
-    trainer, control = both[: len(flat)], both[len(flat):]
-    rows, at = [], 0
-    for (temperature, top_p), comps in sampled.items():
-        m = Mismatch.of([c.rollout_logprobs for c in comps], trainer[at: at + len(comps)])
-        at += len(comps)
-        rows.append({"temperature": temperature, "top_p": top_p, **vars(m)})
-        ctx.progress(f"T={temperature} top_p={top_p}: {m.tokens} tokens, mean |Δ| {m.mean_abs:.2e}, "
-                     f"max {m.max_abs:.2e}, ratio {m.ratio_mean:.4f}")
-    other = Mismatch.of([c.rollout_logprobs for c in control_samples], control)
-    rows.append({"temperature": 0.7, "top_p": 1.0, "control": "read as the unscaled model", **vars(other)})
+    rows: list[dict[str, Any]] = []
+    for kind in ctx.agreement_backends or ("",):  # "": the stack's own trainer backend
+        # one trainer process for both (its backend loads once): the control is the T = 0.7 samples
+        # again, each marked as sampled at T = 1 (the unscaled model)
+        both, backend = trainer_logprobs(
+            ctx, spec_json, version, version_dir,
+            [sample(c) for c in flat] + [{**sample(c), "temperature": 1.0} for c in control_samples], kind)
+        trainer, control = both[: len(flat)], both[len(flat):]
+        at = 0
+        for (temperature, top_p), comps in sampled.items():
+            m = Mismatch.of([c.rollout_logprobs for c in comps], trainer[at: at + len(comps)])
+            at += len(comps)
+            rows.append({"backend": backend, "temperature": temperature, "top_p": top_p, **vars(m)})
+            ctx.progress(f"{backend} T={temperature} top_p={top_p}: {m.tokens} tokens, mean |Δ| {m.mean_abs:.2e}, "
+                         f"max {m.max_abs:.2e}, ratio {m.ratio_mean:.4f}")
+        other = Mismatch.of([c.rollout_logprobs for c in control_samples], control)
+        rows.append({"backend": backend, "temperature": 0.7, "top_p": 1.0, "control": "read as the unscaled model",
+                     **vars(other)})
     worst = max(r["over_outlier"] for r in rows if "control" not in r)
     init = initializer_range(ctx.model)
     goals = held_to(ctx, rows, init)
     table = md_table(
-        ["temperature", "top_p", "tokens", "mean |Δ logprob|", "max |Δ logprob|", f"share > {OUTLIER}", "ratio mean"],
-        [[f"{r['temperature']}" + (" (control: unscaled)" if "control" in r else ""), r["top_p"], r["tokens"],
-          f"{r['mean_abs']:.2e}", f"{r['max_abs']:.2e}", f"{r['over_outlier']:.4f}", f"{r['ratio_mean']:.5f}"]
+        ["trainer backend", "temperature", "top_p", "tokens", "mean |Δ logprob|", "max |Δ logprob|",
+         f"share > {OUTLIER}", "ratio mean"],
+        [[r["backend"], f"{r['temperature']}" + (" (control: unscaled)" if "control" in r else ""), r["top_p"],
+          r["tokens"], f"{r['mean_abs']:.2e}", f"{r['max_abs']:.2e}", f"{r['over_outlier']:.4f}",
+          f"{r['ratio_mean']:.5f}"]
          for r in rows])
     table += (f"\n\nVersion {version}; {n} samples of each prompt, up to {max_tokens} tokens. The control row is the "
               "same T = 0.7 tokens recomputed without the temperature: a convention mismatch. The model's "
@@ -123,7 +135,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     plot_name = "agreement.png"
     pyplot = plt()
     fig, ax = pyplot.subplots(figsize=(7, 3))
-    labels = [f"T={r['temperature']}\np={r['top_p']}" + ("\n(control)" if "control" in r else "") for r in rows]
+    labels = [(f"{r['backend']}\n" if len({x['backend'] for x in rows}) > 1 else "")
+              + f"T={r['temperature']}\np={r['top_p']}" + ("\n(control)" if "control" in r else "") for r in rows]
     ax.bar(labels, [max(r["max_abs"], 1e-9) for r in rows], color=["#c44e52" if "control" in r else "#4c72b0"
                                                                    for r in rows])
     ax.set_yscale("log")

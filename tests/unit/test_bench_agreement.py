@@ -53,3 +53,22 @@ def test_an_ill_conditioned_or_unknown_model_holds_no_gpu_goal(agreement) -> Non
 def test_the_cpu_holds_every_setting_to_no_outlier(agreement) -> None:
     [goal] = agreement.held_to(SimpleNamespace(device="cpu"), ROWS, 0.2)
     assert goal["value"] == 0.4 and goal["target"] == 0.001 and not goal["met"]
+
+
+def test_each_trainer_backend_asked_for_recomputes_in_its_own_environment(agreement) -> None:
+    ctx = SimpleNamespace(engine="sglang", engine_env={"TANDEM_GPUS__MODE": "shared", "TANDEM_GPUS__INFERENCE": "[2]",
+                                                       "TANDEM_BACKEND__KIND": "auto"})
+    assert agreement.trainer_env(ctx)["TANDEM_BACKEND__KIND"] == "auto"  # the stack's own
+    env = agreement.trainer_env(ctx, "peft")
+    assert env["TANDEM_BACKEND__KIND"] == "peft" and env["CUDA_VISIBLE_DEVICES"] == "2"
+
+
+def test_the_suite_takes_peft_and_unsloth_once_each() -> None:
+    import argparse
+
+    suite = bench_module("suite")
+    assert suite.backend_list("peft, unsloth") == ("peft", "unsloth")
+    assert suite.backend_list("") == ()
+    for bad in ("peft,peft", "transformers", "unsloth,vllm"):
+        with pytest.raises(argparse.ArgumentTypeError, match="peft and/or unsloth"):
+            suite.backend_list(bad)

@@ -90,6 +90,27 @@ def test_a_gpu_engines_host_memory_stands_beside_its_gpu_memory(compare) -> None
     assert memory["… MiB per 10 versions"] == ["–", "+256.6"]
 
 
+def test_agreement_recomputed_by_several_trainer_backends_has_a_row_each(compare) -> None:
+    a, b = copy.deepcopy(fixture("suite-a.json")), copy.deepcopy(fixture("suite-b.json"))
+    for run, shift in ((a, 0.0), (b, 0.001)):
+        rows = [x for x in run["scenarios"]["agreement"]["rows"] if "control" not in x]
+        run["scenarios"]["agreement"]["rows"] = ([{**x, "backend": "peft"} for x in rows]
+                                                 + [{**x, "backend": "unsloth", "mean_abs": x["mean_abs"] + shift + 0.5}
+                                                    for x in rows])
+    agree = {r[0]: r[1:] for r in section(compare.page([a, b], [None, None]), "Rollout/trainer agreement (scenario 9)")}
+    assert len(agree) == 12
+    peft = next(x for x in b["scenarios"]["agreement"]["rows"]
+                if x["backend"] == "peft" and x["temperature"] == 0.7 and x["top_p"] == 1.0)
+    unsloth = next(x for x in b["scenarios"]["agreement"]["rows"]
+                   if x["backend"] == "unsloth" and x["temperature"] == 0.7 and x["top_p"] == 1.0)
+    assert agree["peft, 0.7, 1.0"][1].startswith(f"{peft['mean_abs']:.1e} / ")
+    assert agree["unsloth, 0.7, 1.0"][1].startswith(f"{unsloth['mean_abs']:.1e} / ")
+    # a run of one backend beside it: its rows carry none, and show as a dash under the other's names
+    c = fixture("suite-b.json")
+    agree = {r[0]: r[1:] for r in section(compare.page([a, c], [None, None]), "Rollout/trainer agreement (scenario 9)")}
+    assert agree["–, 0.7, 1.0"][1] != "–" and agree["peft, 0.7, 1.0"][1] == "–"
+
+
 def test_the_runs_are_labelled_and_a_goal_with_a_bar_keeps_its_cell(compare) -> None:
     a, b = fixture("suite-a.json"), fixture("suite-b.json")
     page = compare.page([a, b], [None, None])
