@@ -46,6 +46,20 @@ def test_a_run_on_another_model_is_refused_naming_both(gateway_url: str, redis_c
     client.close()
 
 
+def test_a_run_named_as_the_engine_serves_its_base_model_is_refused(
+    gateway_url: str, redis_conn: redis.Redis
+) -> None:
+    # model="base" reaches the base model: a run named so would never sample from its own adapters
+    client = Client(gateway_url, conn=redis_conn)
+    served = next(c for c in client.get("/v1/models")["data"] if c.get("root"))["id"]
+    with pytest.raises(ValidationFailed) as info:
+        client.create_run(served, base_model=ENGINE_MODEL)
+    assert info.value.field == "name" and f"run name {served!r}" in str(info.value)
+    assert "choose another run name" in str(info.value)
+    assert client.runs() == []
+    client.close()
+
+
 @pytest.mark.parametrize("base_model", [
     ENGINE_MODEL,
     ENGINE_MODEL + "/",  # the same path, written differently

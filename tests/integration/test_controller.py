@@ -782,6 +782,46 @@ async def test_a_name_once_given_to_the_engine_is_never_given_again(
     assert f"{run}-v2-a2" in await engine.loaded_adapters()
 
 
+async def test_a_version_adopted_at_start_up_and_evicted_before_its_adapter_ready_is_read_is_announced(
+    redis_conn: redis.Redis, settings: InferenceSettings, store: AdapterStore, tiny_model: Path
+) -> None:
+    """The inference service killed after the engine loaded a version and before `adapter_loaded`: the
+    restarted controller adopts what the engine holds, a full engine evicts it for another run's
+    version, and then the version's `adapter_ready` is read. It must be loaded and announced, or a
+    `train()` waiting for it waits out its whole timeout while the version serves."""
+    registry, events = Registry(redis_conn), EventStream(redis_conn)
+    a, b = (f"adopt{uuid.uuid4().hex[:6]}{x}" for x in "ab")
+    for name in (a, b):
+        registry.create_run(RunSpec(name=name, base_model=str(tiny_model)))
+    # what the killed controller left: its cursor before a v1's adapter_ready, a v1 in the engine
+    # under the name its load attempt gave, and no adapter_loaded
+    Cursor(redis_conn, f"{settings.controller.consumer}:{settings.replica.id}").commit("0-0")
+    manifest = publish(store, registry, tiny_model, a, 1)
+    announce(events, store, manifest)
+    assert registry.next_load_attempt(a, 1) == 0
+    publish(store, registry, tiny_model, b, 1)  # registered, never announced: the start-up reconcile loads it
+    one = EngineSettings(model=str(tiny_model), device="cpu", max_lora_rank=MAX_RANK, max_loaded_adapters=1)
+    with serve_app(create_engine_app(one)) as url:
+        async with httpx.AsyncClient() as http:
+            engine = TransformersEngine(http, url)
+            await engine.load_adapter(f"{a}-v1", str(store.adapter_dir(a, 1)))
+            limited = settings.model_copy(update={
+                "engine": settings.engine.model_copy(update={"url": url, "max_loaded_adapters": 1})})
+            controller = Controller(limited, redis_conn, engine, store, RoutingTable("base"))
+            controller.start()
+            try:
+                await wait_until(lambda: events_of(events, EventKind.ADAPTER_LOADED, a), timeout_s=20,
+                                 what="a v1's adapter_loaded")
+                [loaded] = events_of(events, EventKind.ADAPTER_LOADED, a)
+                assert loaded.version == 1 and loaded.job_id == manifest.job_id
+                assert loaded.data["adapter"] == f"{a}-v1-a1"  # loaded again under a fresh name
+                assert controller.table.serving(a) == 1 and registry.serving(a) == 1
+                assert controller.table.serving(b) == 1  # b's v1 serves too, evicted or not
+                assert not events_of(events, EventKind.ADAPTER_REJECTED, a)
+            finally:
+                await controller.stop()
+
+
 async def test_a_forged_ready_for_an_unregistered_run_makes_no_run(
     run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: TransformersEngine, tiny_model: Path
 ) -> None:

@@ -43,7 +43,16 @@ class EngineCard:
     def fit(self, spec: RunSpec, gateway_url: str) -> RunSpec:
         """The spec to register: refused unless its base model is the engine's (`runs.same_base_model`)
         and its adapters load there; the engine's served name (`base`) is replaced by the model
-        itself, which is what the trainer loads. `gateway_url` is named in the refusals."""
+        itself, which is what the trainer loads. `gateway_url` is named in the refusals. A run named
+        as the engine serves its base model is refused: `model=<that name>` reaches the base model,
+        so the run's own rollouts would never come from its adapters."""
+        if self.served_name and spec.name == self.served_name:
+            raise ValidationFailed(
+                f"run name {spec.name!r} is the name the engine behind {gateway_url} serves its base model "
+                f"under: model={spec.name!r} would reach the base model, never the run's adapters; choose "
+                "another run name",
+                field="name",
+            )
         if not same_base_model(spec.base_model, self.model, self.served_name):
             raise ValidationFailed(
                 f"run {spec.name!r} asks for base_model {spec.base_model!r}, but the engine behind "

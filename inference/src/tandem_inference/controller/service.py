@@ -272,13 +272,14 @@ class Controller:
             await self.loader.reject(run, version, message, event.job_id)
             return
         name = self.table.adapter(run, version)
-        if name is not None and version > self.table.serving(run):
+        serving = self.table.serving(run)
+        if name is not None and version > serving:
             log.info("%s v%d is already held; it serves once the replicas agree", run, version)
             return
-        if name is not None and event.id is not None and self.announcer.told_after(run, version, event.id):
+        if event.id is not None and self.announcer.told_after(run, version, event.id):
             # loaded before this event was read (by a reconcile that ran between the trainer's
             # registration and this read, or on demand), and announced after it: nothing to add
-            log.info("%s v%d is already loaded as %s and announced after this adapter_ready", run, version, name)
+            log.info("%s v%d already serves and was announced after this adapter_ready", run, version)
             return
         if name is not None:  # e.g. loaded by the periodic reconcile before a retried trainer announced it
             log.info("%s v%d is already loaded as %s; announcing it again", run, version, name)
@@ -286,9 +287,16 @@ class Controller:
             if manifest is not None:
                 await asyncio.to_thread(self.announcer.loaded, manifest, name, 0.0, None)
             return
-        serving = self.table.serving(run)
         if serving > version:
             log.info("skipping %s v%d: v%d already serves", run, version, serving)
+            return
+        if serving == version:
+            # it serves, but from no slot and unannounced: adopted at start-up from the engine of a
+            # controller that died before announcing it, then evicted for room before this event was
+            # read. Load it again and announce it, or the train() waiting for it would wait forever.
+            log.info("%s v%d serves but was evicted before its adapter_ready was read; loading and announcing it",
+                     run, version)
+            await self.loader.load(run, version, ready_ts=event.ts, job_id=event.job_id)
             return
         if newest > version:  # a controller behind the trainer loads each run's newest, not every version
             log.info("skipping %s v%d: v%d of the run is announced after it, in this read", run, version, newest)
