@@ -181,7 +181,8 @@ def use_tokenizer_dir(model_name: str, tokenizer_dir: str | None) -> None:
 
 
 def build_config(args: argparse.Namespace) -> train.Config:
-    """The cookbook's RL Config: sync training, no evals, no periodic checkpoints (the final one is saved)."""
+    """The cookbook's RL Config: sync training, no evals, periodic checkpoints every --save-every steps (0:
+    only the final one)."""
     return train.Config(
         learning_rate=args.lr,
         dataset_builder=DigitsDatasetBuilder(model_name=args.model, steps=args.steps,
@@ -194,7 +195,7 @@ def build_config(args: argparse.Namespace) -> train.Config:
         loss_fn=args.loss_fn,
         lora_rank=args.lora_rank,
         eval_every=0,
-        save_every=0,
+        save_every=args.save_every,
         num_groups_to_log=0,
         rollout_json_export=False,
         base_url=args.base_url,
@@ -245,6 +246,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--save-every", type=int, default=0,
+                        help="the cookbook's periodic checkpoint every N steps (state and sampler weights, and a "
+                             "sampling client opened on the saved path); 0: only the final one")
     parser.add_argument("--log-path", default=".tandem/tinker-rl", help="the cookbook's logs (a fresh directory: "
                         "one with checkpoints.jsonl resumes from its last checkpoint)")
     parser.add_argument("--min-rise", type=float, default=0.3, help="required rise of the reward (last 5 vs first 5 steps)")

@@ -106,9 +106,12 @@ def test_the_cookbooks_rl_loop_raises_the_reward(tinker_stack: tuple[str, str], 
                                                  loss_fn: str, tmp_path: Path) -> None:
     # 2 groups of 8 a step, half the example's default: sampling is most of a step, and the reward
     # still rises by about 0.75 (docs/tinker.md)
+    # ppo also checkpoints every 10 steps as the cookbook does by default: its sampling client is
+    # then opened on the saved path (create_sampling_client(path))
+    saves = ["--save-every", "10"] if loss_fn == "ppo" else []
     rows = run_example("tinker_rl.py", tinker_stack, ["--model", str(tiny_model.resolve()), "--loss-fn", loss_fn,
                                                       "--steps", "40", "--min-rise", "0.3",
-                                                      "--groups-per-batch", "2"], tmp_path / "rl")
+                                                      "--groups-per-batch", "2", *saves], tmp_path / "rl")
     rewards = [float(row[REWARD_KEY]) for row in rows if REWARD_KEY in row]
     assert len(rewards) == 40, f"the loop logged {len(rewards)} steps, not 40"
     first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])

@@ -120,6 +120,50 @@ def test_out_of_order_requests_wait_for_their_turn(url: str, sdk: Any, tiny_mode
     assert jobs[1]["payload"]["gradients_from"] == [jobs[0]["payload"]["job_id"]]
 
 
+def test_a_refused_training_call_does_not_hold_back_the_clients_next_calls(sdk: Any, tiny_model: Path,
+                                                                           redis_conn: redis.Redis) -> None:
+    # the SDK numbers every training call; a refused one still uses up its number, or each later call
+    # would wait for it forever (the loop that catches a 422 and goes on would hang)
+    tc = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    with pytest.raises(tinker.UnprocessableEntityError):
+        tc.forward_backward([datum([4, 5, 6])], "no_such_loss").result()
+    with pytest.raises(tinker.UnprocessableEntityError):
+        tc.optim_step(tt.AdamParams(learning_rate=-1.0)).result()
+    with pytest.raises(tinker.UnprocessableEntityError):
+        tc.save_state("a/b").result()
+    tc.forward_backward([datum([5, 6, 7, 8])], "cross_entropy")
+    tc.optim_step(tt.AdamParams(learning_rate=1e-3))
+    wait_until(lambda: len(queued(redis_conn)) == 2, 30, "the calls after the refused ones on the train queue")
+    jobs = queued(redis_conn)
+    assert [j["func"] for j in jobs] == [tinker_jobs.FORWARD_BACKWARD_FUNC, tinker_jobs.OPTIM_STEP_FUNC]
+    assert jobs[1]["payload"]["gradients_from"] == [jobs[0]["payload"]["job_id"]]
+
+
+def test_a_deleted_model_is_not_found_and_refusals_name_no_run_the_user_never_saw(
+        url: str, sdk: Any, tiny_model: Path, redis_conn: redis.Redis) -> None:
+    from tandem.deletion import delete_run
+
+    tc = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    with httpx.Client(base_url=url, headers={"X-API-Key": f"tml-{API_KEY}"}) as http:
+        assert http.post("/api/v1/get_info", json={"model_id": tc.model_id}).status_code == 200
+        delete_run(redis_conn, tc.model_id)  # `tandem delete`
+        gone = refusal(http.post("/api/v1/get_info", json={"model_id": tc.model_id}), 404)
+    assert "was deleted" in gone["error"] and gone["param"] == "model_id"
+    with pytest.raises(tinker.UnprocessableEntityError) as other:
+        sdk.create_lora_training_client(base_model="Qwen/Nope-1B", rank=4).result()
+    assert "Qwen/Nope-1B" in str(other.value) and "tinker-" not in str(other.value)
+    with pytest.raises(tinker.UnprocessableEntityError) as other:
+        sdk.create_sampling_client(base_model="Qwen/Nope-1B").result()
+    assert "Qwen/Nope-1B" in str(other.value) and "'check'" not in str(other.value)
+
+
+def test_compute_logprobs_is_refused_naming_itself_and_the_way_around(sdk: Any, tiny_model: Path) -> None:
+    sc = sdk.create_sampling_client(base_model=str(tiny_model)).result()
+    with pytest.raises(tinker.UnprocessableEntityError) as refused:
+        sc.compute_logprobs(tt.ModelInput.from_ints([5, 6, 7, 8])).result()
+    assert "compute_logprobs" in str(refused.value) and "forward(" in str(refused.value)
+
+
 def test_sample_from_the_base_model(sdk: Any, tiny_model: Path) -> None:
     sc = sdk.create_sampling_client(base_model=str(tiny_model)).result()
     out = sc.sample(prompt=tt.ModelInput.from_ints([5, 6, 7, 8]), num_samples=2,

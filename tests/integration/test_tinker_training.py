@@ -63,7 +63,8 @@ def datum(tokens: list[int]) -> tt.Datum:
                     loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
 
 
-def test_train_save_sample_and_load_through_the_sdk(sdk: Any, tiny_model: Path, redis_conn: redis.Redis) -> None:
+def test_train_save_sample_and_load_through_the_sdk(stack: str, sdk: Any, tiny_model: Path,
+                                                   redis_conn: redis.Redis) -> None:
     tc = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
     data = [datum([5, 6, 7, 8, 9]), datum([10, 11, 12])]
     fb = tc.forward_backward(data, "cross_entropy")  # pipelined: both are sent before either is awaited
@@ -84,6 +85,17 @@ def test_train_save_sample_and_load_through_the_sdk(sdk: Any, tiny_model: Path, 
 
     named = tc.save_weights_for_sampler("first").result(timeout=120)
     assert named.path == f"tinker://{tc.model_id}/sampler_weights/first"
+    # a client opened on the path (the cookbook's checkpoints): the SDK asks GET /samplers/{id} first
+    opened = sdk.create_sampling_client(model_path=named.path).result(timeout=120)
+    again = opened.sample(prompt=tt.ModelInput.from_ints([5, 6, 7]), num_samples=1,
+                          sampling_params=tt.SamplingParams(max_tokens=3, temperature=0.0)).result(timeout=120)
+    assert again.sequences[0].tokens == seq.tokens  # version 1, greedy: what the first sampler gave
+    rest = tinker.RestClient(base_url=stack, api_key=f"tml-{API_KEY}")
+    try:
+        info = rest.get_sampler(opened._sampling_session_id).result(timeout=60)
+    finally:
+        rest.holder.run_coroutine_threadsafe(rest.holder.aclose()).result()
+    assert info.model_path == named.path and info.base_model == str(tiny_model)
     saved = tc.save_state("resume-here").result(timeout=120)
     assert saved.path == f"tinker://{tc.model_id}/weights/resume-here"
     resumed = sdk.create_training_client_from_state_with_optimizer(saved.path).result(timeout=300)

@@ -121,7 +121,7 @@ def _named(svc: TinkerService, future: Future, model_id: str, run: str, version:
     if kind == "sampler_weights" and future.name is None:
         # save_weights_and_get_sampling_client: an ephemeral save and a sampling session pinned to it
         session = SamplingSession(sampling_session_id=new_id("sampling"), run=run, version=version,
-                                  base_model=svc.state.model(model_id).base_model)
+                                  base_model=svc.state.model(model_id).base_model, model_path=result["path"])
         svc.state.put_sampling_session(session)
         result["sampling_session_id"] = session.sampling_session_id
     return future.model_copy(update={"result": result})

@@ -31,6 +31,7 @@ SUPPORTED = (
     "POST /api/v1/telemetry", "POST /api/v1/create_model", "POST /api/v1/get_info",
     "POST /api/v1/forward_backward", "POST /api/v1/optim_step", "POST /api/v1/save_weights",
     "POST /api/v1/save_weights_for_sampler", "POST /api/v1/load_weights", "POST /api/v1/create_sampling_session",
+    "GET /api/v1/samplers/{sampler_id}",
     "POST /api/v1/asample", "POST /api/v1/retrieve_future", "POST /api/v1/retrieve_futures",
 )
 

@@ -12,6 +12,7 @@ import asyncio
 import json
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, HTTPException, Request
@@ -23,7 +24,7 @@ from tinker import types as tt
 from tandem_inference.errors import TinkerInvalid, TinkerNotFound
 from tandem_inference.tinker import futures, sampling, wire
 from tandem_inference.tinker.service import TinkerService
-from tandem_inference.tinker.state import Future, new_id
+from tandem_inference.tinker.state import Future, Kind, new_id
 
 M = TypeVar("M", bound=BaseModel)
 #: A pending future's poll looks again after 10 ms, then 20, 40, ... up to 200 ms between looks, until
@@ -68,6 +69,20 @@ async def parse(request: Request, model: type[M]) -> M:
 
 def untyped(future: Future) -> dict[str, Any]:
     return {"request_id": future.request_id, "model_id": future.model_id}
+
+
+async def ordered(request: Request, kind: Kind, call: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """A training call: when it is refused (422, 404), its seq_id is used up all the same, so the
+    model's next calls are not left waiting for a request that will never be ordered."""
+    try:
+        return await call()
+    except (TinkerInvalid, TinkerNotFound) as exc:
+        svc = service(request)
+        ids = wire.request_ids(await request.body(), request.headers.get("content-type", ""),
+                               request.headers.get("content-encoding"), svc.settings.tinker.max_body_bytes)
+        if ids is not None:
+            await run_in_threadpool(svc.skip, *ids, kind, str(exc))
+        raise
 
 
 @open_api.get("/healthz")
@@ -135,14 +150,16 @@ async def get_info(request: Request) -> dict[str, Any]:
 
 @api.post("/forward_backward")
 async def forward_backward(request: Request) -> dict[str, Any]:
-    svc = service(request)
-    body = wire.decompress(await request.body(), request.headers.get("content-encoding"),
-                           svc.settings.tinker.max_body_bytes)
-    if wire.PROTO in request.headers.get("content-type", ""):
-        parsed = wire.parse_forward_backward(body)
-    else:
-        parsed = _json_forward_backward(body)
-    return untyped(await run_in_threadpool(svc.forward_backward, *parsed))
+    async def call() -> dict[str, Any]:
+        svc = service(request)
+        body = wire.decompress(await request.body(), request.headers.get("content-encoding"),
+                               svc.settings.tinker.max_body_bytes)
+        if wire.PROTO in request.headers.get("content-type", ""):
+            parsed = wire.parse_forward_backward(body)
+        else:
+            parsed = _json_forward_backward(body)
+        return untyped(await run_in_threadpool(svc.forward_backward, *parsed))
+    return await ordered(request, "forward_backward", call)
 
 
 def _json_forward_backward(body: bytes) -> tuple[str, int | None, str, dict[str, float], list[Any], bool]:
@@ -165,34 +182,42 @@ def _json_forward_backward(body: bytes) -> tuple[str, int | None, str, dict[str,
 
 @api.post("/optim_step")
 async def optim_step(request: Request) -> dict[str, Any]:
-    req = await parse(request, tt.OptimStepRequest)
-    return untyped(await run_in_threadpool(service(request).optim_step, req))
+    async def call() -> dict[str, Any]:
+        req = await parse(request, tt.OptimStepRequest)
+        return untyped(await run_in_threadpool(service(request).optim_step, req))
+    return await ordered(request, "optim_step", call)
 
 
 @api.post("/save_weights")
 async def save_weights(request: Request) -> dict[str, Any]:
-    req = await parse(request, tt.SaveWeightsRequest)
-    svc = service(request)
-    return untyped(await run_in_threadpool(svc.save, req.model_id, req.seq_id, "save_weights", req.path))
+    async def call() -> dict[str, Any]:
+        req = await parse(request, tt.SaveWeightsRequest)
+        svc = service(request)
+        return untyped(await run_in_threadpool(svc.save, req.model_id, req.seq_id, "save_weights", req.path))
+    return await ordered(request, "save_weights", call)
 
 
 @api.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
-    req = await parse(request, tt.SaveWeightsForSamplerRequest)
-    if req.kind != "snapshot":
-        raise TinkerInvalid(f"kind {req.kind!r} is not supported: every tandem version is an immutable snapshot "
-                         "(running rollouts keep the version they started on)", param="kind")
-    if req.path is None and req.sampling_session_seq_id is None:
-        raise TinkerInvalid("give path (a checkpoint name) or sampling_session_seq_id", param="path")
-    svc = service(request)
-    return untyped(await run_in_threadpool(svc.save, req.model_id, req.seq_id, "save_weights_for_sampler",
-                                           req.path, req.sampling_session_seq_id))
+    async def call() -> dict[str, Any]:
+        req = await parse(request, tt.SaveWeightsForSamplerRequest)
+        if req.kind != "snapshot":
+            raise TinkerInvalid(f"kind {req.kind!r} is not supported: every tandem version is an immutable "
+                                "snapshot (running rollouts keep the version they started on)", param="kind")
+        if req.path is None and req.sampling_session_seq_id is None:
+            raise TinkerInvalid("give path (a checkpoint name) or sampling_session_seq_id", param="path")
+        svc = service(request)
+        return untyped(await run_in_threadpool(svc.save, req.model_id, req.seq_id, "save_weights_for_sampler",
+                                               req.path, req.sampling_session_seq_id))
+    return await ordered(request, "save_weights_for_sampler", call)
 
 
 @api.post("/load_weights")
 async def load_weights(request: Request) -> dict[str, Any]:
-    req = await parse(request, tt.LoadWeightsRequest)
-    return untyped(await run_in_threadpool(service(request).load_weights, req))
+    async def call() -> dict[str, Any]:
+        req = await parse(request, tt.LoadWeightsRequest)
+        return untyped(await run_in_threadpool(service(request).load_weights, req))
+    return await ordered(request, "load_weights", call)
 
 
 @api.post("/create_sampling_session")
@@ -202,6 +227,15 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
     await run_in_threadpool(svc.state.touch_session, req.session_id)
     session = await run_in_threadpool(svc.create_sampling_session, req.base_model, req.model_path)
     return {"type": "create_sampling_session", "sampling_session_id": session.sampling_session_id}
+
+
+@api.get("/samplers/{sampler_id}")
+async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
+    """A sampling session's base model and checkpoint: what the SDK asks before it samples from a
+    client opened on a path (create_sampling_client(model_path=...), RestClient.get_sampler)."""
+    session = await run_in_threadpool(service(request).state.sampling_session, sampler_id)
+    return {"sampler_id": session.sampling_session_id, "base_model": session.base_model,
+            "model_path": session.model_path}
 
 
 @api.post("/asample")

@@ -40,6 +40,11 @@ def completion_body(req: tt.SampleRequest, model: str) -> dict[str, Any]:
     """The gateway's /v1/completions body for a SampleRequest, or TinkerInvalid naming what cannot be served."""
     for name, neutral in _EXTRAS.items():
         if getattr(req, name, None) not in neutral:
+            if name == "prompt_logprobs":
+                raise TinkerInvalid(
+                    "prompt logprobs (what SamplingClient.compute_logprobs and sample(include_prompt_logprobs=True) "
+                    "ask for) are not supported by tandem's engines; a training client's forward(data, "
+                    "'cross_entropy') returns the logprob of each target token of the same weights", param=name)
             raise TinkerInvalid(f"{name} is not supported by tandem's engines; leave it unset", param=name)
     p = req.sampling_params
     if p.seed is not None:

@@ -25,7 +25,7 @@ from tandem.runs import LoraConfig, RunSpec
 from tandem.settings import TinkerSettings
 from tandem_inference.errors import TinkerInvalid, TinkerNotFound, TinkerRefusal
 from tandem_inference.tinker.order import Order, Sequencer
-from tandem_inference.tinker.state import Future, ModelRecord, SamplingSession, State, new_id
+from tandem_inference.tinker.state import Future, Kind, ModelRecord, SamplingSession, State, new_id
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,9 @@ class TinkerService:
                            lora=LoraConfig(r=lora.rank, alpha=2.0 * lora.rank), seed=lora.seed or 0)
             spec = self.card().fit(spec, self.settings.tinker.gateway_url)
         except (ValidationError, TandemError) as exc:
-            raise TinkerInvalid(f"base_model {req.base_model!r} / lora_config cannot be trained here: {exc}",
-                             param="base_model") from exc
+            reason = str(exc).replace(f"run {run!r} ", "this model ")  # no run was made: its name means nothing
+            raise TinkerInvalid(f"base_model {req.base_model!r} / lora_config cannot be trained here: {reason}",
+                                param="base_model") from exc
         self.registry.create_run(spec, exist_ok=False)
         self.state.put_model(ModelRecord(model_id=run, run=run, session_id=req.session_id,
                                          base_model=req.base_model, rank=lora.rank))
@@ -85,6 +86,9 @@ class TinkerService:
 
     def get_info(self, model_id: str) -> dict[str, Any]:
         m = self.state.model(model_id)
+        if not self.registry.has_run(m.run):
+            raise TinkerNotFound(f"model {model_id!r} was deleted (its run {m.run!r} is gone); create a new one",
+                                 param="model_id")
         card = self.card()
         return {"type": "get_info", "model_id": model_id, "model_name": m.base_model, "is_lora": True,
                 "lora_rank": m.rank, "model_data": {"model_name": m.base_model, "tokenizer_id": card.model}}
@@ -170,6 +174,21 @@ class TinkerService:
         got = self.sequencer.submit(m.model_id, seq, request_id, op, self._apply, self._room(m.run))
         return self.state.future(got)
 
+    def skip(self, model_id: str, seq: int, kind: Kind, message: str) -> None:
+        """Use up the seq_id of a training call refused before it was ordered (a 422 or 404 naming a
+        field): the model's later calls would otherwise wait for it forever. Its number is recorded
+        in its turn with the refusal as its future, so a resend of it gets the same error."""
+        try:
+            m = self.state.model(model_id)
+        except TinkerNotFound:
+            return  # no such model: it has no order to keep
+        request_id = new_id("refused")
+        self.state.put_future(Future(request_id=request_id, kind=kind, model_id=m.model_id, seq=seq,
+                                     error=message, category="user"))
+        self.sequencer.submit(m.model_id, seq, request_id, {"kind": "refused", "request_id": request_id},
+                              self._apply, self._room(m.run))
+        log.info("tinker.refused model_id=%s seq_id=%d kind=%s: its turn is used up", m.model_id, seq, kind)
+
     def resume(self, model_id: str) -> None:
         """Apply the model's requests held back by its run's quota of queued jobs, as far as there is room."""
         self.sequencer.resume(model_id, self._apply, self._room(self.state.model(model_id).run))
@@ -181,9 +200,12 @@ class TinkerService:
         return lambda op: op["kind"] not in _JOBS or job_quota.has_room(self.conn, run, limit)
 
     def _apply(self, op: dict[str, Any], order: Order) -> None:
-        """Apply one request in its turn: enqueue its job, or bind its save to the job before it."""
-        future = self.state.future(op["request_id"])
+        """Apply one request in its turn: enqueue its job, or bind its save to the job before it (a
+        refused one: nothing, its turn passes)."""
         kind = op["kind"]
+        if kind == "refused":
+            return
+        future = self.state.future(op["request_id"])
         if kind in _JOBS:
             payload = dict(op["job"])
             if kind == "optim_step":
@@ -210,7 +232,7 @@ class TinkerService:
             run, version = self.resolve_path(model_path)
             base = self.registry.get_run(run).base_model
             session = SamplingSession(sampling_session_id=new_id("sampling"), run=run, version=version,
-                                      base_model=base)
+                                      base_model=base, model_path=model_path)
         elif base_model:
             self._check_base(base_model)
             session = SamplingSession(sampling_session_id=new_id("sampling"), base_model=base_model)
@@ -223,4 +245,5 @@ class TinkerService:
         try:
             self.card().fit(RunSpec(name="check", base_model=base_model), self.settings.tinker.gateway_url)
         except (ValidationError, TandemError) as exc:
-            raise TinkerInvalid(f"base_model {base_model!r} is not served here: {exc}", param="base_model") from exc
+            reason = str(exc).replace("run 'check' asks for", "it asks for")  # no run is made to sample
+            raise TinkerInvalid(f"base_model {base_model!r} is not served here: {reason}", param="base_model") from exc

@@ -63,6 +63,8 @@ class SamplingSession(BaseModel):
     version: int = 0
     """0: the run's base model (or the base model itself when `run` is None)."""
     base_model: str
+    model_path: str | None = None
+    """The sampler checkpoint it was opened on (`tinker://...`), as GET /samplers/{id} tells it."""
 
 
 def new_id(prefix: str) -> str:

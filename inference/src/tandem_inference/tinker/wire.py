@@ -10,6 +10,7 @@ shape, a tensor whose length is not the datum's) is refused with `TinkerInvalid`
 from __future__ import annotations
 
 import io
+import json
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,25 @@ def parse_forward_backward(body: bytes) -> tuple[str, int | None, str, dict[str,
                              param=f"loss_fn_config.{key}")
     datums = [_datum(i, d) for i, d in enumerate(msg.data)]
     return msg.model_id, (msg.seq_id or None), loss_fn, config, datums, msg.forward_only
+
+
+def request_ids(body: bytes, content_type: str, encoding: str | None, limit: int) -> tuple[str, int] | None:
+    """(model_id, seq_id) of a training call's body, JSON or protobuf, or None where the body does not
+    say them (a refused request's seq_id still has to be used up: tandem_inference.tinker.order)."""
+    try:
+        raw = decompress(body, encoding, limit)
+        if PROTO in content_type:
+            msg = pb.ForwardBackwardRequest()
+            msg.ParseFromString(raw)
+            model_id, seq = msg.model_id, msg.seq_id
+        else:
+            fields = json.loads(raw)
+            model_id, seq = fields.get("model_id"), fields.get("seq_id")
+    except (TinkerInvalid, DecodeError, ValueError, AttributeError):
+        return None
+    if not isinstance(model_id, str) or not model_id or not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
+        return None
+    return model_id, seq
 
 
 def check_loss(name: str) -> str:
