@@ -267,6 +267,11 @@ def test_pinned_versions_and_unknown_names(
         client.completions.create(model=f"{run}@v7", prompt="Count:", max_tokens=2)
     assert info.value.body["type"] == "model_not_found"
     assert info.value.body["known"] == [f"{run}@v0", f"{run}@v1", f"{run}@v2"]
+    assert f"run {run!r} has no version 7: its versions go up to v2" in info.value.body["message"]
+    for bad in (f"{run}@v-1", f"{run}@v01", f"{run}@latest"):  # the version is what is wrong, not the run
+        resp = httpx.post(f"{url}/v1/completions", json={"model": bad, "prompt": "Count:", "max_tokens": 2})
+        assert resp.status_code == 404, bad
+        assert f"is no version of run {run!r}" in resp.json()["error"]["message"], bad
 
     resp = httpx.post(f"{url}/v1/chat/completions", json={"model": "nope", "messages": CHAT})
     assert resp.status_code == 404

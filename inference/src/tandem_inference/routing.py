@@ -306,6 +306,13 @@ class RoutingTable:
         if model == self.base_model:
             return Route(None, 0)
         run, version = parse_model(model)
+        if version is None and "@" in model and model.split("@", 1)[0] in self._runs:
+            pinned = model.split("@", 1)[0]
+            raise ModelNotFound(
+                f"model {model!r}: {model.split('@', 1)[1]!r} is no version of run {pinned!r}; pin one as "
+                f"{pinned}@v7 or {pinned}@7 (ASCII digits, no leading zero), or ask for {pinned!r}, its newest",
+                known=[self.base_model, *sorted(self._runs)],
+            )
         if run not in self._runs:
             raise ModelNotFound(
                 f"unknown model {model!r}: no run {run!r}; known: {self.base_model!r} (the base model) "

@@ -343,7 +343,11 @@ class Controller:
                 raise missing  # deleted meanwhile
             manifest = await asyncio.to_thread(self.registry.manifest, run, version)
             if manifest is None:
-                raise missing
+                latest = await asyncio.to_thread(self.registry.latest_version, run)
+                raise ModelNotFound(
+                    f"run {run!r} has no version {version}: its versions go up to v{latest}, and retention may "
+                    f"have removed older ones; ask for {run!r} (its newest) or a version it still has",
+                    known=missing.known) from None
             if self.loader.rejected.get((run, version)) == manifest.created_at:
                 raise ModelNotFound(f"{model} was refused when it was loaded (see its adapter_rejected event); "
                                     "it serves nowhere", known=missing.known)

@@ -101,12 +101,12 @@ class Gateway:
         """
         if self.admission is not None:
             await self.admission.wait()
-        run, _ = parse_model(model)
+        run = parse_model(model)[0].split("@", 1)[0]  # a malformed version after '@' still names its run
         try:
             return await self._checkout_known(model)
         except ModelNotFound:
             if self.table.has_run(run):
-                raise  # a known run: the error lists its loaded versions
+                raise  # a known run: the error lists its loaded versions, or names the malformed one
         runs = await self.registry_runs()
         if run in runs:
             self.table.add_run(run)
