@@ -91,6 +91,11 @@ def parse_model(model: str) -> tuple[str, int | None]:
     return model, None
 
 
+def named_run(model: str) -> str:
+    """The run a model string names: `run` of `run@v7`, and of `run@<anything>` (a malformed version)."""
+    return model.split("@", 1)[0]
+
+
 class RoutingTable:
     """Runs, their loaded versions and in-flight counts; safe to use from several threads."""
 
@@ -306,10 +311,9 @@ class RoutingTable:
         if model == self.base_model:
             return Route(None, 0)
         run, version = parse_model(model)
-        if version is None and "@" in model and model.split("@", 1)[0] in self._runs:
-            pinned = model.split("@", 1)[0]
+        if version is None and "@" in model and (pinned := named_run(model)) in self._runs:
             raise ModelNotFound(
-                f"model {model!r}: {model.split('@', 1)[1]!r} is no version of run {pinned!r}; pin one as "
+                f"model {model!r}: {model[len(pinned) + 1:]!r} is no version of run {pinned!r}; pin one as "
                 f"{pinned}@v7 or {pinned}@7 (ASCII digits, no leading zero), or ask for {pinned!r}, its newest",
                 known=[self.base_model, *sorted(self._runs)],
             )

@@ -52,7 +52,7 @@ from tandem_inference.gateway.schemas import (
     SamplingRequest,
 )
 from tandem_inference.gateway.streaming import stream_reply
-from tandem_inference.routing import RoutingTable, VersionHold, parse_model
+from tandem_inference.routing import RoutingTable, VersionHold, named_run, parse_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -101,7 +101,7 @@ class Gateway:
         """
         if self.admission is not None:
             await self.admission.wait()
-        run = parse_model(model)[0].split("@", 1)[0]  # a malformed version after '@' still names its run
+        run = named_run(model)  # a malformed version after '@' still names its run
         try:
             return await self._checkout_known(model)
         except ModelNotFound:
