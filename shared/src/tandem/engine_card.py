@@ -40,12 +40,14 @@ class EngineCard:
                 return cls(str(card["root"]), str(card.get("id") or ""), lora if isinstance(lora, dict) else None)
         return None
 
-    def fit(self, spec: RunSpec, gateway_url: str) -> RunSpec:
+    def fit(self, spec: RunSpec, gateway_url: str, *, subject: str | None = None) -> RunSpec:
         """The spec to register: refused unless its base model is the engine's (`runs.same_base_model`)
         and its adapters load there; the engine's served name (`base`) is replaced by the model
         itself, which is what the trainer loads. `gateway_url` is named in the refusals. A run named
         as the engine serves its base model is refused: `model=<that name>` reaches the base model,
-        so the run's own rollouts would never come from its adapters."""
+        so the run's own rollouts would never come from its adapters. `subject` names what asks in
+        the refusals (default: the run, by name)."""
+        who = subject or f"run {spec.name!r}"
         if self.served_name and spec.name == self.served_name:
             raise ValidationFailed(
                 f"run name {spec.name!r} is the name the engine behind {gateway_url} serves its base model "
@@ -55,18 +57,18 @@ class EngineCard:
             )
         if not same_base_model(spec.base_model, self.model, self.served_name):
             raise ValidationFailed(
-                f"run {spec.name!r} asks for base_model {spec.base_model!r}, but the engine behind "
+                f"{who} asks for base_model {spec.base_model!r}, but the engine behind "
                 f"{gateway_url} serves {self.model!r} (as {self.served_name!r}); its adapters would "
                 f"not fit: create the run with base_model={self.model!r}, or start the stack with that model "
                 "(TANDEM_ENGINE__MODEL)",
                 field="base_model",
             )
-        self._check_lora(spec, gateway_url)
+        self._check_lora(spec, gateway_url, who)
         if spec.base_model == self.served_name != self.model and not same_base_model(spec.base_model, self.model):
             return spec.model_copy(update={"base_model": self.model})  # a name no trainer could load
         return spec
 
-    def _check_lora(self, spec: RunSpec, gateway_url: str) -> None:
+    def _check_lora(self, spec: RunSpec, gateway_url: str, who: str) -> None:
         """Refuse a run whose adapters the engine would refuse to load (after their first step):
         a rank above its max_lora_rank, or modules outside its target modules ("all": any; SGLang's
         fused names stand for their parts)."""
@@ -75,7 +77,7 @@ class EngineCard:
         max_rank = self.lora.get("max_rank")
         if isinstance(max_rank, int) and spec.lora.r > max_rank:
             raise ValidationFailed(
-                f"run {spec.name!r} asks for lora.r={spec.lora.r}, but the engine behind {gateway_url} "
+                f"{who} asks for lora.r={spec.lora.r}, but the engine behind {gateway_url} "
                 f"loads adapters up to rank {max_rank}: create the run with r <= {max_rank}, or start the "
                 f"stack with TANDEM_ENGINE__MAX_LORA_RANK >= {spec.lora.r}",
                 field="lora.r",
@@ -87,7 +89,7 @@ class EngineCard:
             missing = sorted(set(spec.lora.target_modules) - allowed)
             if missing:
                 raise ValidationFailed(
-                    f"run {spec.name!r} targets {missing}, but the engine behind {gateway_url} "
+                    f"{who} targets {missing}, but the engine behind {gateway_url} "
                     f"prepares LoRA only for {modules}: drop them from lora.target_modules, or start the "
                     "stack with them in TANDEM_ENGINE__LORA_TARGET_MODULES",
                     field="lora.target_modules",

@@ -70,10 +70,9 @@ class TinkerService:
         try:
             spec = RunSpec(name=run, base_model=req.base_model,
                            lora=LoraConfig(r=lora.rank, alpha=2.0 * lora.rank), seed=lora.seed or 0)
-            spec = self.card().fit(spec, self.settings.tinker.gateway_url)
+            spec = self.card().fit(spec, self.settings.tinker.gateway_url, subject="this model")  # no run made yet
         except (ValidationError, TandemError) as exc:
-            reason = str(exc).replace(f"run {run!r} ", "this model ")  # no run was made: its name means nothing
-            raise TinkerInvalid(f"base_model {req.base_model!r} / lora_config cannot be trained here: {reason}",
+            raise TinkerInvalid(f"base_model {req.base_model!r} / lora_config cannot be trained here: {exc}",
                                 param="base_model") from exc
         self.registry.create_run(spec, exist_ok=False)
         self.state.put_model(ModelRecord(model_id=run, run=run, session_id=req.session_id,
@@ -243,7 +242,7 @@ class TinkerService:
 
     def _check_base(self, base_model: str) -> None:
         try:
-            self.card().fit(RunSpec(name="check", base_model=base_model), self.settings.tinker.gateway_url)
+            self.card().fit(RunSpec(name="check", base_model=base_model), self.settings.tinker.gateway_url,
+                            subject="the sampler")  # no run is made to sample
         except (ValidationError, TandemError) as exc:
-            reason = str(exc).replace("run 'check' asks for", "it asks for")  # no run is made to sample
-            raise TinkerInvalid(f"base_model {base_model!r} is not served here: {reason}", param="base_model") from exc
+            raise TinkerInvalid(f"base_model {base_model!r} is not served here: {exc}", param="base_model") from exc
