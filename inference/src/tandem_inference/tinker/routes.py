@@ -9,6 +9,7 @@ sends, or `Authorization: Bearer`), except /api/v1/healthz.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import secrets
 import time
@@ -71,18 +72,26 @@ def untyped(future: Future) -> dict[str, Any]:
     return {"request_id": future.request_id, "model_id": future.model_id}
 
 
-async def ordered(request: Request, kind: Kind, call: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
-    """A training call: when it is refused (422, 404), its seq_id is used up all the same, so the
-    model's next calls are not left waiting for a request that will never be ordered."""
-    try:
-        return await call()
-    except (TinkerInvalid, TinkerNotFound) as exc:
-        svc = service(request)
-        ids = wire.request_ids(await request.body(), request.headers.get("content-type", ""),
-                               request.headers.get("content-encoding"), svc.settings.tinker.max_body_bytes)
-        if ids is not None:
-            await run_in_threadpool(svc.skip, *ids, kind, str(exc))
-        raise
+Route = Callable[[Request], Awaitable[dict[str, Any]]]
+
+
+def ordered(kind: Kind) -> Callable[[Route], Route]:
+    """A training call's route: when it is refused (422, 404), its seq_id is used up all the same, so
+    the model's next calls are not left waiting for a request that will never be ordered."""
+    def wrap(route: Route) -> Route:
+        @functools.wraps(route)
+        async def handler(request: Request) -> dict[str, Any]:
+            try:
+                return await route(request)
+            except (TinkerInvalid, TinkerNotFound) as exc:
+                svc = service(request)
+                ids = wire.request_ids(await request.body(), request.headers.get("content-type", ""),
+                                       request.headers.get("content-encoding"), svc.settings.tinker.max_body_bytes)
+                if ids is not None:
+                    await run_in_threadpool(svc.skip, *ids, kind, str(exc))
+                raise
+        return handler
+    return wrap
 
 
 @open_api.get("/healthz")
@@ -149,17 +158,16 @@ async def get_info(request: Request) -> dict[str, Any]:
 
 
 @api.post("/forward_backward")
+@ordered("forward_backward")
 async def forward_backward(request: Request) -> dict[str, Any]:
-    async def call() -> dict[str, Any]:
-        svc = service(request)
-        body = wire.decompress(await request.body(), request.headers.get("content-encoding"),
-                               svc.settings.tinker.max_body_bytes)
-        if wire.PROTO in request.headers.get("content-type", ""):
-            parsed = wire.parse_forward_backward(body)
-        else:
-            parsed = _json_forward_backward(body)
-        return untyped(await run_in_threadpool(svc.forward_backward, *parsed))
-    return await ordered(request, "forward_backward", call)
+    svc = service(request)
+    body = wire.decompress(await request.body(), request.headers.get("content-encoding"),
+                           svc.settings.tinker.max_body_bytes)
+    if wire.PROTO in request.headers.get("content-type", ""):
+        parsed = wire.parse_forward_backward(body)
+    else:
+        parsed = _json_forward_backward(body)
+    return untyped(await run_in_threadpool(svc.forward_backward, *parsed))
 
 
 def _json_forward_backward(body: bytes) -> tuple[str, int | None, str, dict[str, float], list[Any], bool]:
@@ -181,43 +189,39 @@ def _json_forward_backward(body: bytes) -> tuple[str, int | None, str, dict[str,
 
 
 @api.post("/optim_step")
+@ordered("optim_step")
 async def optim_step(request: Request) -> dict[str, Any]:
-    async def call() -> dict[str, Any]:
-        req = await parse(request, tt.OptimStepRequest)
-        return untyped(await run_in_threadpool(service(request).optim_step, req))
-    return await ordered(request, "optim_step", call)
+    req = await parse(request, tt.OptimStepRequest)
+    return untyped(await run_in_threadpool(service(request).optim_step, req))
 
 
 @api.post("/save_weights")
+@ordered("save_weights")
 async def save_weights(request: Request) -> dict[str, Any]:
-    async def call() -> dict[str, Any]:
-        req = await parse(request, tt.SaveWeightsRequest)
-        svc = service(request)
-        return untyped(await run_in_threadpool(svc.save, req.model_id, req.seq_id, "save_weights", req.path))
-    return await ordered(request, "save_weights", call)
+    req = await parse(request, tt.SaveWeightsRequest)
+    svc = service(request)
+    return untyped(await run_in_threadpool(svc.save, req.model_id, req.seq_id, "save_weights", req.path))
 
 
 @api.post("/save_weights_for_sampler")
+@ordered("save_weights_for_sampler")
 async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
-    async def call() -> dict[str, Any]:
-        req = await parse(request, tt.SaveWeightsForSamplerRequest)
-        if req.kind != "snapshot":
-            raise TinkerInvalid(f"kind {req.kind!r} is not supported: every tandem version is an immutable "
-                                "snapshot (running rollouts keep the version they started on)", param="kind")
-        if req.path is None and req.sampling_session_seq_id is None:
-            raise TinkerInvalid("give path (a checkpoint name) or sampling_session_seq_id", param="path")
-        svc = service(request)
-        return untyped(await run_in_threadpool(svc.save, req.model_id, req.seq_id, "save_weights_for_sampler",
-                                               req.path, req.sampling_session_seq_id))
-    return await ordered(request, "save_weights_for_sampler", call)
+    req = await parse(request, tt.SaveWeightsForSamplerRequest)
+    if req.kind != "snapshot":
+        raise TinkerInvalid(f"kind {req.kind!r} is not supported: every tandem version is an immutable snapshot "
+                         "(running rollouts keep the version they started on)", param="kind")
+    if req.path is None and req.sampling_session_seq_id is None:
+        raise TinkerInvalid("give path (a checkpoint name) or sampling_session_seq_id", param="path")
+    svc = service(request)
+    return untyped(await run_in_threadpool(svc.save, req.model_id, req.seq_id, "save_weights_for_sampler",
+                                           req.path, req.sampling_session_seq_id))
 
 
 @api.post("/load_weights")
+@ordered("load_weights")
 async def load_weights(request: Request) -> dict[str, Any]:
-    async def call() -> dict[str, Any]:
-        req = await parse(request, tt.LoadWeightsRequest)
-        return untyped(await run_in_threadpool(service(request).load_weights, req))
-    return await ordered(request, "load_weights", call)
+    req = await parse(request, tt.LoadWeightsRequest)
+    return untyped(await run_in_threadpool(service(request).load_weights, req))
 
 
 @api.post("/create_sampling_session")
