@@ -129,8 +129,7 @@ def fill(lock: Path, stage: Path, env: str, installed: dict[str, str]) -> tuple[
     for line in (stage / "envs.txt").read_text().splitlines():
         wheel, envs = line.split()
         if env in envs.split(","):
-            name, version = wheel.split("-")[:2]
-            own.add((normalize(name), version))
+            own.add(wheel_key(wheel))
     index = wheel_index(stage)
     borrowed: list[Path] = []
     missing: list[str] = []
@@ -148,13 +147,15 @@ def fill(lock: Path, stage: Path, env: str, installed: dict[str, str]) -> tuple[
 # --- here --------------------------------------------------------------------------------------------
 
 
+def wheel_key(filename: str) -> tuple[str, str]:
+    """(name, version) of a wheel, from its file name."""
+    name, version = filename.split("-")[:2]
+    return normalize(name), version
+
+
 def wheel_index(wheels: Path) -> dict[tuple[str, str], Path]:
     """(name, version) -> wheel file, from the wheel file names."""
-    out = {}
-    for w in wheels.glob("*.whl"):
-        name, version = w.name.split("-")[:2]
-        out[(normalize(name), version)] = w
-    return out
+    return {wheel_key(w.name): w for w in wheels.glob("*.whl")}
 
 
 def sha256_hex(path: Path) -> str:
