@@ -71,7 +71,7 @@ engines=(--sglang-python /tmp/sgpython --vllm-python /tmp/vlpython)
 pythons=(--tandem-python /tmp/tdpython "${engines[@]}" --trainer-python /tmp/trpython)
 common=(--engine "$engine" "${pythons[@]}" "${placement[@]}" ${KERNELS:+--kernels "$KERNELS"})
 second=$([ "$gpus" -ge 2 ] && echo 1 || echo 0)
-out=/tmp/proof-$part
+out=/tmp/proof-$part${TAG:+-$TAG}  # TAG: two runs of one part in one call keep apart
 shared_check() {  # gpu_check of engine $1 in shared mode on GPU 1 (learning, not speed), into /tmp/gc/$1-shared-0.5b
   timeout "${CHECK_LIMIT:-420}" /tmp/tdpython bench/gpu/gpu_check.py --mode shared --shape 0.5b --steps "$steps" --engine "$1" "${pythons[@]}" \
     --inference-gpus '[1]' --trainer-gpus '[1]' --mem-fraction 0.6 --out "/tmp/gc/$1-shared-0.5b" >/tmp/gpu_check.log 2>&1
@@ -85,7 +85,7 @@ keep_check() {  # the gpu_check run whose --out was $1: its results, report and 
     >"$out/gpu_check-timeline.log"
 }
 rm -rf "$out" && mkdir -p "$out"
-trap 'tar czf "$OUT/$part.tgz" -C "$out" . && ls -la "$out"' EXIT
+trap 'tar czf "$OUT/$part${TAG:+-$TAG}.tgz" -C "$out" . && ls -la "$out"' EXIT
 case $part in
 env)
   python3 bench/gpu/lock_parity.py inventory --out "$out/inventory.json.gz"
