@@ -91,3 +91,17 @@ def test_own_engine_starts_vllm_with_its_log_and_n_is_not_fanned_out() -> None:
 def test_keys_on_the_command_line_are_hidden_in_logs() -> None:
     assert _shown(["vllm", "--api-key", "k", "--admin-api-key", "a", "--port", "1"]) == [
         "vllm", "--api-key", "***", "--admin-api-key", "***", "--port", "1"]
+
+
+def test_shared_mode_sizes_the_kv_cache_each_wake_up_maps_and_a_setting_or_flag_overrides_it() -> None:
+    gib = 2**30
+    assert flag(vllm_argv(settings("shared")), "--kv-cache-memory-bytes") == str(8 * gib)
+    assert "--kv-cache-memory-bytes" not in vllm_argv(settings())  # split: no wake-up, vLLM sizes it
+    assert flag(vllm_argv(settings(kv_cache_gib=1.5)), "--kv-cache-memory-bytes") == str(3 * gib // 2)
+    assert flag(vllm_argv(settings("shared", kv_cache_gib=20)), "--kv-cache-memory-bytes") == str(20 * gib)
+    own = vllm_argv(settings("shared", extra_args=["--kv-cache-memory-bytes", "4G"]))
+    assert own.count("--kv-cache-memory-bytes") == 1 and flag(own, "--kv-cache-memory-bytes") == "4G"
+    s = settings().model_copy(update={"gpus": GpuSettings(mode="shared", inference=[0], release_tags=[])})
+    assert "--kv-cache-memory-bytes" not in vllm_argv(s)  # nothing released, nothing to wake up
+    with pytest.raises(ValidationError, match="kv_cache_gib"):
+        EngineSettings(kind="vllm", kv_cache_gib=0)

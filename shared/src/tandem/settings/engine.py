@@ -73,6 +73,15 @@ class EngineSettings(BaseModel):
     mem_fraction_static: float | None = Field(None, gt=0, lt=1)
     """Share of GPU memory SGLang reserves for weights and KV cache (vLLM: `--gpu-memory-utilization`);
     unset = the engine's default."""
+    kv_cache_gib: float | None = Field(None, gt=0, le=65536)
+    """vLLM: the KV cache's size in GiB (`--kv-cache-memory-bytes`), instead of all that
+    `mem_fraction_static` leaves after the weights. Unset: 8 GiB in shared mode with something to
+    release (`gpus.release_tags`), vLLM's own sizing otherwise. Each shared-mode hand-over maps the
+    whole cache again: vLLM's wake-up took 411 ms p50 for the ~80 GiB that 0.6 of an H200 leaves a
+    0.5B model, 9 ms for 8 GiB (docs/benchmarks.md). A token costs 2 x layers x KV heads x head dim
+    x 2 bytes: 8 GiB holds ~700k tokens of Qwen2.5-0.5B, ~65k of an 8B of 32 layers and 8 KV heads;
+    vLLM's log gives the count at start-up ("GPU KV cache size"). Ignored by SGLang, whose
+    resume takes 10-18 ms at any size."""
     cuda_graph_max_bs: int | None = Field(None, ge=1)
     """Largest batch size SGLang captures CUDA graphs for (vLLM: `--max-cudagraph-capture-size`);
     small values shorten boot."""
