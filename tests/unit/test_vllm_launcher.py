@@ -105,3 +105,8 @@ def test_shared_mode_sizes_the_kv_cache_each_wake_up_maps_and_a_setting_or_flag_
     assert "--kv-cache-memory-bytes" not in vllm_argv(s)  # nothing released, nothing to wake up
     with pytest.raises(ValidationError, match="kv_cache_gib"):
         EngineSettings(kind="vllm", kv_cache_gib=0)
+
+
+def test_batch_invariant_mode_is_vllms_variable_and_off_unless_asked() -> None:
+    assert vllm_env(settings(batch_invariant=True), base={})["VLLM_BATCH_INVARIANT"] == "1"
+    assert "VLLM_BATCH_INVARIANT" not in vllm_env(settings(), base={})

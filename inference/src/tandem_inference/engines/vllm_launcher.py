@@ -19,6 +19,8 @@ Flags and variables as vLLM 0.33.0 reads them (vllm/engine/arg_utils.py, vllm/en
   the CPU and back, vLLM's counterpart of SGLang's memory saver) and a KV cache of
   `engine.kv_cache_gib` (8 GiB unless set): each wake-up maps the whole cache again, which took
   411 ms p50 for the ~80 GiB vLLM would otherwise take on an H200, 9 ms for 8 GiB.
+- `engine.batch_invariant`: VLLM_BATCH_INVARIANT=1, vLLM's batch-invariant kernels (a batched
+  greedy request decodes as it does alone; off by default).
 - the key: vLLM's only key, VLLM_API_KEY (never on the command line, which `ps` shows), is
   `engine.admin_api_key`; it guards `/v1` (generation, adapters), not the dev routes, so vLLM
   must listen on loopback: a non-loopback `engine.url` is refused.
@@ -81,6 +83,8 @@ def vllm_env(settings: InferenceSettings, base: dict[str, str] | None = None) ->
     # vLLM reports usage to its maintainers unless told not to; tandem's engines stay private.
     env["VLLM_NO_USAGE_STATS"] = "1"
     env["VLLM_DO_NOT_TRACK"] = "1"
+    if settings.engine.batch_invariant:
+        env["VLLM_BATCH_INVARIANT"] = "1"
     if settings.engine.admin_api_key is not None:
         env["VLLM_API_KEY"] = settings.engine.admin_api_key.get_secret_value()
     else:

@@ -82,6 +82,12 @@ class EngineSettings(BaseModel):
     x 2 bytes: 8 GiB holds ~700k tokens of Qwen2.5-0.5B, ~65k of an 8B of 32 layers and 8 KV heads;
     vLLM's log gives the count at start-up ("GPU KV cache size"). Ignored by SGLang, whose
     resume takes 10-18 ms at any size."""
+    batch_invariant: bool = False
+    """vLLM: its batch-invariant mode (`VLLM_BATCH_INVARIANT=1`), for rollouts that decode the same
+    whatever else is in the batch. With tandem's flags vLLM's batched greedy outputs left their solo
+    outputs at near-ties in 78 of 140 requests, none of 140 in this mode (one H200, 2026-11-29);
+    its cost in throughput is not measured yet. Ignored by SGLang, whose batched outputs matched
+    the solo ones (0 of 140) without it."""
     cuda_graph_max_bs: int | None = Field(None, ge=1)
     """Largest batch size SGLang captures CUDA graphs for (vLLM: `--max-cudagraph-capture-size`);
     small values shorten boot."""
