@@ -19,6 +19,7 @@ from rq.serializers import JSONSerializer
 from tandem import Client
 from tandem.errors import TrainFailed, TrainTimeout
 from tandem.events import Event, EventKind, EventStream
+from tandem.jobs import STARTED, claim
 from tandem.registry import Registry
 from tandem.runs import RunSpec
 from tandem.trajectories import Trajectory, TrajectoryGroup
@@ -206,6 +207,18 @@ def test_a_timeout_cancels_a_job_the_trainer_has_not_started(redis_conn: redis.R
     assert "not started and is cancelled" in str(info.value) and not info.value.running
     assert Job.fetch(handle.job_id, connection=redis_conn, serializer=JSONSerializer).get_status() == "canceled"
     assert run.status()["pending_jobs"] == []
+
+
+def test_a_timeout_does_not_cancel_a_job_a_worker_has_just_taken(redis_conn: redis.Redis, client_conn: redis.Redis) -> None:
+    """rq still says queued, but a worker has claimed the job to start it: the client says it runs."""
+    run = open_run(client_conn, "taken")
+    handle = run.train([group()], wait=False)
+    job = Job.fetch(handle.job_id, connection=redis_conn, serializer=JSONSerializer)
+    assert claim(redis_conn, job.key, STARTED) == STARTED  # as the worker claims what it took
+    with pytest.raises(TrainTimeout) as info:
+        run.wait_all(timeout_s=1)
+    assert info.value.running and "wait on it again" in str(info.value)
+    assert job.get_status(refresh=True) == "queued"  # not cancelled
 
 
 def test_a_timeout_of_a_job_the_trainer_runs_keeps_it_to_wait_on(redis_conn: redis.Redis, client_conn: redis.Redis) -> None:

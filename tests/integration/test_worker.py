@@ -13,7 +13,7 @@ from rq.serializers import JSONSerializer
 
 from tandem.adapters import AdapterStore
 from tandem.events import EventKind, EventStream
-from tandem.jobs import TrainResult, enqueue
+from tandem.jobs import CANCELLED, STARTED, TrainResult, claim, enqueue, train_queue
 from tandem.registry import Registry
 from tandem.runs import LoraConfig, LossConfig, RunSpec
 
@@ -52,6 +52,27 @@ def test_bad_job_fails_once_and_the_worker_serves_the_next(workers, redis_conn, 
     AdapterStore(tmp_path / "adapters").verify(RUN, 1)
 
     assert worker.stop() == 0  # SIGTERM: warm shutdown, clean exit
+
+
+def test_a_job_its_client_cancelled_after_the_worker_took_it_never_runs(workers, redis_conn, tiny_model: Path) -> None:
+    """The client's give-up (TrainTimeout: "not started and is cancelled") and the worker taking the
+    job off the queue can cross; whichever claims the job first decides, and the client says which."""
+    Registry(redis_conn).create_run(RunSpec(name=RUN, base_model=str(tiny_model), lora=LoraConfig(r=4)))
+    enqueue(redis_conn, make_job("given-up"))
+    key = Job.fetch("given-up", connection=redis_conn, serializer=JSONSerializer).key
+    assert claim(redis_conn, key, CANCELLED) == CANCELLED  # as the client's give-up claims it
+    enqueue(redis_conn, make_job("next-job", seed=1))
+    worker = workers()
+
+    wait_for(lambda: status(redis_conn, "next-job") == JobStatus.FINISHED, 90, "the next job", worker)
+    assert status(redis_conn, "given-up") != JobStatus.FINISHED
+    assert Registry(redis_conn).latest_version(RUN) == 1  # the next job's version alone
+    ready = [e.job_id for e in EventStream(redis_conn).history() if e.kind is EventKind.ADAPTER_READY]
+    assert ready == ["next-job"]
+    assert not redis_conn.lrange(train_queue(redis_conn).intermediate_queue_key, 0, -1)
+    assert "job.skipped job_id=given-up" in worker.log()
+    assert claim(redis_conn, key, STARTED) == CANCELLED  # a later claim learns the first one's fate
+    assert worker.stop() == 0
 
 
 def test_killed_worker_job_completes_once_on_a_new_worker(workers, redis_conn, tiny_model: Path,

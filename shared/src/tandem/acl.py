@@ -91,6 +91,7 @@ _CLIENT = [
     f"(~rq:queues ~rq:job:* ~{_RQ_QUEUE} ~rq:canceled:{keys.TRAIN_QUEUE} ~rq:deferred:{keys.TRAIN_QUEUE}"
     f" ~rq:scheduled:{keys.TRAIN_QUEUE} +hset +hget +hgetall +hmget +hexists +exists +rpush +lpush +lrem +lrange"
     " +sadd +zadd +zrem +watch)",
+    "(~rq:job:* +hsetnx)",  # claim a job it gives up on before a worker starts it (tandem.jobs.claim)
     "(%R~rq:results:* +xrevrange +xrange)",  # a job's result, which the trainer writes
 ]
 

@@ -26,7 +26,7 @@ from rq.serializers import JSONSerializer
 from tandem.connection import ADVICE, call_until, redis_url, retryable
 from tandem.errors import BackendUnavailable, TrainFailed, TrainTimeout, describe
 from tandem.events import Event, EventKind, EventPage
-from tandem.jobs import TrainResult
+from tandem.jobs import CANCELLED, TrainResult, claim
 from tandem.replicas import Replicas
 from tandem.session import SessionRun
 
@@ -115,8 +115,11 @@ class TrainHandle:
             job = Job.fetch(self.job_id, connection=self.run.client.conn, serializer=JSONSerializer)
             status = job.get_status()
             if status in (JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED):
-                job.cancel()
-                return False, "it had not started and is cancelled, so the same groups may be submitted again"
+                # a worker may have taken it off the queue already: whoever claims it first decides
+                if claim(self.run.client.conn, job.key, CANCELLED) == CANCELLED:
+                    job.cancel()
+                    return False, "it had not started and is cancelled, so the same groups may be submitted again"
+                status = JobStatus.STARTED
         except Exception as exc:  # noqa: BLE001 - a missing job or Redis away: say what is known
             return False, f"its state could not be read ({type(exc).__name__}: {exc}); it may still run"
         if status is JobStatus.STARTED:

@@ -243,6 +243,24 @@ class GuardedJob(Job):
         """Never: a webhook would make the trainer send requests wherever the hash says."""
 
 
+#: The field of a job's rq hash that says who decided its fate first: the worker that starts it
+#: (`STARTED`) or the client that gave up on it while it waited (`CANCELLED`). Set once (HSETNX), so
+#: a job taken off the queue by a worker just as its client cancels it either runs or does not,
+#: and the client says which.
+CLAIM_FIELD = "tandem_claim"
+STARTED, CANCELLED = "started", "cancelled"
+
+
+def claim(conn: redis.Redis, job_key: str, fate: str) -> str:
+    """Claim the job whose rq hash is `job_key` for `fate` (`STARTED` or `CANCELLED`) unless it was
+    claimed already; returns its fate, the one given or the earlier claim's."""
+    with translated(conn, f"claim job {job_key} ({fate})"):
+        if conn.hsetnx(job_key, CLAIM_FIELD, fate):
+            return fate
+        earlier = conn.hget(job_key, CLAIM_FIELD)
+    return earlier.decode() if isinstance(earlier, bytes) else str(earlier)
+
+
 def train_queue(conn: redis.Redis) -> FairQueue:
     """The train queue: `GuardedJob`s, taken in fair turns across runs (tandem.fair_queue)."""
     return FairQueue(keys.TRAIN_QUEUE, connection=conn, serializer=JSONSerializer, job_class=GuardedJob)

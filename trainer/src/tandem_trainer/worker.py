@@ -38,7 +38,7 @@ from tandem.connection import translated
 from tandem.errors import TandemError
 from tandem.events import EventStream
 from tandem.fair_queue import FairQueue
-from tandem.jobs import GuardedJob, train_queue
+from tandem.jobs import STARTED, GuardedJob, claim, train_queue
 from tandem.settings import TrainerSettings
 from tandem_trainer import failpoints
 from tandem_trainer.backends.select import select_backend
@@ -79,6 +79,12 @@ class TrainWorker(SimpleWorker):
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         failpoints.hit("after_dequeue")
+        if claim(self.connection, job.key, STARTED) != STARTED:
+            # its client gave up on it while it waited and told its caller it would never run
+            log.info("job.skipped job_id=%s: its client cancelled it before it started", job.id)
+            with translated(self.connection, f"take cancelled job {job.id} off the intermediate queue"):
+                self.connection.lrem(queue.intermediate_queue_key, 1, job.id)
+            return
         super().execute_job(job, queue)
         if self.group is not None and self.group.broken:
             log.error("worker.stop: the trainer's ranks lost each other during job %s; the worker stops "
