@@ -197,6 +197,45 @@ def test_threads_sharing_a_run_each_get_results_and_nothing_else(redis_conn: red
     assert [h.result(timeout_s=1).version for h in handles[:23]] == list(range(1, 24))
 
 
+def test_train_waits_for_its_own_job_and_leaves_a_later_one_of_another_thread_to_it(
+    redis_conn: redis.Redis, client_conn: redis.Redis
+) -> None:
+    """train(wait=True) in one thread returns its own step's result, not the failure of a step
+    another thread sharing the Run submitted after it; that thread hears of its failure itself."""
+    Registry(redis_conn).create_run(RunSpec(name="mine", base_model="tiny", max_staleness_steps=64))
+    run = Client("http://127.0.0.1:9", conn=client_conn).run("mine")
+    outcome: list[Any] = []
+
+    def train() -> None:
+        try:
+            outcome.append(run.train([group()], timeout_s=20))
+        except Exception as exc:  # noqa: BLE001 - what the thread saw is the assertion
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=train)
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not run.status()["pending_jobs"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (first,) = run.status()["pending_jobs"]
+    later = run.train([group()], wait=False)  # this thread's, submitted after the waiting one
+    events = EventStream(redis_conn)
+    events.append(Event(kind=EventKind.TRAIN_FAILED, run="mine", job_id=later.job_id,
+                        data={"message": "boom", "field": None, "retries_left": 0}))
+    events.append(Event(kind=EventKind.ADAPTER_READY, run="mine", version=1, job_id=first,
+                        data={"path": "mine/v000001/adapter", "step": 1, "parent": 0, "metrics": {},
+                              "published_at": 1.0, "stepped_at": 0.5}))
+    events.append(Event(kind=EventKind.ADAPTER_LOADED, run="mine", version=1, job_id=first,
+                        data={"adapter": "mine-v1", "load_ms": 1.0}))
+    waiter.join(30)
+
+    assert [getattr(o, "version", o) for o in outcome] == [1]
+    assert run.status()["pending_jobs"] == [later.job_id]  # its failure waits for its own thread
+    with pytest.raises(TrainFailed, match="step 2 failed: boom"):
+        run.wait_all(timeout_s=5)
+    assert run.status()["pending_jobs"] == []
+
+
 def test_a_timeout_cancels_a_job_the_trainer_has_not_started(redis_conn: redis.Redis, client_conn: redis.Redis) -> None:
     """So that submitting the same groups again trains them once (the first job ran later and
     published too)."""

@@ -177,10 +177,40 @@ class Run:
         with self._pending_lock:
             self._pending.append(handle)
         if wait:
-            self._drain(0, timeout_s)  # earlier async jobs, then this one (its result is kept)
-            return handle.result(timeout_s)
+            return self._wait_through(handle, timeout_s)
         self._drain(self.spec.max_staleness_steps, timeout_s)
         return handle
+
+    def _wait_through(self, mine: TrainHandle, timeout_s: float | None) -> jobs.TrainResult:
+        """Wait on the jobs pending before `mine`, oldest first, then on `mine`; take each off that
+        settled. A failure raises when it is `mine`'s or an earlier job's of this thread (its own
+        pipelined steps); another thread's failed job stays pending for that thread to take (threads
+        sharing a Run each hear of their own jobs), and jobs submitted after `mine` are not waited on."""
+        with self._pending_lock:
+            pending = list(self._pending)
+        before = pending[: pending.index(mine)] if mine in pending else []
+        for handle in before:
+            try:
+                handle.result(timeout_s)
+            except (TrainFailed, TrainTimeout) as exc:
+                if isinstance(exc, TrainTimeout) and exc.running:  # it may still publish: it stays pending
+                    raise
+                if handle.thread == mine.thread and self._take_off(handle):
+                    raise
+                continue
+            self._take_off(handle)
+        try:
+            return mine.result(timeout_s)
+        except TrainTimeout as exc:
+            if not exc.running:
+                self._take_off(mine)
+            raise
+        except TrainFailed:
+            self._take_off(mine)
+            raise
+        finally:
+            if mine.done():
+                self._take_off(mine)
 
     def _drain(self, keep: int, timeout_s: float | None) -> jobs.TrainResult | None:
         """Wait on the oldest pending jobs until at most `keep` remain; return the last result."""

@@ -43,6 +43,8 @@ class TrainHandle:
     after: str
     """Event id read before submitting; the job's events come after it."""
     submitted_at: float = field(default_factory=time.time)
+    thread: int = field(default_factory=threading.get_ident)
+    """The thread that submitted it: a failure is raised to it, not to another thread sharing the Run."""
     _result: TrainResult | None = None
     _version: int | None = None
     _ready: Event | None = None
