@@ -86,7 +86,8 @@ def adapter_name(run: str, version: int, attempt: int = 0) -> str:
 
     The first attempt is `<run>-v<version>`; a later one (after a refused or timed-out load, or
     an engine that lost the adapter) is `<run>-v<version>-a<attempt>`, since a name the engine
-    was ever given is never given again. The suffix has no '.': peft refuses one in adapter names.
+    was ever given is never given again. A run name may hold '.', which peft refuses in adapter
+    names: tandem's CPU engine registers each adapter with peft under a name of its own.
     """
     return f"{run}-v{version}" if attempt == 0 else f"{run}-v{version}-a{attempt}"
 

@@ -4,9 +4,10 @@ Unknown OpenAI fields that do not change the reply (user, metadata, store, servi
 ignored; the ones that would change what is sampled, which tandem's engines do not do (logit_bias,
 penalties, seed, top_k, echo, ...), are refused unless they hold their neutral value
 (`NOT_SAMPLED`), never ignored; so are structured outputs (`response_format` other than text,
-vLLM's and SGLang's `CONSTRAINED` fields). NaN, Infinity and lone surrogates are refused anywhere (see
-bodies.py). Every number is bounded, so a bad value is a 422 naming its field before anything
-reaches the engine.
+vLLM's and SGLang's `CONSTRAINED` fields), chat's `max_completion_tokens` on completions, and
+`max_tokens` and `max_completion_tokens` that differ on chat. NaN, Infinity and lone surrogates
+are refused anywhere (see bodies.py). Every number is bounded, so a bad value is a 422 naming its
+field before anything reaches the engine.
 """
 
 from __future__ import annotations
@@ -295,6 +296,7 @@ class SamplingRequest(Body):
 class ChatRequest(ChatLogprobs, SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
+    """OpenAI's newer name for `max_tokens` on chat; both may be sent only with the same value."""
     logprobs: bool = Field(False, strict=True)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
     """Alternatives per token in `logprobs.content[].top_logprobs`; needs `logprobs: true`."""
@@ -312,6 +314,15 @@ class ChatRequest(ChatLogprobs, SamplingRequest):
     functions: Any = None
     function_call: Any = None
     """`NOT_SAMPLED`: refused unless neutral."""
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _agrees_with_max_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
+        other = info.data.get("max_tokens")  # (invalid: refused itself)
+        if value is not None and other is not None and value != other:
+            raise ValueError(f"max_tokens {other} and max_completion_tokens {value} differ: they are two names of "
+                             "one limit (max_completion_tokens the newer); send one of them, or the same value in both")
+        return value
 
     @field_validator("tool_choice")
     @classmethod
@@ -337,9 +348,19 @@ class CompletionRequest(SamplingRequest):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(strict=True)]], Field(min_length=1)]
     suffix: Any = None
     """`NOT_SAMPLED`: refused unless neutral."""
+    max_completion_tokens: Any = None
+    """Chat's field, not the completions API's: refused unless null, never ignored."""
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
     """OpenAI's completions API takes a count here: any value asks for logprobs, and that many
     alternatives per token come back in `top_logprobs`."""
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _chat_only(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("max_completion_tokens is not a field of the completions API (only chat completions "
+                             "take it); send max_tokens, the completions API's field, instead")
+        return value
 
     @property
     def alternatives_per_token(self) -> int:

@@ -5,6 +5,12 @@ config through `tandem.adapters.read_adapter_config`, the rank, the target modul
 tensor's name, shape and values), so a bad adapter never half-loads; if peft still fails,
 the partial adapter is removed again and the model is as it was.
 
+peft holds each adapter under an internal name (`tandem_<n>`), never its public one, which only
+this module sees: peft makes adapter names keys of torch module dicts, which refuse '.' (and
+the names of their own attributes), while public names are `<run>-v<version>` and run names
+may contain '.'. Internal names are numbered by load and never reused, so two public names
+(`a.b`, `a_b`) never share one, as escaping the '.' could make them.
+
 `LoraAdapters` holds no lock: the runtime (`runtime.HFEngine`) calls `load`, `delete` and
 `activated` under its model lock. torch, safetensors and peft are imported inside functions,
 so importing this module is cheap.
@@ -42,7 +48,9 @@ class LoraAdapters:
         )
         self.peft: PeftModel | None = None
         """The model wrapped by peft while at least one adapter is loaded."""
-        self._active: str | None = None  # the adapter peft has active
+        self._active: str | None = None  # the internal name of the adapter peft has active
+        self._peft_names: dict[str, str] = {}  # public name -> the internal name peft holds it under
+        self._loads = 0  # numbers the internal names
 
     # -- checks, before the model is touched ----------------------------------------------------
 
@@ -124,28 +132,40 @@ class LoraAdapters:
     # -- peft, under the model lock ---------------------------------------------------------------
 
     def load(self, name: str, directory: Path, prefix: str) -> None:
-        """Hand a checked adapter to peft; on failure leave the model as it was."""
+        """Hand a checked adapter to peft under a new internal name; on failure leave the model as it was.
+
+        The caller has made sure `name` is not loaded (`admission.check_room`).
+        """
         from peft import PeftModel
 
+        self._loads += 1
+        peft_name = f"tandem_{self._loads}"
         device = self.model.weights_device()  # the CPU while memory is released
         try:
             if self.peft is None:
                 self.peft = PeftModel.from_pretrained(
-                    self.model.hf, str(directory), adapter_name=name, torch_device=device
+                    self.model.hf, str(directory), adapter_name=peft_name, torch_device=device
                 )
                 self.peft.eval()
             else:
-                self.peft.load_adapter(str(directory), adapter_name=name, torch_device=device)
+                self.peft.load_adapter(str(directory), adapter_name=peft_name, torch_device=device)
         except Exception as exc:  # peft and torch raise many types; translate them all
             self._active = None
             if self.peft is None:
                 _strip_tuner_layers(self.model.hf)
-            elif name in self.peft.peft_config:
-                self.delete(name)
+            elif peft_name in self.peft.peft_config:
+                self._delete(peft_name)
             raise AdapterLoadFailed(f"{prefix}: peft could not load it: {exc}") from exc
+        self._peft_names[name] = peft_name
 
     def delete(self, name: str) -> None:
         """Remove `name` from peft; removing the last adapter unwraps the base model again."""
+        peft_name = self._peft_names.pop(name, None)
+        if peft_name is not None:
+            self._delete(peft_name)
+
+    def _delete(self, name: str) -> None:
+        """Remove the adapter peft holds under the internal name `name` (see `delete`)."""
         from transformers import PreTrainedModel
 
         if self.peft is None:
@@ -169,9 +189,10 @@ class LoraAdapters:
             return nullcontext()
         if name is None:
             return self.peft.disable_adapter()
-        if self._active != name:
-            self.peft.set_adapter(name, inference_mode=True)
-            self._active = name
+        peft_name = self._peft_names[name]
+        if self._active != peft_name:
+            self.peft.set_adapter(peft_name, inference_mode=True)
+            self._active = peft_name
         return nullcontext()
 
 
