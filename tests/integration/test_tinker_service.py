@@ -290,3 +290,111 @@ def test_a_loss_tandem_does_not_compute_is_refused_naming_the_supported_ones(
         refused_json = refusal(http.post("/api/v1/forward_backward", json=body), 422)
     assert refused_json["param"] == "loss_fn" and all(name in refused_json["error"] for name in tinker_jobs.LOSSES)
     assert queued(redis_conn) == []  # nothing reached the trainer
+
+
+FB_JSON = {"loss_fn": "cross_entropy", "data": [{"model_input": {"chunks": [{"type": "encoded_text", "tokens": [3, 4]}]},
+                                                 "loss_fn_inputs": {"target_tokens": {"data": [4, 5], "dtype": "int64"}}}]}
+
+
+def test_a_seq_id_that_is_no_sequence_number_is_refused_naming_it(url: str, sdk: Any, tiny_model: Path,
+                                                                 redis_conn: redis.Redis) -> None:
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    tc = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    model_id = tc.model_id
+    bodies = {"/api/v1/forward_backward": {"model_id": model_id, "forward_backward_input": FB_JSON},
+              "/api/v1/optim_step": {"model_id": model_id, "adam_params": {"learning_rate": 1e-4}},
+              "/api/v1/save_weights": {"model_id": model_id, "path": "w"},
+              "/api/v1/save_weights_for_sampler": {"model_id": model_id, "path": "s"}}
+    with httpx.Client(base_url=url, headers={"X-API-Key": f"tml-{API_KEY}"}) as http:  # one keep-alive connection
+        for route, body in bodies.items():
+            for seq_id in (-5, "abc", 2**70):
+                if route != "/api/v1/forward_backward" and seq_id == "abc":
+                    continue  # the SDK's own type refuses it (a 422 naming seq_id already)
+                bad = refusal(http.post(route, json={**body, "seq_id": seq_id}), 422)
+                assert bad["param"] == "seq_id" and repr(seq_id) in bad["error"], (route, bad)
+                # the connection is still good: the next request on it is answered
+                assert http.post("/api/v1/get_info", json={"model_id": model_id}).status_code == 200
+        # the protobuf form carries an int32: a negative one is refused too
+        proto = forward_backward_request_to_proto(tt.ForwardBackwardRequest(
+            forward_backward_input=tt.ForwardBackwardInput(data=[datum([4, 5, 6])], loss_fn="cross_entropy"),
+            model_id=model_id, seq_id=-5)).SerializeToString()
+        bad = refusal(http.post("/api/v1/forward_backward", content=proto,
+                                headers={"Content-Type": "application/x-protobuf"}), 422)
+        assert bad["param"] == "seq_id" and "-5" in bad["error"]
+        assert queued(redis_conn) == []
+        # a refusal of another field uses up its (good) seq_id; the refused seq_ids named no turn
+        empty = {"model_id": model_id, "seq_id": 1, "forward_backward_input": {**FB_JSON, "data": []}}
+        assert refusal(http.post("/api/v1/forward_backward", json=empty), 422)["param"] == "data"
+        ok = http.post("/api/v1/forward_backward", json={**bodies["/api/v1/forward_backward"], "seq_id": 2})
+        assert ok.status_code == 200, ok.text
+        ok = http.post("/api/v1/optim_step", json={**bodies["/api/v1/optim_step"], "seq_id": 3})
+        assert ok.status_code == 200, ok.text
+    assert [j["func"] for j in queued(redis_conn)] == [tinker_jobs.FORWARD_BACKWARD_FUNC, tinker_jobs.OPTIM_STEP_FUNC]
+
+
+def test_every_training_call_on_a_deleted_model_is_404_at_once_and_queues_nothing(
+        url: str, sdk: Any, tiny_model: Path, redis_conn: redis.Redis) -> None:
+    from tandem.deletion import delete_run
+
+    tc = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    delete_run(redis_conn, tc.model_id)  # `tandem delete`
+    calls = {"forward_backward": lambda: tc.forward_backward([datum([4, 5, 6])], "cross_entropy"),
+             "optim_step": lambda: tc.optim_step(tt.AdamParams(learning_rate=1e-4)),
+             "save_state": lambda: tc.save_state("w"),
+             "save_weights_for_sampler": lambda: tc.save_weights_for_sampler("s")}
+    for name, call in calls.items():
+        with pytest.raises(tinker.NotFoundError) as gone:
+            call().result(timeout=30)
+        assert tc.model_id in str(gone.value) and "was deleted" in str(gone.value), name
+    assert queued(redis_conn) == []
+
+    # a call that arrived before the deletion and waits for its turn: the refusal of the call before it
+    # uses up that one's turn, and the waiting one fails when its turn comes, nothing queued
+    other = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    with httpx.Client(base_url=url, headers={"X-API-Key": f"tml-{API_KEY}"}) as http:
+        waiting = http.post("/api/v1/optim_step", json={"model_id": other.model_id, "seq_id": 2,
+                                                        "adam_params": {"learning_rate": 1e-4}})
+        assert waiting.status_code == 200, waiting.text
+        delete_run(redis_conn, other.model_id)
+        first = http.post("/api/v1/forward_backward", json={"model_id": other.model_id, "seq_id": 1,
+                                                             "forward_backward_input": FB_JSON})
+        assert refusal(first, 404)["param"] == "model_id"
+        answer = http.post("/api/v1/retrieve_future", json={"request_id": waiting.json()["request_id"]}).json()
+    assert answer["category"] == "user" and "was deleted" in answer["error"], answer
+    assert queued(redis_conn) == []
+
+
+def test_a_deleted_models_checkpoints_are_not_found_at_once(url: str, sdk: Any, tiny_model: Path,
+                                                            redis_conn: redis.Redis) -> None:
+    import time
+
+    from tandem.adapters import Manifest
+    from tandem.deletion import delete_run
+
+    tc = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    sampler_path = tc.save_weights_for_sampler("s").result(timeout=30).path  # names version 0
+    opened = sdk.create_sampling_client(model_path=sampler_path).result()
+    # the trainer's publication of version 1 (no trainer here), which save_state then names
+    Registry(redis_conn).register_version(Manifest(run=tc.model_id, version=1, parent=0, step=1, job_id="j1",
+                                                   base_model=str(tiny_model), lora_rank=4))
+    state_path = tc.save_state("w").result(timeout=30).path
+    delete_run(redis_conn, tc.model_id)  # `tandem delete`
+    started = time.monotonic()
+    prompt, params = tt.ModelInput.from_ints([5, 6]), tt.SamplingParams(max_tokens=2, temperature=0.0)
+    with pytest.raises(tinker.NotFoundError) as sampling:
+        sdk.create_sampling_client(model_path=sampler_path).result(timeout=30).sample(prompt, 1, params).result(timeout=30)
+    with pytest.raises(tinker.NotFoundError) as loading:
+        sdk.create_training_client_from_state(state_path).result(timeout=30)
+    with pytest.raises(tinker.NotFoundError) as sampled:  # a sampler opened before the deletion
+        opened.sample(prompt, 1, params).result(timeout=30)
+    assert time.monotonic() - started < 20  # a 404 is final: the SDK did not retry for a minute
+    for refused, path in ((sampling, sampler_path), (loading, state_path), (sampled, sampler_path)):
+        assert path in str(refused.value) and "deleted" in str(refused.value)
+    with httpx.Client(base_url=url, headers={"X-API-Key": f"tml-{API_KEY}"}) as http:
+        session = http.post("/api/v1/create_session", json={"tags": [], "user_metadata": None,
+                                                            "sdk_version": "t"}).json()["session_id"]
+        body = refusal(http.post("/api/v1/create_sampling_session", json={
+            "session_id": session, "sampling_session_seq_id": 0, "model_path": sampler_path}), 404)
+    assert body["param"] == "path" and sampler_path in body["error"] and "known runs" not in body["error"]
+    assert queued(redis_conn) == []

@@ -17,6 +17,9 @@ its future pending. `resume` applies the parked requests whose turn has come onc
 the service calls it when the SDK polls a future of the model that is not applied yet. A request
 without a seq_id, or one numbered again from 1, is applied at once, as before (the SDK numbers
 every training call).
+
+A seq_id is a whole number from 0 to `MAX_SEQ` (`checked_seq`); anything else is refused by name
+before it is ordered, and uses up no turn (it names none).
 """
 
 from __future__ import annotations
@@ -30,14 +33,29 @@ import redis
 
 from tandem import keys
 from tandem.connection import translated
+from tandem_inference.errors import TinkerInvalid
 
 #: The SDK's first seq_id on a model (its request ids count from 0, each sent as id + 1).
 FIRST_SEQ = 1
+#: The largest seq_id taken: a signed 64-bit integer's. The SDK's protobuf carries an int32 and its
+#: JSON a count of the client's requests; a number past this would park a request that never runs.
+MAX_SEQ = 2**63 - 1
 
 Apply = Callable[[dict[str, Any], "Order"], None]
 """Applies one parked request (its op) with the model's order state at hand."""
 Room = Callable[[dict[str, Any]], bool]
 """Whether a request (its op) may be applied now: False holds it and the requests after it parked."""
+
+
+def checked_seq(value: object, param: str = "seq_id") -> int | None:
+    """`value` as a request's sequence number (None: not numbered), or TinkerInvalid naming it:
+    an integer from 0 to MAX_SEQ (not a bool, a string or a float)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEQ:
+        raise TinkerInvalid(f"{param} {value!r} is not a sequence number; give an integer from 0 to {MAX_SEQ}, "
+                            "as the SDK numbers its requests (0, 1, 2, ...), or leave it out", param=param)
+    return value
 
 
 class Order:

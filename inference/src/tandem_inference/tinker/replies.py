@@ -3,7 +3,8 @@
 
 An unknown route names itself and lists the routes tandem serves; a body that does not validate
 names the field; Redis out of reach is a 503 (the SDK retries it). The statuses the SDK would
-retry on its own (400, 409) are not used for refusals: a refusal is final.
+retry on its own (400, 409) are not used for refusals: a refusal is final. A run that is gone
+(`RunNotFound`, a model deleted while a call was on its way) is a 404 like any deleted model's.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.errors import BackendUnavailable
+from tandem.errors import BackendUnavailable, RunNotFound
 from tandem_inference.bodies import error_response
 from tandem_inference.errors import TinkerRefusal, TinkerUnsupported
 from tandem_inference.gateway.body_limit import BodyLimit
@@ -58,6 +59,12 @@ def install_error_handlers(app: FastAPI) -> None:
         status = exc.status_code if type(exc) is not TinkerRefusal else 503
         return tinker_error(request, status, str(exc), param=exc.param,
                             category="user" if status < 500 else "server", **extra)
+
+    @app.exception_handler(RunNotFound)
+    async def _run_gone(request: Request, exc: RunNotFound) -> JSONResponse:
+        # the registry's message lists every run: not repeated to a caller who may own none of them
+        return tinker_error(request, 404, "the run this call names is gone: its model was deleted (`tandem delete`) "
+                            "while the call was on its way; create a new model")
 
     @app.exception_handler(BackendUnavailable)
     async def _redis(request: Request, exc: BackendUnavailable) -> JSONResponse:

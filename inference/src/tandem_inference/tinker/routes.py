@@ -24,6 +24,7 @@ from tinker import types as tt
 
 from tandem_inference.errors import TinkerInvalid, TinkerNotFound
 from tandem_inference.tinker import futures, sampling, wire
+from tandem_inference.tinker.order import checked_seq
 from tandem_inference.tinker.service import TinkerService
 from tandem_inference.tinker.state import Future, Kind, new_id
 
@@ -64,8 +65,9 @@ async def parse(request: Request, model: type[M]) -> M:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise TinkerInvalid(f"invalid {model.__name__}: {where}: {first['msg']} ({exc.error_count()} problem(s))",
-                         param=where) from exc
+        got = "" if first["type"] == "missing" else f", got {first['input']!r:.80}"
+        raise TinkerInvalid(f"invalid {model.__name__}: {where}: {first['msg']}{got} ({exc.error_count()} "
+                            "problem(s))", param=where) from exc
 
 
 def untyped(future: Future) -> dict[str, Any]:
@@ -182,7 +184,8 @@ def _json_forward_backward(body: bytes) -> tuple[str, int | None, str, dict[str,
             inputs = {k: [float(x) for x in v["data"]] for k, v in d.get("loss_fn_inputs", {}).items()}
             datums.append(wire.datum(i, tokens, inputs))
         config = {k: float(v) for k, v in (fbi.get("loss_fn_config") or {}).items()}
-        return (str(raw["model_id"]), raw.get("seq_id"), loss_fn, config, datums, bool(raw.get("forward_only", False)))
+        seq = checked_seq(raw.get("seq_id"))  # here, not in the job: a bad one is a 422 naming it
+        return (str(raw["model_id"]), seq, loss_fn, config, datums, bool(raw.get("forward_only", False)))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise TinkerInvalid(f"the body is not a ForwardBackwardRequest, in JSON or protobuf (Content-Type: "
                          f"{wire.PROTO}): {type(exc).__name__}: {exc}", param="body") from exc
@@ -237,7 +240,7 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
 async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
     """A sampling session's base model and checkpoint: what the SDK asks before it samples from a
     client opened on a path (create_sampling_client(model_path=...), RestClient.get_sampler)."""
-    session = await run_in_threadpool(service(request).state.sampling_session, sampler_id)
+    session = await run_in_threadpool(service(request).sampling_session, sampler_id)
     return {"sampler_id": session.sampling_session_id, "base_model": session.base_model,
             "model_path": session.model_path}
 
@@ -249,7 +252,7 @@ async def asample(request: Request) -> dict[str, Any]:
     svc = service(request)
     session_id = req.sampling_session_id
     if session_id is not None:
-        s = await run_in_threadpool(svc.state.sampling_session, session_id)
+        s = await run_in_threadpool(svc.sampling_session, session_id)
         run, version = s.run, s.version
     elif req.model_path is not None:
         run, version = await run_in_threadpool(svc.resolve_path, req.model_path)

@@ -3,13 +3,17 @@ every optim_step is the run's next version, saves name versions, sampling goes t
 
 `TinkerService` holds the Redis connection (as the `tandem-tinker` user) and an HTTP client to the
 gateway; the routes (routes.py) parse the SDK's bodies and call it. Futures resolve in futures.py.
+
+A model whose run was deleted (`tandem delete`) is looked up in the registry on each call that
+names it, its checkpoints or a sampling session on them: the call is refused with 404 before
+anything is queued, and a request of it that waited for its turn fails when its turn comes.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import redis
@@ -19,15 +23,19 @@ from tinker import types as tt
 from tandem import job_quota
 from tandem import tinker_jobs as tj
 from tandem.engine_card import EngineCard
-from tandem.errors import TandemError
+from tandem.errors import RunNotFound, TandemError
 from tandem.registry import Registry
 from tandem.runs import LoraConfig, RunSpec
 from tandem.settings import TinkerSettings
 from tandem_inference.errors import TinkerInvalid, TinkerNotFound, TinkerRefusal
-from tandem_inference.tinker.order import Order, Sequencer
+from tandem_inference.tinker.order import Order, Sequencer, checked_seq
 from tandem_inference.tinker.state import Future, Kind, ModelRecord, SamplingSession, State, new_id
 
 log = logging.getLogger(__name__)
+
+J = TypeVar("J", tj.ForwardBackwardJob, tj.OptimStepJob, tj.LoadStateJob)
+#: A job's fields as the SDK's request names them, for a refusal.
+_PARAMS = {"seq": "seq_id", "datums": "data", "adam": "adam_params", "source_version": "path"}
 
 _JOBS: dict[str, type[tj.ForwardBackwardJob] | type[tj.OptimStepJob] | type[tj.LoadStateJob]] = {
     "forward_backward": tj.ForwardBackwardJob, "optim_step": tj.OptimStepJob, "load_weights": tj.LoadStateJob}
@@ -58,6 +66,7 @@ class TinkerService:
 
     # models -------------------------------------------------------------------------------------
     def create_model(self, req: tt.CreateModelRequest) -> Future:
+        checked_seq(req.model_seq_id, "model_seq_id")
         self.state.touch_session(req.session_id)
         lora = req.lora_config or tt.LoraConfig(rank=32)
         if not (1 <= lora.rank <= self.settings.tinker.max_lora_rank):
@@ -83,11 +92,15 @@ class TinkerService:
         self.state.put_future(future)
         return future
 
-    def get_info(self, model_id: str) -> dict[str, Any]:
+    def live_model(self, model_id: str) -> ModelRecord:
+        """The model, or TinkerNotFound when it is unknown or its run was deleted (one registry look-up)."""
         m = self.state.model(model_id)
         if not self.registry.has_run(m.run):
-            raise TinkerNotFound(f"model {model_id!r} was deleted (its run {m.run!r} is gone); create a new one",
-                                 param="model_id")
+            raise TinkerNotFound(_deleted(model_id, m.run), param="model_id")
+        return m
+
+    def get_info(self, model_id: str) -> dict[str, Any]:
+        m = self.live_model(model_id)
         card = self.card()
         return {"type": "get_info", "model_id": model_id, "model_name": m.base_model, "is_lora": True,
                 "lora_rank": m.rank, "model_data": {"model_name": m.base_model, "tokenizer_id": card.model}}
@@ -95,13 +108,15 @@ class TinkerService:
     # training calls -----------------------------------------------------------------------------
     def forward_backward(self, model_id: str, seq: int | None, loss_fn: str, config: dict[str, float],
                          datums: list[tj.Datum], forward_only: bool) -> Future:
-        m = self.state.model(model_id)
-        job = tj.ForwardBackwardJob(run=m.run, seq=seq or 0, datums=datums, loss_fn=loss_fn,
-                                    loss_fn_config=config, forward_only=forward_only)
+        seq = checked_seq(seq)
+        m = self.live_model(model_id)
+        job = _job(tj.ForwardBackwardJob, run=m.run, seq=seq or 0, datums=datums, loss_fn=loss_fn,
+                   loss_fn_config=config, forward_only=forward_only)
         return self._submit(m, seq, "forward_backward", {"job": job.model_dump(mode="json")})
 
     def optim_step(self, req: tt.OptimStepRequest) -> Future:
-        m = self.state.model(req.model_id)
+        checked_seq(req.seq_id)
+        m = self.live_model(req.model_id)
         params = req.optim_params
         if not isinstance(params, tt.AdamParams):
             raise TinkerInvalid(f"optimizer {getattr(params, 'type', type(params).__name__)!r} is not supported; "
@@ -111,12 +126,14 @@ class TinkerService:
         except ValidationError as exc:
             raise TinkerInvalid(f"adam_params: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}",
                              param="adam_params") from exc
-        job = tj.OptimStepJob(run=m.run, seq=req.seq_id or 0, adam=adam)
+        job = _job(tj.OptimStepJob, run=m.run, seq=req.seq_id or 0, adam=adam)
         return self._submit(m, req.seq_id, "optim_step", {"job": job.model_dump(mode="json")})
 
     def save(self, model_id: str, seq: int | None, kind: str, name: str | None,
              sampling_session_seq_id: int | None = None) -> Future:
-        m = self.state.model(model_id)
+        seq = checked_seq(seq)
+        checked_seq(sampling_session_seq_id, "sampling_session_seq_id")
+        m = self.live_model(model_id)
         if name is not None and not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
             raise TinkerInvalid(f"path {name!r}: a checkpoint name is letters, digits, '-', '_' and '.'", param="path")
         return self._submit(m, seq, kind, {"name": name, "sampling_session_seq_id": sampling_session_seq_id})
@@ -124,23 +141,26 @@ class TinkerService:
     def load_weights(self, req: tt.LoadWeightsRequest) -> Future:
         """Load a `weights` checkpoint into a model: an existing one (model_id), or a new one that the
         SDK names `<session_id>:train:<model_seq_id>` (create_training_client_from_state*)."""
+        checked_seq(req.seq_id)
+        checked_seq(req.model_seq_id, "model_seq_id")
         source_run, version = self.resolve_path(req.path, want="weights")
         if version < 1:
             raise TinkerInvalid(f"path {req.path!r} names the untrained base weights; nothing to load", param="path")
         if req.model_id is not None:
-            m = self.state.model(req.model_id)
+            m = self.live_model(req.model_id)
         elif req.session_id is not None and req.model_seq_id is not None:
-            m = self._model_from(source_run, req.session_id, req.model_seq_id, req.base_model)
+            m = self._model_from(req.path, source_run, req.session_id, req.model_seq_id, req.base_model)
         else:
             raise TinkerInvalid("load_weights needs model_id, or session_id with model_seq_id", param="model_id")
-        job = tj.LoadStateJob(run=m.run, seq=req.seq_id or 0, source_run=source_run, source_version=version,
-                              with_optimizer=req.optimizer)
+        job = _job(tj.LoadStateJob, run=m.run, seq=req.seq_id or 0, source_run=source_run, source_version=version,
+                   with_optimizer=req.optimizer)
         return self._submit(m, req.seq_id, "load_weights", {"job": job.model_dump(mode="json"), "path": req.path})
 
-    def _model_from(self, source_run: str, session_id: str, model_seq_id: int, base_model: str | None) -> ModelRecord:
-        """A new model for a checkpoint of `source_run`: a run with its spec (base model, LoRA shape)."""
+    def _model_from(self, path: str, source_run: str, session_id: str, model_seq_id: int,
+                    base_model: str | None) -> ModelRecord:
+        """A new model for checkpoint `path` of `source_run`: a run with its spec (base model, LoRA shape)."""
         self.state.touch_session(session_id)
-        source = self.registry.get_run(source_run)
+        source = self._source(path, source_run)
         if base_model is not None and base_model != source.base_model:
             self._check_base(base_model)
         run = f"tinker-{model_seq_id}-{new_id('m')[2:14]}"
@@ -162,7 +182,16 @@ class TinkerService:
         found = self.state.checkpoint(parts[0], f"{parts[1]}/{parts[2]}")
         if found is None:
             raise TinkerNotFound(f"no checkpoint {path!r}: model {parts[0]!r} saved none by that name", param="path")
+        if not self.registry.has_run(found[0]):
+            raise TinkerNotFound(_gone(path), param="path")
         return found
+
+    def _source(self, path: str, run: str) -> RunSpec:
+        """The spec of the run checkpoint `path` names (deleted since resolve_path looked: TinkerNotFound)."""
+        try:
+            return self.registry.get_run(run)
+        except RunNotFound as exc:
+            raise TinkerNotFound(_gone(path), param="path") from exc
 
     def _submit(self, m: ModelRecord, seq: int | None, kind: str, op: dict[str, Any]) -> Future:
         request_id = new_id("req")
@@ -205,6 +234,11 @@ class TinkerService:
         if kind == "refused":
             return
         future = self.state.future(op["request_id"])
+        model = self.state.model(future.model_id or "")
+        if not self.registry.has_run(model.run):  # deleted while this request waited for its turn
+            future.error, future.category, future.applied = _deleted(model.model_id, model.run), "user", True
+            self.state.put_future(future)
+            return
         if kind in _JOBS:
             payload = dict(op["job"])
             if kind == "optim_step":
@@ -221,7 +255,7 @@ class TinkerService:
         else:  # a save: the version the job before it publishes, or the newest now
             future.after_job = order.publisher
             if order.publisher is None:
-                future.version = self.registry.latest_version(self.state.model(future.model_id or "").run)
+                future.version = self.registry.latest_version(model.run)
         future.applied = True
         self.state.put_future(future)
 
@@ -229,7 +263,7 @@ class TinkerService:
     def create_sampling_session(self, base_model: str | None, model_path: str | None) -> SamplingSession:
         if model_path:
             run, version = self.resolve_path(model_path)
-            base = self.registry.get_run(run).base_model
+            base = self._source(model_path, run).base_model
             session = SamplingSession(sampling_session_id=new_id("sampling"), run=run, version=version,
                                       base_model=base, model_path=model_path)
         elif base_model:
@@ -240,9 +274,39 @@ class TinkerService:
         self.state.put_sampling_session(session)
         return session
 
+    def sampling_session(self, sampling_session_id: str) -> SamplingSession:
+        """The sampling session, or TinkerNotFound when it is unknown or the model it samples was deleted."""
+        s = self.state.sampling_session(sampling_session_id)
+        if s.run is not None and not self.registry.has_run(s.run):
+            raise TinkerNotFound(f"sampling session {sampling_session_id!r} samples "
+                                 f"{s.model_path or s.run!r}, whose model was deleted (`tandem delete`); open a "
+                                 "sampling client on a checkpoint of a model that exists", param="sampling_session_id")
+        return s
+
     def _check_base(self, base_model: str) -> None:
         try:
             self.card().fit(RunSpec(name="check", base_model=base_model), self.settings.tinker.gateway_url,
                             subject="the sampler")  # no run is made to sample
         except (ValidationError, TandemError) as exc:
             raise TinkerInvalid(f"base_model {base_model!r} is not served here: {exc}", param="base_model") from exc
+
+
+def _job(kind: type[J], **fields: Any) -> J:
+    """The trainer job, or TinkerInvalid naming the request's field it refuses (never a 500)."""
+    try:
+        return kind(**fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc: list[str] = [str(part) for part in first["loc"]]
+        param = ".".join([_PARAMS.get(loc[0], loc[0]), *loc[1:]]) if loc else "body"
+        raise TinkerInvalid(f"{param}: {first['msg']}, got {first['input']!r:.80}; the trainer cannot take it "
+                            f"({kind.__name__})", param=param) from exc
+
+
+def _deleted(model_id: str, run: str) -> str:
+    return f"model {model_id!r} was deleted (its run {run!r} is gone, `tandem delete`); create a new one"
+
+
+def _gone(path: str) -> str:
+    return (f"checkpoint {path!r} is gone: the model that saved it was deleted (`tandem delete`), and its "
+            "checkpoints with it; use a checkpoint of a model that exists")

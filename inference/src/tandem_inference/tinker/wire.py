@@ -20,6 +20,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from tandem.tinker_jobs import LOSSES, Datum
 from tandem_inference.errors import TinkerInvalid
+from tandem_inference.tinker.order import FIRST_SEQ, MAX_SEQ
 
 PROTO = "application/x-protobuf"
 
@@ -75,7 +76,9 @@ def request_ids(body: bytes, content_type: str, encoding: str | None, limit: int
             model_id, seq = fields.get("model_id"), fields.get("seq_id")
     except (TinkerInvalid, DecodeError, ValueError, AttributeError):
         return None
-    if not isinstance(model_id, str) or not model_id or not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
+    if not isinstance(model_id, str) or not model_id or not isinstance(seq, int) or isinstance(seq, bool):
+        return None
+    if not FIRST_SEQ <= seq <= MAX_SEQ:  # 0 is not ordered; one out of range is refused, and names no turn
         return None
     return model_id, seq
 
