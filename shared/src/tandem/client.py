@@ -200,17 +200,16 @@ class Run:
                 continue
             self._take_off(handle)
         try:
-            return mine.result(timeout_s)
+            result = mine.result(timeout_s)
         except TrainTimeout as exc:
-            if not exc.running:
+            if not exc.running:  # it may still publish: it stays pending
                 self._take_off(mine)
             raise
         except TrainFailed:
             self._take_off(mine)
             raise
-        finally:
-            if mine.done():
-                self._take_off(mine)
+        self._take_off(mine)
+        return result
 
     def _drain(self, keep: int, timeout_s: float | None) -> jobs.TrainResult | None:
         """Wait on the oldest pending jobs until at most `keep` remain; return the last result."""
