@@ -283,6 +283,22 @@ def test_status_and_client_find_the_stack_that_tandem_up_started(
         assert "broken: run 'broken' in Redis" in out and "kl_coef" in out
 
 
+def test_status_finds_a_stack_started_elsewhere_by_its_state_dir(
+    no_tandem_env: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = no_tandem_env / "elsewhere"
+    with RedisOnly(StackConfig(state_dir=state, gateway_port=0)) as stack:
+        Registry(redis.Redis.from_url(stack.redis_url)).create_run(RunSpec(name="mine", base_model="tiny"))
+        assert tandem(["status"]) == 1  # the default state directory has no stack
+        assert "does not answer" in capsys.readouterr().err
+        assert tandem(["status", "--state-dir", str(state)]) == 0
+        assert "mine: base tiny, latest v0, serving v0" in capsys.readouterr().out
+        assert tandem(["status", "mine", "--state-dir", str(state)]) == 0
+        assert tandem(["delete", "ghost", "--state-dir", str(no_tandem_env / "nothing")]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.splitlines() == [err] and "nothing: no client.env there" in err and "tandem up --state-dir" in err
+
+
 @pytest.mark.parametrize("blocked", ["logs", "redis", "secrets.json/x"])
 def test_a_state_directory_that_cannot_be_written_is_one_line_naming_it(
     no_tandem_env: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, blocked: str

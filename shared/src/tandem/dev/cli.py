@@ -4,8 +4,11 @@
                                                         start everything as local processes
     tandem settings trainer|inference|client            resolved settings, secrets redacted
     tandem settings --markdown                          the configuration reference (docs/configuration.md)
-    tandem status [RUN]                                 runs, versions, what serves
-    tandem delete RUN                                   delete a run: its versions, queued jobs, episodes
+    tandem status [RUN] [--state-dir DIR]               runs, versions, what serves
+    tandem delete RUN [--state-dir DIR]                 delete a run: its versions, queued jobs, episodes
+
+status and delete reach the stack through the client's settings: the environment, `.env`, and the
+client.env of `tandem up` (its default state directory's, or the one --state-dir names).
 
 Expected failures (Redis away, a port taken, an unknown run) print one line that says what
 to do, and the command exits with 1.
@@ -94,7 +97,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         if client_env == Path(LOCAL_STACK_ENV).resolve():
             found = f"tandem.Client() and `tandem status` run from this directory use both ({LOCAL_STACK_ENV})"
         else:
-            found = f"{_shown_path(client_env)} has both: `set -a; . {_shown_path(client_env)}; set +a` exports them"
+            found = (f"{_shown_path(client_env)} has both: `set -a; . {_shown_path(client_env)}; set +a` exports them, "
+                     f"and `tandem status --state-dir {_shown_path(stack.state)}` reads it")
         print(f"tandem is up (logs in {_shown_path(stack.logs)}):\n"
               f"  gateway  {stack.gateway_url}\n"
               f"  redis    {redact_url(stack.redis_url)} (the client's user; the full URL, with its password, is in "
@@ -152,15 +156,33 @@ def cmd_settings(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client_settings(args: argparse.Namespace) -> ClientSettings:
+    """The client's settings, reading the client.env that `tandem up --state-dir DIR` wrote when given DIR.
+
+    The environment still wins over the file, as it does over the default one.
+    """
+    if args.state_dir is None:
+        return ClientSettings()
+    env = Path(args.state_dir) / "client.env"
+    if not env.is_file():
+        raise ConfigError(f"--state-dir {args.state_dir}: no client.env there; give the directory that "
+                          "`tandem up --state-dir` was given (it writes client.env when the stack is up)")
+    return ClientSettings(_env_file=(env, ".env"))
+
+
+def _env_source(args: argparse.Namespace) -> str:
+    return str(Path(args.state_dir) / "client.env") if args.state_dir else LOCAL_STACK_ENV
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from tandem.registry import Registry
     from tandem.replicas import Replicas
 
-    settings = ClientSettings()
+    settings = _client_settings(args)
     try:
         reg = Registry(settings.redis.connect())
     except (BackendUnavailable, ConfigError) as exc:  # Redis away, or a password from an older client.env
-        raise type(exc)(f"{exc} (`tandem up` writes its Redis URL to {LOCAL_STACK_ENV}, read from this directory)") from exc
+        raise type(exc)(f"{exc} (`tandem up` writes its Redis URL to {_env_source(args)}; is that stack up?)") from exc
     names = [args.run] if args.run else reg.list_runs()
     if not names:
         print(f"no runs yet in Redis at {redact_url(settings.redis.url)}")
@@ -183,7 +205,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
     """Delete a run through the gateway (TANDEM_GATEWAY_URL, TANDEM_API_KEY), as `Client.delete_run` does."""
     from tandem.client import Client
 
-    with Client() as client:
+    with Client(settings=_client_settings(args)) as client:
         deleted = client.delete_run(args.run)
     print(f"deleted run {deleted.run}: {len(deleted.versions)} versions (the trainer removes their files from the "
           f"adapter store), {len(deleted.jobs)} queued jobs, {deleted.episodes} episodes; its events stay in the stream")
@@ -210,9 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     st.set_defaults(func=cmd_settings)
     status = sub.add_parser("status", help="runs, their newest and serving versions")
     status.add_argument("run", nargs="?", type=_run_name, help="one run (default: every run)")
+    status.add_argument("--state-dir", help=f"a stack started with `tandem up --state-dir DIR` (default: {LOCAL_STACK_ENV})")
     status.set_defaults(func=cmd_status)
     delete = sub.add_parser("delete", help="delete a run (refused while a job of it runs)")
     delete.add_argument("run", type=_run_name, help="the run")
+    delete.add_argument("--state-dir", help=f"a stack started with `tandem up --state-dir DIR` (default: {LOCAL_STACK_ENV})")
     delete.set_defaults(func=cmd_delete)
     args = parser.parse_args(argv)
     try:
