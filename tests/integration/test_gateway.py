@@ -267,7 +267,7 @@ def test_pinned_versions_and_unknown_names(
         client.completions.create(model=f"{run}@v7", prompt="Count:", max_tokens=2)
     assert info.value.body["type"] == "model_not_found"
     assert info.value.body["known"] == [f"{run}@v0", f"{run}@v1", f"{run}@v2"]
-    assert f"run {run!r} has no version 7: its versions go up to v2" in info.value.body["message"]
+    assert f"run {run!r} has no version 7: its versions are v1, v2" in info.value.body["message"]
     for bad in (f"{run}@v-1", f"{run}@v01", f"{run}@latest"):  # the version is what is wrong, not the run
         resp = httpx.post(f"{url}/v1/completions", json={"model": bad, "prompt": "Count:", "max_tokens": 2})
         assert resp.status_code == 404, bad
@@ -699,3 +699,12 @@ def test_a_forged_ready_for_an_unregistered_run_is_no_model(
     assert "ghost" not in ids and run in ids
     with pytest.raises(openai.NotFoundError, match="no run 'ghost'"):
         client.chat.completions.create(model="ghost", messages=CHAT, max_tokens=2)
+
+
+@pytest.mark.parametrize("prompt", [["Hello", "World"], [[5, 6], [7, 8]], ["Hello"]])
+def test_a_batch_of_prompts_is_refused_saying_to_send_one_per_request(url: str, prompt: list[Any]) -> None:
+    resp = httpx.post(f"{url}/v1/completions", json={"model": "base", "prompt": prompt, "max_tokens": 2})
+    assert resp.status_code == 422, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "prompt" and "a batch of prompts" in error["message"], error
+    assert "one list of token ids" in error["message"] and "constrained-str" not in error["message"], error

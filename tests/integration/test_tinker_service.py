@@ -398,3 +398,38 @@ def test_a_deleted_models_checkpoints_are_not_found_at_once(url: str, sdk: Any, 
             "session_id": session, "sampling_session_seq_id": 0, "model_path": sampler_path}), 404)
     assert body["param"] == "path" and sampler_path in body["error"] and "known runs" not in body["error"]
     assert queued(redis_conn) == []
+
+
+def test_json_nested_past_the_parser_is_a_422_and_the_connection_goes_on(url: str, sdk: Any, tiny_model: Path,
+                                                                        redis_conn: redis.Redis) -> None:
+    deep = b"[" * 5000 + b"]" * 5000
+    with httpx.Client(base_url=url, headers={"X-API-Key": f"tml-{API_KEY}", "Content-Type": "application/json"}) as http:
+        for route in ("/api/v1/get_info", "/api/v1/create_model", "/api/v1/forward_backward", "/api/v1/asample"):
+            body = refusal(http.post(route, content=deep), 422)
+            assert body["param"] == "body" and "nested too deeply" in body["error"], route
+        assert http.get("/api/v1/healthz").status_code == 200  # the same keep-alive connection
+    assert queued(redis_conn) == []
+
+
+@pytest.mark.parametrize(("tensor", "says"), [
+    ({"data": [4, 5], "dtype": "int64", "shape": [1000]}, "has shape [1000] for 2 values"),
+    ({"data": [4, 5], "dtype": "int64", "shape": [1, 2]}, "has shape [1, 2] for 2 values"),
+    ({"data": [4, 5], "dtype": "complex"}, "has dtype 'complex'"),
+    ({"data": [4.5, 5], "dtype": "int64"}, "is int64 but holds a fraction"),
+    ({"data": [4, 5]}, "has dtype None"),
+    ({"data": [4, 5], "dtype": "int64", "shape": [2], "sparse_crow_indices": [0, 2]}, "is sparse"),
+    ([4, 5], "is not a TensorData"),
+])
+def test_a_json_loss_input_that_is_no_dense_tensor_of_one_value_per_token_is_refused_naming_it(
+        url: str, sdk: Any, tiny_model: Path, redis_conn: redis.Redis, tensor: Any, says: str) -> None:
+    tc = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    fbi = json.loads(json.dumps(FB_JSON))
+    fbi["data"][0]["loss_fn_inputs"]["target_tokens"] = tensor
+    with httpx.Client(base_url=url, headers={"X-API-Key": f"tml-{API_KEY}"}) as http:
+        body = refusal(http.post("/api/v1/forward_backward", json={"model_id": tc.model_id, "seq_id": 1,
+                                                                   "forward_backward_input": fbi}), 422)
+        assert body["param"] == "data.0.loss_fn_inputs.target_tokens" and says in body["error"], body
+        image = {"model_id": tc.model_id, "seq_id": 2, "forward_backward_input": {**FB_JSON, "data": [
+            {**FB_JSON["data"][0], "model_input": {"chunks": [{"type": "image", "data": "xx", "format": "png"}]}}]}}
+        assert "is a 'image' chunk" in refusal(http.post("/api/v1/forward_backward", json=image), 422)["error"]
+    assert queued(redis_conn) == []

@@ -110,8 +110,9 @@ def test_train_save_sample_and_load_through_the_sdk(stack: str, sdk: Any, tiny_m
 
 def test_a_datum_the_trainer_refuses_fails_its_future_with_the_trainers_message(sdk: Any, tiny_model: Path) -> None:
     tc = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
-    with pytest.raises(tinker.RequestFailedError, match="target_tokens"):
+    with pytest.raises(tinker.RequestFailedError, match="target_tokens") as failed:
         tc.forward_backward([datum([5, 6, 10**7])], "cross_entropy").result(timeout=300)
+    assert failed.value.category == tt.RequestErrorCategory.User  # the caller's to fix, not the service's
     # the model goes on: the next call trains
     out = tc.forward_backward([datum([5, 6, 7])], "cross_entropy").result(timeout=300)
     assert len(out.loss_fn_outputs) == 1
@@ -169,3 +170,26 @@ def test_forward_backward_custom_trains_on_a_client_side_loss(sdk: Any, tiny_mod
     after = logprobs()
     assert all(abs(a - b) > 1e-3 for la, lb in zip(after, before, strict=True) for a, b in zip(la, lb, strict=True))
     assert by_hand(after) < by_hand(before)  # the weights moved, down the custom loss's gradient
+
+
+def test_a_checkpoint_saved_before_the_first_step_opens_a_new_client_at_the_same_fresh_lora(
+        sdk: Any, tiny_model: Path, redis_conn: redis.Redis) -> None:
+    tc = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=3).result()
+    saved = tc.save_state("step-0").result(timeout=120)
+    data = [datum([5, 6, 7, 8])]
+    before = tc.forward(data, "cross_entropy").result(timeout=300).loss_fn_outputs[0]["logprobs"].tolist()
+
+    resumed = sdk.create_training_client_from_state(saved.path).result(timeout=120)
+    assert resumed.model_id != tc.model_id
+    again = resumed.forward(data, "cross_entropy").result(timeout=300).loss_fn_outputs[0]["logprobs"].tolist()
+    assert again == pytest.approx(before, abs=1e-6)  # the same seed's fresh LoRA
+    resumed.forward_backward(data, "cross_entropy")
+    resumed.optim_step(tt.AdamParams(learning_rate=1e-2)).result(timeout=300)  # its calls go on in order
+    new_run = next(r for r in Registry(redis_conn).list_runs() if r != tc.model_id)
+    assert Registry(redis_conn).latest_version(new_run) == 1
+
+    # into an existing model it would be a reset, which is refused naming the way that works
+    with pytest.warns(FutureWarning, match="load_state"), \
+            pytest.raises(tinker.UnprocessableEntityError, match="create_training_client_from_state"):
+        tc.load_state(saved.path).result(timeout=120)  # (the SDK deprecates load_state, but still sends it)
+    assert tc.forward(data, "cross_entropy").result(timeout=300).loss_fn_outputs  # its next call is not held back

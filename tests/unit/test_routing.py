@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.runs import adapter_name, parse_adapter_name
+from tandem_inference.controller.service import no_such_version
 from tandem_inference.errors import ModelNotFound
 from tandem_inference.routing import Route, RoutingTable, parse_model
 
@@ -149,3 +150,21 @@ def test_a_dropped_run_resolves_no_more_and_its_requests_in_flight_keep_counting
     assert table.in_flight("digits", 2) == 0 and table.drop_run("digits") == {}
     table.add_run("digits")  # created again: a new run, from version 0
     assert table.resolve("digits") == Route("digits", 0)
+
+
+@pytest.mark.parametrize(
+    ("registered", "says", "known"),
+    [
+        ([], "it has no versions yet (only the base model, v0)", ["r@v0"]),
+        ([3, 4, 9], "its versions are v3, v4, v9", ["r@v0", "r@v3", "r@v4", "r@v9"]),
+        (list(range(1, 31)), "it has 30 versions, v1 to v30", ["r@v0", *(f"r@v{v}" for v in range(11, 31))]),
+    ],
+)
+def test_a_missing_version_names_the_registered_ones_not_only_the_loaded(
+    registered: list[int], says: str, known: list[str]
+) -> None:
+    """Older versions load on request, so the 404 for one the registry lacks lists what it has."""
+    exc = no_such_version("r", 99, registered)
+    assert isinstance(exc, ModelNotFound)
+    assert str(exc).startswith(f"run 'r' has no version 99: {says} ")
+    assert exc.known == known

@@ -156,6 +156,12 @@ class Registry:
             top = self.conn.zrevrange(keys.run_versions(run), 0, 0, withscores=True)
         return int(top[0][1]) if top else 0
 
+    def versions(self, run: str) -> list[int]:
+        """The registered version numbers, oldest first (retention may have removed older ones)."""
+        with translated(self.conn, f"read the versions of run {run!r}"):
+            scored = self.conn.zrange(keys.run_versions(run), 0, -1, withscores=True)
+        return [int(pair[1]) for pair in scored]
+
     def manifest(self, run: str, version: int) -> Manifest | None:
         with translated(self.conn, f"read version {version} of run {run!r}"):
             found = _members(self.conn.zrangebyscore(keys.run_versions(run), version, version))

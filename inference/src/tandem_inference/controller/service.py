@@ -343,11 +343,7 @@ class Controller:
                 raise missing  # deleted meanwhile
             manifest = await asyncio.to_thread(self.registry.manifest, run, version)
             if manifest is None:
-                latest = await asyncio.to_thread(self.registry.latest_version, run)
-                raise ModelNotFound(
-                    f"run {run!r} has no version {version}: its versions go up to v{latest}, and retention may "
-                    f"have removed older ones; ask for {run!r} (its newest) or a version it still has",
-                    known=missing.known) from None
+                raise no_such_version(run, version, await asyncio.to_thread(self.registry.versions, run)) from None
             if self.loader.rejected.get((run, version)) == manifest.created_at:
                 raise ModelNotFound(f"{model} was refused when it was loaded (see its adapter_rejected event); "
                                     "it serves nowhere", known=missing.known)
@@ -422,3 +418,22 @@ class Controller:
             "pending_loads": sorted(self.loader.pending),
             "runs": self.table.snapshot(),
         }
+
+
+KNOWN_VERSIONS_SHOWN = 20
+"""The newest registered versions a 404 for a missing version lists (its `known`)."""
+
+
+def no_such_version(run: str, version: int, registered: list[int]) -> ModelNotFound:
+    """A pinned version the registry lacks: the 404 names the versions that do load on request,
+    not only those loaded now."""
+    shown = [f"{run}@v{v}" for v in registered[-KNOWN_VERSIONS_SHOWN:]]
+    if not registered:
+        have = "it has no versions yet (only the base model, v0)"
+    elif len(registered) > KNOWN_VERSIONS_SHOWN:
+        have = f"it has {len(registered)} versions, v{registered[0]} to v{registered[-1]}"
+    else:
+        have = f"its versions are {', '.join(f'v{v}' for v in registered)}"
+    return ModelNotFound(
+        f"run {run!r} has no version {version}: {have} (retention may have removed older ones); ask for "
+        f"{run!r} (its newest) or one of those", known=[f"{run}@v0", *shown])

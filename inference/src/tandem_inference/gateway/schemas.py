@@ -354,6 +354,14 @@ class CompletionRequest(SamplingRequest):
     """OpenAI's completions API takes a count here: any value asks for logprobs, and that many
     alternatives per token come back in `top_logprobs`."""
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and any(isinstance(p, (str, list)) for p in value):
+            raise ValueError("a batch of prompts (a list of strings or of token-id lists) is not served; send one "
+                             "prompt per request, a string or one list of token ids (n asks for several samples)")
+        return value
+
     @field_validator("max_completion_tokens")
     @classmethod
     def _chat_only(cls, value: Any) -> Any:

@@ -64,9 +64,18 @@ def _job(svc: TinkerService, job_id: str) -> tuple[str, Any]:
     return "pending", None
 
 
-def _failed(future: Future, message: str) -> Future:
-    # the trainer refuses what the request asked (a field) as a TandemError of a validation kind
-    user = any(word in message for word in ("ValidationFailed", "JobRefused", "invalid", "refuse"))
+#: The trainer's errors for what a request asked (a field, a value): a failed job whose last
+#: traceback line names one of these is the caller's to fix, Tinker's category `user`.
+USER_ERRORS = frozenset({"ValidationFailed", "JobRefused", "JobRejected"})
+
+
+def user_caused(line: str) -> bool:
+    """Whether a failed job's last traceback line (`module.Class: message`) names a refusal of its input."""
+    head = line.split(":", 1)[0].strip()
+    return " " not in head and head.rsplit(".", 1)[-1] in USER_ERRORS
+
+
+def _failed(future: Future, message: str, *, user: bool = False) -> Future:
     return future.model_copy(update={"error": message, "category": "user" if user else "server"})
 
 
@@ -75,7 +84,7 @@ def _from_job(svc: TinkerService, future: Future) -> Future | None:
     if state == "pending":
         return None
     if state == "failed":
-        return _failed(future, f"{future.kind} failed in the trainer: {value}")
+        return _failed(future, f"{future.kind} failed in the trainer: {value}", user=user_caused(value))
     try:
         if future.kind == "forward_backward":
             fb = tj.ForwardBackwardResult.model_validate(value)
@@ -98,7 +107,8 @@ def _save(svc: TinkerService, future: Future) -> Future | None:
         if state == "pending":
             return None
         if state == "failed":
-            return _failed(future, f"the step before this save failed, so there is no version to save: {value}")
+            return _failed(future, f"the step before this save failed, so there is no version to save: {value}",
+                           user=user_caused(value))
         try:
             version = int(value["version"])
         except (TypeError, KeyError, ValueError):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -56,10 +55,7 @@ open_api = APIRouter(prefix="/api/v1")
 
 
 async def parse(request: Request, model: type[M]) -> M:
-    try:
-        raw = await request.json()
-    except ValueError as exc:
-        raise TinkerInvalid(f"the body is not JSON ({exc}); send a JSON object", param="body") from exc
+    raw = wire.loads(await request.body())
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
@@ -174,14 +170,14 @@ async def forward_backward(request: Request) -> dict[str, Any]:
 
 def _json_forward_backward(body: bytes) -> tuple[str, int | None, str, dict[str, float], list[Any], bool]:
     """The JSON form of a forward_backward (what SDKs before protobuf sent)."""
+    raw = wire.loads(body)
     try:
-        raw = json.loads(body)
         fbi = raw["forward_backward_input"]
         loss_fn = wire.check_loss(str(fbi["loss_fn"]))  # first: an unsupported loss is named before its config
         datums = []
         for i, d in enumerate(fbi["data"]):
-            tokens = [int(t) for c in d["model_input"]["chunks"] for t in c["tokens"]]
-            inputs = {k: [float(x) for x in v["data"]] for k, v in d.get("loss_fn_inputs", {}).items()}
+            tokens = [int(t) for j, c in enumerate(d["model_input"]["chunks"]) for t in _chunk_tokens(i, j, c)]
+            inputs = {k: wire.json_tensor(f"data.{i}.loss_fn_inputs.{k}", v) for k, v in d.get("loss_fn_inputs", {}).items()}
             datums.append(wire.datum(i, tokens, inputs))
         config = {k: float(v) for k, v in (fbi.get("loss_fn_config") or {}).items()}
         seq = checked_seq(raw.get("seq_id"))  # here, not in the job: a bad one is a 422 naming it
@@ -189,6 +185,13 @@ def _json_forward_backward(body: bytes) -> tuple[str, int | None, str, dict[str,
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise TinkerInvalid(f"the body is not a ForwardBackwardRequest, in JSON or protobuf (Content-Type: "
                          f"{wire.PROTO}): {type(exc).__name__}: {exc}", param="body") from exc
+
+
+def _chunk_tokens(i: int, j: int, chunk: Any) -> list[Any]:
+    if isinstance(chunk, dict) and "tokens" not in chunk and chunk.get("type", "encoded_text") != "encoded_text":
+        raise TinkerInvalid(f"data.{i}.model_input.chunks.{j} is a {chunk['type']!r:.40} chunk; tandem trains on "
+                            "token chunks (EncodedTextChunk) only", param=f"data.{i}.model_input")
+    return list(chunk["tokens"])
 
 
 @api.post("/optim_step")

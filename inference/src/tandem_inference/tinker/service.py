@@ -145,7 +145,7 @@ class TinkerService:
         checked_seq(req.model_seq_id, "model_seq_id")
         source_run, version = self.resolve_path(req.path, want="weights")
         if version < 1:
-            raise TinkerInvalid(f"path {req.path!r} names the untrained base weights; nothing to load", param="path")
+            return self._load_untrained(req, source_run)
         if req.model_id is not None:
             m = self.live_model(req.model_id)
         elif req.session_id is not None and req.model_seq_id is not None:
@@ -155,6 +155,17 @@ class TinkerService:
         job = _job(tj.LoadStateJob, run=m.run, seq=req.seq_id or 0, source_run=source_run, source_version=version,
                    with_optimizer=req.optimizer)
         return self._submit(m, req.seq_id, "load_weights", {"job": job.model_dump(mode="json"), "path": req.path})
+
+    def _load_untrained(self, req: tt.LoadWeightsRequest, source_run: str) -> Future:
+        """A checkpoint saved before its model's first optim_step names a fresh LoRA, which the run's
+        spec seeds: a new model from it is that spec under a new run at version 0, with nothing to
+        load. Loading one into an existing model (a reset) is refused, naming what to do instead."""
+        if req.model_id is not None or req.session_id is None or req.model_seq_id is None:
+            raise TinkerInvalid(f"path {req.path!r} was saved before its model's first optim_step, so it names a "
+                                "fresh LoRA, which tandem does not load into an existing model; open a new training "
+                                "client from it (create_training_client_from_state)", param="path")
+        m = self._model_from(req.path, source_run, req.session_id, req.model_seq_id, req.base_model)
+        return self._submit(m, req.seq_id, "load_weights", {"untrained": True})
 
     def _model_from(self, path: str, source_run: str, session_id: str, model_seq_id: int,
                     base_model: str | None) -> ModelRecord:
@@ -239,7 +250,9 @@ class TinkerService:
             future.error, future.category, future.applied = _deleted(model.model_id, model.run), "user", True
             self.state.put_future(future)
             return
-        if kind in _JOBS:
+        if op.get("untrained"):  # a new model at its fresh LoRA: nothing to load, its turn passes
+            future.result = {"type": "load_weights", "model_id": model.model_id}
+        elif kind in _JOBS:
             payload = dict(op["job"])
             if kind == "optim_step":
                 payload["gradients_from"] = order.gradients

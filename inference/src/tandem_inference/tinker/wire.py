@@ -45,6 +45,38 @@ def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
     return bytes(out)
 
 
+def loads(body: bytes) -> Any:
+    """A JSON body, or TinkerInvalid (422 `body`): not JSON, not UTF-8, or nested past what the
+    parser follows (json's RecursionError, which is no ValueError)."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        why = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise TinkerInvalid(f"the body is not JSON ({why}); send one JSON object, UTF-8", param="body") from exc
+
+
+def json_tensor(where: str, t: Any) -> list[float]:
+    """A loss input as the SDK's JSON `TensorData` carries it: dense, int64 or float32, one value per token."""
+    if not isinstance(t, dict) or not isinstance(t.get("data"), list):
+        raise TinkerInvalid(f"{where} is not a TensorData ({{'data': [...], 'dtype': 'int64' or 'float32'}})",
+                            param=where)
+    if t.get("dtype") not in ("int64", "float32"):
+        raise TinkerInvalid(f"{where} has dtype {t.get('dtype')!r}; send float32 or int64", param=where)
+    if t.get("sparse_crow_indices") is not None or t.get("sparse_col_indices") is not None:
+        raise TinkerInvalid(f"{where} is sparse; tandem takes dense tensors", param=where)
+    data, shape = t["data"], t.get("shape")
+    if shape is not None and shape != [len(data)]:
+        raise TinkerInvalid(f"{where} has shape {shape!r:.60} for {len(data)} values; tandem takes one value per "
+                            f"token, shape [{len(data)}] or none", param=where)
+    try:
+        values = [float(x) for x in data]
+    except (TypeError, ValueError) as exc:
+        raise TinkerInvalid(f"{where} holds a value that is not a number ({exc})", param=where) from exc
+    if t["dtype"] == "int64" and not all(v.is_integer() for v in values if np.isfinite(v)):
+        raise TinkerInvalid(f"{where} is int64 but holds a fraction; send whole numbers or dtype float32", param=where)
+    return values
+
+
 def parse_forward_backward(body: bytes) -> tuple[str, int | None, str, dict[str, float], list[Datum], bool]:
     """(model_id, seq_id, loss_fn, loss_fn_config, datums, forward_only) of a protobuf request."""
     msg = pb.ForwardBackwardRequest()
@@ -74,7 +106,7 @@ def request_ids(body: bytes, content_type: str, encoding: str | None, limit: int
         else:
             fields = json.loads(raw)
             model_id, seq = fields.get("model_id"), fields.get("seq_id")
-    except (TinkerInvalid, DecodeError, ValueError, AttributeError):
+    except (TinkerInvalid, DecodeError, ValueError, AttributeError, RecursionError):
         return None
     if not isinstance(model_id, str) or not model_id or not isinstance(seq, int) or isinstance(seq, bool):
         return None
