@@ -708,3 +708,20 @@ def test_a_batch_of_prompts_is_refused_saying_to_send_one_per_request(url: str, 
     error = resp.json()["error"]
     assert error["param"] == "prompt" and "a batch of prompts" in error["message"], error
     assert "one list of token ids" in error["message"] and "constrained-str" not in error["message"], error
+
+
+def test_the_client_sends_nan_and_lone_surrogates_for_the_gateway_to_refuse_naming_the_field(
+    url: str, run: str, redis_conn: redis.Redis
+) -> None:
+    from tandem import Client
+    from tandem.errors import GatewayError
+
+    with Client(url, conn=redis_conn) as client:
+        mine = client.run(run)
+        with pytest.raises(GatewayError) as nan:
+            mine.chat([{"role": "user", "content": "hi"}], max_tokens=2, temperature=float("nan"))
+        assert nan.value.status_code == 422 and "temperature" in str(nan.value), nan.value
+        with pytest.raises(GatewayError) as lone:
+            mine.chat([{"role": "user", "content": "a\ud800b"}], max_tokens=2)
+        assert lone.value.status_code in (400, 422) and "surrogate" in str(lone.value), lone.value
+        assert len(mine.chat([{"role": "user", "content": "hi"}], max_tokens=2)) == 1  # it serves on

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -35,15 +36,19 @@ from tandem.deletion import Deletion
 from tandem.engine_card import EngineCard
 from tandem.episodes import Episode
 from tandem.errors import GatewayError, RunBusy, RunNotFound, TrainFailed, TrainTimeout, ValidationFailed, invalid
-from tandem.events import Event
+from tandem.events import Event, EventKind
 from tandem.handles import TrainHandle
-from tandem.runs import LoraConfig, LossConfig, OptimizerConfig, RunSpec
+from tandem.runs import LoraConfig, LossConfig, OptimizerConfig, RunSpec, check_run_name
 from tandem.session import Session
 from tandem.trajectories import Completion, Origin, Trajectory, TrajectoryGroup
 
 __all__ = ["Client", "Completion", "Episode", "Run", "TrainHandle"]
 
 log = logging.getLogger(__name__)
+
+DELETE_AFTER_PUBLISH_S = 5.0
+"""How long `delete_run` waits for a job whose version is already published to end: the trainer
+finishes its bookkeeping after `train()` has returned."""
 
 
 class Scorable(Protocol):
@@ -137,6 +142,10 @@ class Run:
     @staticmethod
     def group(completions: Sequence[Scorable], rewards: Sequence[float]) -> TrajectoryGroup:
         """Pair completions (or episodes) of one start with their rewards."""
+        for field, given in (("completions", completions), ("rewards", rewards)):
+            if isinstance(given, (str, bytes)) or not hasattr(given, "__len__"):
+                raise ValidationFailed(f"{field}: got {type(given).__name__}; give a list (completions from "
+                                       "Run.chat/complete or episodes, and one reward per completion)", field=field)
         if len(completions) != len(rewards):
             raise ValidationFailed(
                 f"{len(completions)} completions but {len(rewards)} rewards; give one reward per completion",
@@ -166,6 +175,9 @@ class Run:
         # it timed out (the job's own bound, whole seconds from 1, checks the rest)
         timeout = self.client.settings.train_timeout_s if timeout_s is None else timeout_s
         whole = math.ceil(timeout) if timeout >= 1 else timeout
+        if isinstance(groups, (str, bytes)) or not hasattr(groups, "__iter__"):
+            raise ValidationFailed(f"groups: got {type(groups).__name__}; give a list of groups (Run.group)",
+                                   field="groups")
         job = jobs.parse_job({"run": self.name, "groups": list(groups), "timeout_s": whole})
         jobs.check_origins(job)
         settings = self.client.settings  # beyond the run's quota of queued jobs, wait for room (job_quota)
@@ -261,17 +273,27 @@ class Run:
 
     # status ---------------------------------------------------------------
     def status(self) -> dict[str, Any]:
+        """The newest and serving versions, and the jobs this Run submitted that have not settled
+        (served or failed); RunNotFound once the run is deleted."""
         reg = self.client.registry
+        if not reg.has_run(self.name):
+            raise RunNotFound(f"run {self.name!r} was deleted; create it again (Client.create_run) to use the name")
         return {
             "run": self.name,
             "latest_version": reg.latest_version(self.name),
             "serving_version": reg.serving(self.name),
-            "pending_jobs": [h.job_id for h in list(self._pending)],
+            "pending_jobs": [h.job_id for h in list(self._pending) if not h.settled()],
         }
 
     def history(self) -> list[Event]:
-        """Every event of this run still in the stream, oldest first."""
-        return self.client.events.history(run=self.name)
+        """This run's events still in the stream, oldest first. A run deleted and created again
+        under its name starts a history of its own: the events up to its last `run_deleted` are
+        left out (they stay in the stream: `Client().events.history(run=name)`). A deleted run's
+        history ends with its deletion."""
+        events = self.client.events.history(run=self.name)
+        before = events if self.client.registry.has_run(self.name) else events[:-1]
+        cuts = [i for i, e in enumerate(before) if e.kind is EventKind.RUN_DELETED]
+        return events[cuts[-1] + 1:] if cuts else events
 
 
 class Client(Session):
@@ -336,8 +358,25 @@ class Client(Session):
         keys and episodes, and the engine stops serving it (tandem.deletion says what is kept).
 
         RunNotFound when no such run is registered (deleting twice is an error, not a no-op);
-        RunBusy, naming the job, while a job of the run runs.
+        RunBusy, naming the job, while a job of the run runs. A job whose version is published
+        already (its `train()` has returned) is waited on for up to `DELETE_AFTER_PUBLISH_S`.
+        ValidationFailed for a name no run can have, before anything is sent.
         """
+        try:
+            check_run_name(name)
+        except ValueError as exc:
+            raise ValidationFailed(str(exc), field="name") from exc
+        deadline = time.monotonic() + DELETE_AFTER_PUBLISH_S
+        while True:
+            try:
+                return self._delete_run(name)
+            except RunBusy as exc:
+                ending = exc.job_id is not None and self.registry.version_of_job(name, exc.job_id) is not None
+                if not ending or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
+
+    def _delete_run(self, name: str) -> Deletion:
         try:
             return Deletion.model_validate(self.delete(f"/v1/runs/{name}"))
         except GatewayError as exc:

@@ -66,7 +66,12 @@ class TrainHandle:
     """One thread reads the stream for this job at a time (threads may share a Run)."""
 
     def done(self) -> bool:
+        """Whether its version served (`result()` returns it at once)."""
         return self._result is not None
+
+    def settled(self) -> bool:
+        """Whether its outcome is known: its version served, or it failed."""
+        return self._result is not None or self._failure is not None
 
     def result(self, timeout_s: float | None = None) -> TrainResult:
         """Block until the version this job published serves; raise TrainFailed if it failed."""

@@ -9,12 +9,13 @@ tandem's. Redis is reached through the run registry and the event stream.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Protocol, Self
 
 import httpx
 import redis
 
-from tandem.errors import BackendUnavailable, GatewayError
+from tandem.errors import BackendUnavailable, GatewayError, ValidationFailed
 from tandem.events import EventStream
 from tandem.registry import Registry
 from tandem.settings import ClientSettings
@@ -70,8 +71,18 @@ class Session:
         return self._request("DELETE", path, None)
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        content = None
+        if body is not None:
+            # encoded here, not by httpx: NaN and lone surrogates are sent (JSON's NaN, a \ud800 escape)
+            # for the gateway to refuse naming the field, instead of failing in the client unnamed
+            try:
+                content = json.dumps(body, ensure_ascii=True).encode()
+            except (TypeError, ValueError) as exc:
+                raise ValidationFailed(f"{method} {path}: the request holds a value JSON cannot carry ({exc}); pass "
+                                       "plain numbers, strings, lists and dicts") from exc
         try:
-            resp = self.http.request(method, path, json=body)
+            resp = self.http.request(method, path, content=content,
+                                     headers={"Content-Type": "application/json"} if content is not None else None)
         except httpx.HTTPError as exc:
             raise BackendUnavailable(
                 f"gateway at {self.settings.gateway_url} did not answer {path} ({exc}); "

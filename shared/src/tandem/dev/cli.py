@@ -2,7 +2,7 @@
 
     tandem up [--model PATH] [--gateway-port 8000] [--replicas N]
                                                         start everything as local processes
-    tandem settings trainer|inference|client            resolved settings, secrets redacted
+    tandem settings trainer|inference|client|tinker     resolved settings, secrets redacted
     tandem settings --markdown                          the configuration reference (docs/configuration.md)
     tandem status [RUN] [--state-dir DIR]               runs, versions, what serves
     tandem delete RUN [--state-dir DIR]                 delete a run: its versions, queued jobs, episodes
@@ -150,7 +150,7 @@ def cmd_settings(args: argparse.Namespace) -> int:
         print(settings_markdown(), end="")
         return 0
     if not args.service:
-        print("name a service (trainer, inference, client) or pass --markdown", file=sys.stderr)
+        print(f"name a service ({', '.join(sorted(SERVICES))}) or pass --markdown", file=sys.stderr)
         return 2
     print(json.dumps(SERVICES[args.service]().redacted(), indent=2))
     return 0
@@ -214,6 +214,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is not the command's output
     parser = argparse.ArgumentParser(
         prog="tandem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
