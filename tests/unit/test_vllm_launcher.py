@@ -101,6 +101,8 @@ def test_shared_mode_sizes_the_kv_cache_each_wake_up_maps_and_a_setting_or_flag_
     assert flag(vllm_argv(settings("shared", kv_cache_gib=20)), "--kv-cache-memory-bytes") == str(20 * gib)
     own = vllm_argv(settings("shared", extra_args=["--kv-cache-memory-bytes", "4G"]))
     assert own.count("--kv-cache-memory-bytes") == 1 and flag(own, "--kv-cache-memory-bytes") == "4G"
+    joined = vllm_argv(settings("shared", extra_args=["--kv-cache-memory-bytes=4G"]))
+    assert [a for a in joined if a.startswith("--kv-cache-memory-bytes")] == ["--kv-cache-memory-bytes=4G"]
     s = settings().model_copy(update={"gpus": GpuSettings(mode="shared", inference=[0], release_tags=[])})
     assert "--kv-cache-memory-bytes" not in vllm_argv(s)  # nothing released, nothing to wake up
     with pytest.raises(ValidationError, match="kv_cache_gib"):

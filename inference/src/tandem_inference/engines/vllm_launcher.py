@@ -66,7 +66,8 @@ def vllm_argv(settings: InferenceSettings) -> list[str]:
         argv.append("--enable-sleep-mode")
     kv_gib = eng.kv_cache_gib if eng.kv_cache_gib is not None else (
         SHARED_KV_CACHE_GIB if settings.gpus.lends_memory else None)
-    if kv_gib is not None and "--kv-cache-memory-bytes" not in eng.extra_args:
+    own_kv = any(a == "--kv-cache-memory-bytes" or a.startswith("--kv-cache-memory-bytes=") for a in eng.extra_args)
+    if kv_gib is not None and not own_kv:
         argv += ["--kv-cache-memory-bytes", str(int(kv_gib * 2**30))]
     if eng.disable_cuda_graph:
         argv.append("--enforce-eager")
