@@ -35,7 +35,9 @@
 #                 there: compare_engines.py a.json,b.json c.json,d.json. AGREE=peft,unsloth recomputes
 #                 the agreement scenario's tokens with both trainer backends; SLOTS (adapters held,
 #                 default 128) and ENGINE_ARGS (a JSON list: '["--kv-cache-memory-bytes", "8G"]') are
-#                 levers; an engine's own variables pass through (VLLM_BATCH_INVARIANT=1 ...)
+#                 levers; an engine's own variables pass through (VLLM_BATCH_INVARIANT=1 ...); LANE_GPU
+#                 puts a one-engine call (ENGINES=vllm) on that GPU, so that two runs of one engine, with
+#                 TAGs of their own, share a call on two GPUs
 # MODE=split (default with two GPUs: the engine on GPU 0, the trainer on GPU 1; TRAINER_GPUS='[1,2,3]': a
 # data-parallel trainer of one rank a GPU there) or shared (one GPU); PART=check's KILL_RANK=1 (KILL_AT=step)
 # sends SIGKILL to that trainer rank mid-job (bench/gpu/gpu_rank_kill.py); SHAPE (PART=check, suite) 0.5b or 8b;
@@ -187,14 +189,15 @@ suite)
   ;;
 compare)
   t0=$SECONDS
+  tag=${TAG:+-$TAG}  # two calls of one engine at once keep their folders apart
   lanes=()
   for e in ${ENGINES:-sglang vllm}; do
-    g=$([ "$e" = sglang ] && echo 0 || echo "$second")
+    g=${LANE_GPU:-$([ "$e" = sglang ] && echo 0 || echo "$second")}
     timeout "${LIMIT:-560}" /tmp/tdpython bench/suite.py --engine "$e" --mode shared --shape 0.5b \
       --only "${ONLY:-sync,swaps,agreement,throughput}" --model "$model_cmp" "${pythons[@]}" --inference-gpus "[$g]" \
-      --trainer-gpus "[$g]" --mem-fraction 0.6 ${RELEASE:+--release-tags "$RELEASE"} --out "/tmp/cmp-$e" \
+      --trainer-gpus "[$g]" --mem-fraction 0.6 ${RELEASE:+--release-tags "$RELEASE"} --out "/tmp/cmp-$e$tag" \
       ${AGREE:+--agreement-backends "$AGREE"} ${SLOTS:+--engine-slots "$SLOTS"} \
-      ${ENGINE_ARGS:+--engine-args "$ENGINE_ARGS"} --state "/tmp/cmp-state-$e" >"/tmp/cmp-$e.log" 2>&1 &
+      ${ENGINE_ARGS:+--engine-args "$ENGINE_ARGS"} --state "/tmp/cmp-state-$e$tag" >"/tmp/cmp-$e$tag.log" 2>&1 &
     lanes+=($!)
     if [ "$second" = 0 ]; then  # one GPU: one engine after the other
       wait "${lanes[-1]}" || status=1
@@ -205,14 +208,14 @@ compare)
   [ "$second" = 1 ] && for lane in "${lanes[@]}"; do wait "$lane" || status=1; done
   echo "suites: exit ${status:-0} after $((SECONDS - t0)) s"
   for e in ${ENGINES:-sglang vllm}; do
-    tail -15 "/tmp/cmp-$e.log"
-    cp "/tmp/cmp-$e/results.json" "$out/suite-$e.json" 2>/dev/null
-    tail -c 30000 "/tmp/cmp-$e.log" >"$out/suite-$e.log"
-    tail -c 30000 "/tmp/cmp-state-$e/logs/inference.log" >"$out/inference-$e.log" 2>/dev/null
+    tail -15 "/tmp/cmp-$e$tag.log"
+    cp "/tmp/cmp-$e$tag/results.json" "$out/suite-$e.json" 2>/dev/null
+    tail -c 30000 "/tmp/cmp-$e$tag.log" >"$out/suite-$e.log"
+    tail -c 30000 "/tmp/cmp-state-$e$tag/logs/inference.log" >"$out/inference-$e.log" 2>/dev/null
     # the engine's own timing of each hand-over (vLLM: "It took X seconds to wake up tags ...")
-    grep -iE "wake up|fall asleep|sleep mode|memory_occupation" "/tmp/cmp-state-$e/logs/$e.log" 2>/dev/null |
+    grep -iE "wake up|fall asleep|sleep mode|memory_occupation" "/tmp/cmp-state-$e$tag/logs/$e.log" 2>/dev/null |
       tail -c 30000 >"$out/engine-memory-$e.log"
-    mkdir -p "$out/plots-$e" && cp /tmp/cmp-$e/*.png "$out/plots-$e/" 2>/dev/null
+    mkdir -p "$out/plots-$e" && cp /tmp/cmp-$e$tag/*.png "$out/plots-$e/" 2>/dev/null
   done
   [ -f "$out/suite-sglang.json" ] && [ -f "$out/suite-vllm.json" ] &&
     /tmp/tdpython bench/report/compare_engines.py "$out/suite-sglang.json" "$out/suite-vllm.json" --out "$out/engines.md" &&
