@@ -62,16 +62,22 @@ def test_a_deleted_runs_status_is_run_not_found_and_a_new_run_of_its_name_has_a_
     delete_run(redis_conn, "again")
     with pytest.raises(RunNotFound, match="'again' was deleted"):
         old.status()
-    assert [e.kind for e in old.history()][-1] is EventKind.RUN_DELETED  # a deleted run's history ends so
+    assert [e.kind for e in old.history()] == [EventKind.ADAPTER_READY, EventKind.ADAPTER_LOADED,
+                                               EventKind.RUN_DELETED]
+    EventStream(redis_conn).append(Event(kind=EventKind.TRAIN_FAILED, run="again", job_id="late",
+                                         data={"message": "run 'again' was deleted before the job ran"}))
+    assert [e.kind for e in old.history()][-2:] == [EventKind.RUN_DELETED, EventKind.TRAIN_FAILED]  # all of it
+    assert len(old.history()) == 4
 
     Registry(redis_conn).forget_deleted("again")  # the trainer has cleared it: the name may be taken again
     Registry(client_conn).create_run(RunSpec(name="again", base_model="tiny"))
     new = client.run("again")
-    assert new.history() == []
+    assert [e.job_id for e in new.history()] == ["late"]  # after the deletion: the stream cannot tell whose
     served(redis_conn, "again", 1, "job-new")
-    assert [(e.kind, e.job_id) for e in new.history()] == [(EventKind.ADAPTER_READY, "job-new"),
+    assert [(e.kind, e.job_id) for e in new.history()] == [(EventKind.TRAIN_FAILED, "late"),
+                                                          (EventKind.ADAPTER_READY, "job-new"),
                                                           (EventKind.ADAPTER_LOADED, "job-new")]
-    assert len(client.events.history(run="again")) == 5  # the stream keeps the deleted run's events
+    assert len(client.events.history(run="again")) == 6  # the stream keeps the deleted run's events
 
 
 @pytest.mark.parametrize("name", ["../runs/victim", "../episodes/abc", "", "a/b", "x@v1"])

@@ -284,7 +284,7 @@ def test_status_and_client_find_the_stack_that_tandem_up_started(
 
 
 def test_status_finds_a_stack_started_elsewhere_by_its_state_dir(
-    no_tandem_env: Path, capsys: pytest.CaptureFixture[str]
+    no_tandem_env: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     state = no_tandem_env / "elsewhere"
     with RedisOnly(StackConfig(state_dir=state, gateway_port=0)) as stack:
@@ -294,6 +294,12 @@ def test_status_finds_a_stack_started_elsewhere_by_its_state_dir(
         assert tandem(["status", "--state-dir", str(state)]) == 0
         assert "mine: base tiny, latest v0, serving v0" in capsys.readouterr().out
         assert tandem(["status", "mine", "--state-dir", str(state)]) == 0
+        # a shell that exported another stack's URLs: the flag still names this one
+        monkeypatch.setenv("TANDEM_REDIS__URL", "redis://127.0.0.1:9/0")
+        monkeypatch.setenv("TANDEM_GATEWAY_URL", "http://127.0.0.1:9")
+        capsys.readouterr()
+        assert tandem(["status", "--state-dir", str(state)]) == 0
+        assert "mine: base tiny" in capsys.readouterr().out
         assert tandem(["delete", "ghost", "--state-dir", str(no_tandem_env / "nothing")]) == 1
         err = capsys.readouterr().err.strip()
         assert err.splitlines() == [err] and "nothing: no client.env there" in err and "tandem up --state-dir" in err

@@ -174,19 +174,24 @@ def test_forward_backward_custom_trains_on_a_client_side_loss(sdk: Any, tiny_mod
 
 def test_a_checkpoint_saved_before_the_first_step_opens_a_new_client_at_the_same_fresh_lora(
         sdk: Any, tiny_model: Path, redis_conn: redis.Redis) -> None:
+    data = [datum([5, 6, 7, 8])]
+
+    def one_step(client: Any) -> list[float]:
+        """Logprobs after one identical step: a fresh LoRA's B is zero, so only a step shows its A (the seed)."""
+        client.forward_backward(data, "cross_entropy")
+        client.optim_step(tt.AdamParams(learning_rate=1e-2)).result(timeout=300)
+        return list(client.forward(data, "cross_entropy").result(timeout=300).loss_fn_outputs[0]["logprobs"].tolist())
+
     tc = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=3).result()
     saved = tc.save_state("step-0").result(timeout=120)
-    data = [datum([5, 6, 7, 8])]
-    before = tc.forward(data, "cross_entropy").result(timeout=300).loss_fn_outputs[0]["logprobs"].tolist()
-
     resumed = sdk.create_training_client_from_state(saved.path).result(timeout=120)
     assert resumed.model_id != tc.model_id
-    again = resumed.forward(data, "cross_entropy").result(timeout=300).loss_fn_outputs[0]["logprobs"].tolist()
-    assert again == pytest.approx(before, abs=1e-6)  # the same seed's fresh LoRA
-    resumed.forward_backward(data, "cross_entropy")
-    resumed.optim_step(tt.AdamParams(learning_rate=1e-2)).result(timeout=300)  # its calls go on in order
-    new_run = next(r for r in Registry(redis_conn).list_runs() if r != tc.model_id)
-    assert Registry(redis_conn).latest_version(new_run) == 1
+    stepped = one_step(resumed)  # its calls go on in order from the load
+    assert stepped == pytest.approx(one_step(tc), abs=1e-5)  # the same seed's fresh LoRA, stepped alike
+    other = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=4).result()
+    assert one_step(other) != pytest.approx(stepped, abs=1e-5)  # the control: another seed steps elsewhere
+    registry = Registry(redis_conn)
+    assert sorted(registry.latest_version(r) for r in registry.list_runs()) == [1, 1, 1]
 
     # into an existing model it would be a reset, which is refused naming the way that works
     with pytest.warns(FutureWarning, match="load_state"), \

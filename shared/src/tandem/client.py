@@ -288,11 +288,13 @@ class Run:
     def history(self) -> list[Event]:
         """This run's events still in the stream, oldest first. A run deleted and created again
         under its name starts a history of its own: the events up to its last `run_deleted` are
-        left out (they stay in the stream: `Client().events.history(run=name)`). A deleted run's
-        history ends with its deletion."""
+        left out (they stay in the stream: `Client().events.history(run=name)`); an event of the
+        deleted run appended after its deletion (a late job's `train_failed`) cannot be told apart
+        and stays in. A deleted run's history runs up to its deletion and what followed it."""
         events = self.client.events.history(run=self.name)
-        before = events if self.client.registry.has_run(self.name) else events[:-1]
-        cuts = [i for i, e in enumerate(before) if e.kind is EventKind.RUN_DELETED]
+        cuts = [i for i, e in enumerate(events) if e.kind is EventKind.RUN_DELETED]
+        if not self.client.registry.has_run(self.name):
+            cuts = cuts[:-1]  # its own deletion stays in (and what came after it: a refused late job)
         return events[cuts[-1] + 1:] if cuts else events
 
 

@@ -115,8 +115,8 @@ def _delete(conn: redis.Redis, pipe: Pipeline, run: str) -> Deletion:
     if running or (holder is not None and _holder_alive(pipe, text(holder))):
         busy = running[0].id if running else None
         what = f"job {busy} of it runs" if busy else f"its lock is held by trainer {text(holder or b'')!r}"
-        raise RunBusy(f"run {run!r} cannot be deleted while {what}; wait for it to end (`train()` returns "
-                      "once its version serves), then delete the run again", job_id=busy)
+        raise RunBusy(f"run {run!r} cannot be deleted while {what}; wait for it to end (a moment "
+                      "after its version serves), then delete the run again", job_id=busy)
     queued = [j for j in _jobs(conn, [text(i) for i in pipe.lrange(queue.key, 0, -1)]) if j.named_run() == run]
     scored = cast(list[tuple[bytes, float]], pipe.zrange(keys.run_versions(run), 0, -1, withscores=True))
     versions = sorted(int(score) for _, score in scored)

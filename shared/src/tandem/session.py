@@ -76,7 +76,11 @@ class Session:
             # encoded here, not by httpx: NaN and lone surrogates are sent (JSON's NaN, a \ud800 escape)
             # for the gateway to refuse naming the field, instead of failing in the client unnamed
             try:
-                content = json.dumps(body, ensure_ascii=True).encode()
+                text = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+                try:
+                    content = text.encode()
+                except UnicodeEncodeError:  # a lone surrogate: escaped, as only ASCII output can carry it
+                    content = json.dumps(body, separators=(",", ":")).encode()
             except (TypeError, ValueError) as exc:
                 raise ValidationFailed(f"{method} {path}: the request holds a value JSON cannot carry ({exc}); pass "
                                        "plain numbers, strings, lists and dicts") from exc

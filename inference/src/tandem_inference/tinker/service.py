@@ -160,10 +160,12 @@ class TinkerService:
         """A checkpoint saved before its model's first optim_step names a fresh LoRA, which the run's
         spec seeds: a new model from it is that spec under a new run at version 0, with nothing to
         load. Loading one into an existing model (a reset) is refused, naming what to do instead."""
-        if req.model_id is not None or req.session_id is None or req.model_seq_id is None:
+        if req.model_id is not None:
             raise TinkerInvalid(f"path {req.path!r} was saved before its model's first optim_step, so it names a "
                                 "fresh LoRA, which tandem does not load into an existing model; open a new training "
                                 "client from it (create_training_client_from_state)", param="path")
+        if req.session_id is None or req.model_seq_id is None:
+            raise TinkerInvalid("load_weights needs model_id, or session_id with model_seq_id", param="model_id")
         m = self._model_from(req.path, source_run, req.session_id, req.model_seq_id, req.base_model)
         return self._submit(m, req.seq_id, "load_weights", {"untrained": True})
 

@@ -165,8 +165,9 @@ def _tensor(where: str, t: Any) -> list[float]:
     if len(t.dense) % np.dtype(dtype).itemsize:
         raise TinkerInvalid(f"{where} has {len(t.dense)} bytes, not whole {np.dtype(dtype).name} values", param=where)
     arr = np.frombuffer(t.dense, dtype=dtype)
-    if len(t.shape) > 1:
-        raise TinkerInvalid(f"{where} has shape {list(t.shape)}; tandem takes one value per token", param=where)
+    if len(t.shape) > 1 or (len(t.shape) == 1 and t.shape[0] != len(arr)):
+        raise TinkerInvalid(f"{where} has shape {list(t.shape)} for {len(arr)} values; tandem takes one value per "
+                            "token", param=where)
     return [float(v) for v in arr.tolist()]
 
 

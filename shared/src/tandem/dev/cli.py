@@ -157,17 +157,24 @@ def cmd_settings(args: argparse.Namespace) -> int:
 
 
 def _client_settings(args: argparse.Namespace) -> ClientSettings:
-    """The client's settings, reading the client.env that `tandem up --state-dir DIR` wrote when given DIR.
-
-    The environment still wins over the file, as it does over the default one.
-    """
+    """The client's settings; with --state-dir DIR, the gateway and Redis URLs of DIR's client.env
+    (what `tandem up --state-dir DIR` wrote), over the environment's: the flag names the stack,
+    even in a shell that exported another stack's URLs. The rest (an API key) is the environment's."""
+    settings = ClientSettings()
     if args.state_dir is None:
-        return ClientSettings()
+        return settings
     env = Path(args.state_dir) / "client.env"
     if not env.is_file():
         raise ConfigError(f"--state-dir {args.state_dir}: no client.env there; give the directory that "
                           "`tandem up --state-dir` was given (it writes client.env when the stack is up)")
-    return ClientSettings(_env_file=(env, ".env"))
+    lines = env.read_text().splitlines()  # as composition.py writes it: KEY=VALUE, unquoted
+    values = dict(line.split("=", 1) for line in lines if "=" in line and not line.startswith("#"))
+    gateway, redis_url = values.get("TANDEM_GATEWAY_URL"), values.get("TANDEM_REDIS__URL")
+    if not gateway or not redis_url:
+        raise ConfigError(f"--state-dir {args.state_dir}: {env} lacks TANDEM_GATEWAY_URL or TANDEM_REDIS__URL; "
+                          "start the stack again with `tandem up --state-dir` (it writes both)")
+    return settings.model_copy(update={"gateway_url": gateway,
+                                       "redis": settings.redis.model_copy(update={"url": redis_url})})
 
 
 def _env_source(args: argparse.Namespace) -> str:
