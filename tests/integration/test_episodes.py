@@ -168,6 +168,25 @@ def test_a_continuation_that_is_not_a_prefix_is_409_naming_the_first_differing_m
     said(turn(url, "ep-x", [*START, reply, {"role": "user", "content": "go"}], max_tokens=4))
 
 
+@pytest.mark.parametrize(("first", "later", "refused"), [
+    ({"temperature": 1.0}, {"temperature": 0.7}, True), ({}, {"temperature": 0.5}, True),
+    ({"temperature": 0.7}, {"temperature": 0.7}, False), ({"temperature": 0}, {}, False),  # greedy counts as 1
+])
+def test_a_turn_at_another_temperature_is_409_naming_it_before_anything_is_sampled(
+        url: str, first: dict[str, Any], later: dict[str, Any], refused: bool) -> None:
+    """One trajectory trains under one temperature: a turn that changes it would make the whole
+    episode untrainable, so it is refused at that turn, not found out at training."""
+    episode = f"ep-t-{len(first)}-{first.get('temperature')}-{later.get('temperature')}"
+    reply = said(turn(url, episode, START, max_tokens=3, **first))["choices"][0]["message"]
+    resp = turn(url, episode, [*START, reply, {"role": "user", "content": "go"}], max_tokens=3, **later)
+    if refused:
+        assert resp.status_code == 409 and resp.json()["error"]["param"] == "temperature", resp.text
+        assert "sample every turn of an episode at the same temperature" in resp.text
+        assert httpx.get(f"{url}/v1/episodes/{episode}").json()["turns"] == 1
+    else:
+        assert said(resp)["tandem"]["episode"]["turns"] == 2
+
+
 def test_an_unknown_episode_with_assistant_turns_is_404_and_get_delete(url: str) -> None:
     resp = turn(url, "ep-new", [*START, {"role": "assistant", "content": "1"}, {"role": "user", "content": "go"}])
     assert resp.status_code == 404 and "ep-new" in resp.json()["error"]["message"]
@@ -192,6 +211,11 @@ def test_a_turn_past_the_token_bound_is_400_and_the_episode_stays(
         resp = turn(url, "ep-long", messages, max_tokens=LIMIT)
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["param"] == "max_tokens" and "episode_max_tokens = 48" in resp.text
+        assert httpx.get(f"{url}/v1/episodes/ep-long").json() == held
+        flood = [*messages[:-1], {"role": "tool", "content": "word " * 200}]  # a tool result past the bound alone
+        resp = turn(url, "ep-long", flood, max_tokens=1)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages", resp.text
+        assert "shorten them (a long tool result)" in resp.text and "episode_max_tokens = 48" in resp.text
         assert httpx.get(f"{url}/v1/episodes/ep-long").json() == held
         too_long = said(turn(url, "ep-long", messages, max_tokens=1))["tandem"]["episode"]  # within the bound
         assert len(too_long["prompt_ids"]) + len(too_long["completion_ids"]) <= 48

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 
 from tandem import keys
 from tandem.connection import translated
+from tandem.logprobs import policy_temperature
 from tandem_inference.errors import EngineResponseError, EpisodeConflict, EpisodeNotFound, EpisodeRefused, EpisodeTooLong
 from tandem_inference.gateway import prompts
 from tandem_inference.gateway.schemas import ChatMessage, ChatRequest
@@ -198,6 +199,13 @@ def plan(tokenizer: PreTrainedTokenizerBase, body: ChatRequest, episode: Episode
     if tools != episode.tools:
         raise EpisodeConflict(f"the tools differ from those episode {episode.id!r} started with; an episode "
                               "keeps the tools (and tool_choice 'none' or not) of its first turn", param="tools")
+    temperature = policy_temperature(body.temperature)
+    if episode.temperatures and temperature != episode.temperatures[-1]:
+        raise EpisodeConflict(
+            f"temperature {body.temperature!r}: episode {episode.id!r} sampled its turns under temperature "
+            f"{episode.temperatures[-1]:g}, and one trajectory trains under one temperature (its logprobs are "
+            "under it); sample every turn of an episode at the same temperature (greedy counts as 1)",
+            param="temperature")
     for i, held in enumerate(episode.messages):
         if i >= len(sent) or sent[i] != held:
             # never quote the held message: an id that collides with another conversation's must not read it
@@ -217,6 +225,12 @@ def plan(tokenizer: PreTrainedTokenizerBase, body: ChatRequest, episode: Episode
 def check_length(turn: Turn, max_new_tokens: int, limit: int) -> None:
     """EpisodeTooLong if the turn's ids and what it may sample would pass `limit`."""
     held = len(turn.input_ids)
+    if held >= limit:  # the messages alone fill it: no max_tokens fits
+        raise EpisodeTooLong(
+            f"the new messages of episode {turn.episode.id!r} ({len(turn.delta)} ids) bring it to {held} ids, "
+            f"above gateway.episode_max_tokens = {limit} before anything is sampled; shorten them (a long tool "
+            f"result), or end the episode (its ids are in GET /v1/episodes/{turn.episode.id}) and start a new one",
+            param="messages")
     if held + max_new_tokens > limit:
         raise EpisodeTooLong(
             f"this turn of episode {turn.episode.id!r} would hold {held} ids plus max_tokens {max_new_tokens}, "
