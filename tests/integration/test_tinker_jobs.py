@@ -235,6 +235,28 @@ def test_an_optim_step_naming_other_gradients_is_refused_and_the_next_calls_work
     assert optim_step(trainer, "a", "step-3", ["fb-3"]).version == 1
 
 
+def test_gradients_a_restart_lost_are_computed_again_from_their_jobs_and_step_as_if_held(
+        trainer, redis_conn, tiny_model, caplog) -> None:
+    """The trainer restarted between a forward_backward and its optim_step (its gradients were in
+    memory): the step computes them again from the jobs rq keeps, on the same version, and lands
+    where a trainer that never restarted lands."""
+    create_runs(redis_conn, tiny_model, "lost", "kept")
+    for run in ("lost", "kept"):
+        for k in (1, 2):
+            job = ForwardBackwardJob(job_id=f"{run}-fb-{k}", run=run, datums=[make_datum(k)], loss_fn="cross_entropy")
+            enqueue(redis_conn, job)  # as the Tinker service puts it on the queue (its payload stays in rq)
+            trainer.run("forward_backward", job.model_dump(mode="json"))  # as the worker runs it
+        if run == "lost":
+            trainer.backend.drop_gradients("the trainer restarted")
+        caplog.set_level("WARNING", logger="tandem_trainer.jobs.optim_step")
+        assert optim_step(trainer, run, f"{run}-step", [f"{run}-fb-1", f"{run}-fb-2"]).version == 1
+    assert "optim_step.recomputed run=lost job_id=lost-step gradients_of=['lost-fb-1', 'lost-fb-2']" in caplog.text
+    lost, kept = adapter(trainer.store, "lost", 1), adapter(trainer.store, "kept", 1)
+    assert lost.keys() == kept.keys()
+    for key, tensor in kept.items():
+        assert torch.allclose(lost[key], tensor, atol=1e-6), key  # both jobs' gradients, once each
+
+
 def test_a_job_that_never_got_its_runs_lock_drops_no_gradients(trainer, redis_conn, tiny_model) -> None:
     create_runs(redis_conn, tiny_model, "a", "b")
     forward_backward(trainer, "a", "fb-1", [make_datum(1)])

@@ -433,3 +433,46 @@ def test_a_json_loss_input_that_is_no_dense_tensor_of_one_value_per_token_is_ref
             {**FB_JSON["data"][0], "model_input": {"chunks": [{"type": "image", "data": "xx", "format": "png"}]}}]}}
         assert "is a 'image' chunk" in refusal(http.post("/api/v1/forward_backward", json=image), 422)["error"]
     assert queued(redis_conn) == []
+
+
+def test_a_gateway_that_is_away_is_a_503_the_sdk_retries_not_the_callers_mistake(
+        role_urls: dict[Role, str], redis_conn: redis.Redis, tiny_model: Path) -> None:
+    """While inference restarts, creating a model or a sampler cannot ask the gateway which model it
+    serves: a 503 of category server (the SDK retries 5xx), never a 422 blaming base_model."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    with tinker_service(role_urls[Role.TINKER], f"http://127.0.0.1:{closed}") as url, \
+            httpx.Client(base_url=url, headers={"X-API-Key": f"tml-{API_KEY}"}) as http:
+        sid = http.post("/api/v1/create_session", json={"tags": [], "user_metadata": None,
+                                                        "sdk_version": "t"}).json()["session_id"]
+        for route, body in (("/api/v1/create_model", {"session_id": sid, "model_seq_id": 0,
+                                                      "base_model": str(tiny_model), "lora_config": {"rank": 4}}),
+                            ("/api/v1/create_sampling_session", {"session_id": sid, "sampling_session_seq_id": 0,
+                                                                 "base_model": str(tiny_model)})):
+            answer = refusal(http.post(route, json=body), 503)
+            assert answer["category"] == "server" and "did not say which model it serves" in answer["error"], route
+    assert Registry(redis_conn).list_runs() == []  # no model was made
+
+
+def test_a_used_seq_id_answers_a_resend_of_its_call_and_refuses_another_call(
+        url: str, sdk: Any, tiny_model: Path, redis_conn: redis.Redis) -> None:
+    tc = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    other = json.loads(json.dumps(FB_JSON))
+    other["data"][0]["model_input"]["chunks"][0]["tokens"] = [7, 8]
+    fb = {"model_id": tc.model_id, "seq_id": 1, "forward_backward_input": FB_JSON}
+    with httpx.Client(base_url=url, headers={"X-API-Key": f"tml-{API_KEY}"}) as http:
+        first = http.post("/api/v1/forward_backward", json=fb).json()["request_id"]
+        assert http.post("/api/v1/forward_backward", json=fb).json()["request_id"] == first  # a resend
+        for route, body in (("/api/v1/forward_backward", {**fb, "forward_backward_input": other}),
+                            ("/api/v1/optim_step", {"model_id": tc.model_id, "seq_id": 1,
+                                                    "adam_params": {"learning_rate": 1e-3}})):
+            answer = refusal(http.post(route, json=body), 422)
+            assert answer["param"] == "seq_id" and "was used by an earlier forward_backward call" in answer["error"]
+        step = http.post("/api/v1/optim_step", json={"model_id": tc.model_id, "seq_id": 2,
+                                                     "adam_params": {"learning_rate": 1e-3}})
+        assert step.status_code == 200 and step.json()["request_id"] != first  # the next turn goes on
+    assert [job["func"].rsplit(".", 1)[-1] for job in queued(redis_conn)] == ["run_forward_backward_job",
+                                                                            "run_optim_step_job"]

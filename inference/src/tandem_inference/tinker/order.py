@@ -5,7 +5,10 @@ forward_backward and the optim_step after it may arrive in either order, and the
 forward_backward arrive together. A request whose turn has come is applied at once (its trainer
 job enqueued, or its save bound to the job before it); one that arrives early is parked in Redis
 (`keys.tinker_order`) and applied when the requests before it have arrived. The same seq_id sent
-again (the SDK retries a POST whose answer it lost) gets the future it got the first time.
+again (the SDK retries a POST whose answer it lost) gets the future it got the first time, when it
+is the same call: one of another kind or body under a used seq_id (a second training client on
+the model, numbering from 1 again) is refused naming `seq_id`, never answered with another call's
+result (each seq_id's `digest` is kept beside its future).
 
 The train queue is FIFO with one trainer worker, so enqueueing in seq_id order is training in it.
 An optim_step applies the forward_backward jobs enqueued since the model's last optim_step
@@ -81,13 +84,22 @@ class Sequencer:
             return self._locks.setdefault(model_id, threading.Lock())
 
     def submit(self, model_id: str, seq: int | None, request_id: str, op: dict[str, Any], apply: Apply,
-               room: Room = lambda op: True) -> str:
-        """The request's future id: `request_id`, or the one its seq_id got before."""
+               room: Room = lambda op: True, digest: str | None = None) -> str:
+        """The request's future id: `request_id`, or the one its seq_id got before when `digest`
+        (`kind:hash` of the call) is that request's; TinkerInvalid when it is another call's."""
         key = keys.tinker_order(model_id)
         with self._lock(model_id), translated(self.conn, f"order the requests of model {model_id!r}"):
             raw = {_s(k): _s(v) for k, v in self.conn.hgetall(key).items()}
             if seq is not None and f"seen:{seq}" in raw:
+                first = raw.get(f"digest:{seq}")
+                if digest is not None and first is not None and first != digest:
+                    raise TinkerInvalid(
+                        f"seq_id {seq} of model {model_id!r} was used by an earlier {first.split(':')[0]} call with "
+                        f"another body, and this {digest.split(':')[0]} call is not a resend of it; number each call "
+                        "of a model once (two training clients on one model both number from 1: use one)",
+                        param="seq_id")
                 return raw[f"seen:{seq}"]
+            seen = {f"seen:{seq}": request_id, **({f"digest:{seq}": digest} if digest else {})}
             order = Order(raw)
             if seq is None:
                 apply(op, order)
@@ -96,9 +108,9 @@ class Sequencer:
             nxt = int(raw.get("next", FIRST_SEQ))
             if seq < nxt:  # a training client that numbers from 1 again on the same model: apply it now
                 apply(op, order)
-                self._save(key, order, {f"seen:{seq}": request_id})
+                self._save(key, order, seen)
                 return request_id
-            parked = {f"seen:{seq}": request_id, f"op:{seq}": json.dumps(op)}
+            parked = {**seen, f"op:{seq}": json.dumps(op)}
             self._save(key, order, parked)  # parked first: a failure below loses no request
             raw.update(parked)
             self._apply_parked(key, raw, order, apply, room)

@@ -11,6 +11,8 @@ anything is queued, and a request of it that waited for its turn fails when its 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -76,10 +78,11 @@ class TinkerService:
             raise TinkerInvalid("lora_config: tandem trains LoRA on attention and MLP together; leave train_attn and "
                              "train_mlp true", param="lora_config")
         run = f"tinker-{req.model_seq_id}-{new_id('m')[2:14]}"
+        card = self.card()  # the gateway away (restarting) is a 503 the SDK retries, not the caller's mistake
         try:
             spec = RunSpec(name=run, base_model=req.base_model,
                            lora=LoraConfig(r=lora.rank, alpha=2.0 * lora.rank), seed=lora.seed or 0)
-            spec = self.card().fit(spec, self.settings.tinker.gateway_url, subject="this model")  # no run made yet
+            spec = card.fit(spec, self.settings.tinker.gateway_url, subject="this model")  # no run made yet
         except (ValidationError, TandemError) as exc:
             raise TinkerInvalid(f"base_model {req.base_model!r} / lora_config cannot be trained here: {exc}",
                                 param="base_model") from exc
@@ -210,9 +213,10 @@ class TinkerService:
         request_id = new_id("req")
         future = Future(request_id=request_id, kind=kind, model_id=m.model_id, seq=seq,
                         applied=False, name=op.get("name"), sampling_session_seq_id=op.get("sampling_session_seq_id"))
+        digest = _digest(kind, op)
         op = {**op, "kind": kind, "request_id": request_id}
-        self.state.put_future(future)
-        got = self.sequencer.submit(m.model_id, seq, request_id, op, self._apply, self._room(m.run))
+        self.state.put_future(future)  # before it is ordered: applying it reads it
+        got = self.sequencer.submit(m.model_id, seq, request_id, op, self._apply, self._room(m.run), digest)
         return self.state.future(got)
 
     def skip(self, model_id: str, seq: int, kind: Kind, message: str) -> None:
@@ -299,8 +303,9 @@ class TinkerService:
         return s
 
     def _check_base(self, base_model: str) -> None:
+        card = self.card()  # a 503 while the gateway is away
         try:
-            self.card().fit(RunSpec(name="check", base_model=base_model), self.settings.tinker.gateway_url,
+            card.fit(RunSpec(name="check", base_model=base_model), self.settings.tinker.gateway_url,
                             subject="the sampler")  # no run is made to sample
         except (ValidationError, TandemError) as exc:
             raise TinkerInvalid(f"base_model {base_model!r} is not served here: {exc}", param="base_model") from exc
@@ -316,6 +321,15 @@ def _job(kind: type[J], **fields: Any) -> J:
         param = ".".join([_PARAMS.get(loc[0], loc[0]), *loc[1:]]) if loc else "body"
         raise TinkerInvalid(f"{param}: {first['msg']}, got {first['input']!r:.80}; the trainer cannot take it "
                             f"({kind.__name__})", param=param) from exc
+
+
+def _digest(kind: str, op: dict[str, Any]) -> str:
+    """`kind:hash` of what a training call asks (its job's fields but the job's own id and time), so
+    that a resend of it is told from another call under the same seq_id."""
+    body = dict(op)
+    if isinstance(body.get("job"), dict):
+        body["job"] = {k: v for k, v in body["job"].items() if k not in ("job_id", "submitted_at")}
+    return f"{kind}:{hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]}"
 
 
 def _deleted(model_id: str, run: str) -> str:

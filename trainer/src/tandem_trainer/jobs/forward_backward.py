@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 from pydantic import BaseModel, JsonValue
 
+from tandem.runs import RunSpec
 from tandem.tinker_jobs import Datum, ForwardBackwardJob, ForwardBackwardResult
 from tandem_trainer.errors import TrainStepFailed
 from tandem_trainer.jobs.base import Attempt, JobKind
@@ -70,6 +71,14 @@ class ForwardBackwardKind(JobKind[ForwardBackwardJob, ForwardBackwardResult]):
         log.info("forward_backward.end run=%s job_id=%s datums=%d duration_s=%.3f loss_sum=%.5f",
                  result.run, result.job_id, len(result.loss_fn_outputs), time.perf_counter() - attempt.started,
                  result.metrics.get("loss:sum", 0.0))
+
+
+def accumulate(ctx: JobContext, job: ForwardBackwardJob, spec: RunSpec) -> None:
+    """Add `job`'s gradients to those the active adapter holds, and hold its id with them: an
+    optim_step's recompute of a forward_backward whose gradients the trainer lost (optim_step.py)."""
+    config = loss_config(job.loss_fn, job.loss_fn_config)
+    _forward(ctx, job, config, ctx.backend.model_info(spec.base_model).pad_id, backward=True)
+    ctx.backend.hold_gradients(job.job_id)
 
 
 def _forward(ctx: JobContext, job: ForwardBackwardJob, config: dict[str, float], pad_id: int, *,

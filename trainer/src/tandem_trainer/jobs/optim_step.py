@@ -4,10 +4,13 @@ The job is the unit of idempotency, as a train job is: one that already publishe
 maps its id to a version) returns that version again, and a version that reached the store but
 not the registry is adopted (publisher.py). Otherwise, under the run's lock, the run's newest
 version becomes the training adapter with the gradients the run holds (tinker_common.py), and
-the step goes ahead only when the held gradients are exactly those of `gradients_from`, in that
-order. When they are not (lost to a restart or a failed job, or taken by another worker), the
-job is rejected, never retried, naming the jobs whose gradients are missing (or extra); the
-held gradients are dropped, so that the forward_backward calls sent again start clean.
+the step goes ahead when the held gradients are those of `gradients_from`. Gradients that are
+missing (the trainer restarted after their forward_backward jobs finished, or another worker ran
+them) are computed again from those jobs' payloads, which rq keeps: no optim_step came between
+(the Tinker service orders them so), so the adapter is the version they ran on and the gradients
+are theirs. Only when that cannot be done (a job's record expired, gradients held that the step
+does not name) is the job rejected, never retried, naming the jobs; the held gradients are
+dropped, so that the forward_backward calls sent again start clean.
 
 The step: the call's `AdamParams` set on the run's optimizer (learning rate, betas, eps, decoupled
 weight decay: torch's AdamW), the gradient clipped to `grad_clip_norm` when that is above 0,
@@ -20,15 +23,20 @@ from __future__ import annotations
 import logging
 import time
 
-from pydantic import BaseModel, JsonValue
+from pydantic import BaseModel, JsonValue, ValidationError
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
 from tandem.adapters import Manifest
+from tandem.connection import translated
 from tandem.jobs import TrainResult
 from tandem.runs import RunSpec
-from tandem.tinker_jobs import OptimStepJob, OptimStepResult
+from tandem.tinker_jobs import ForwardBackwardJob, OptimStepJob, OptimStepResult
 from tandem_trainer.errors import JobRejected
 from tandem_trainer.jobs.base import Attempt, JobKind
 from tandem_trainer.jobs.context import JobContext
+from tandem_trainer.jobs.forward_backward import accumulate
 from tandem_trainer.jobs.tinker_common import activate_newest, parsed, single_process
 from tandem_trainer.jobs.versions import Trained, publish
 from tandem_trainer.publisher import job_digest
@@ -57,7 +65,7 @@ class OptimStepKind(JobKind[OptimStepJob, OptimStepResult]):
             with ctx.device() as gpu_wait_s:
                 latest, parent = activate_newest(ctx, spec)
                 attempt.version = latest + 1
-                _check_held(ctx, job)
+                _check_held(ctx, job, spec)
                 trained = _step(ctx, job, spec, latest, parent, gpu_wait_s)
             return _result(publish(ctx, job, spec, trained))
 
@@ -67,13 +75,16 @@ class OptimStepKind(JobKind[OptimStepJob, OptimStepResult]):
                  result.metrics.get("grad_norm", 0.0))
 
 
-def _check_held(ctx: JobContext, job: OptimStepJob) -> None:
-    """The held gradients are exactly `job.gradients_from`'s, else the job is rejected (and they dropped)."""
+def _check_held(ctx: JobContext, job: OptimStepJob, spec: RunSpec) -> None:
+    """The held gradients are `job.gradients_from`'s (missing ones computed again), else the job is
+    rejected (and they dropped)."""
     held = ctx.backend.gradient_jobs()
     if held == job.gradients_from:
         return
     missing = [j for j in job.gradients_from if j not in held]
     extra = [j for j in held if j not in job.gradients_from]
+    if missing and not extra and _recompute(ctx, job, spec, missing):
+        return
     why = []
     if missing:
         why.append(f"the gradients of forward_backward job(s) {missing} were lost (the trainer restarted, a failed "
@@ -86,7 +97,32 @@ def _check_held(ctx: JobContext, job: OptimStepJob) -> None:
     raise JobRejected(
         f"gradients_from: optim_step {job.job_id} of run {job.run!r} applies the gradients of {job.gradients_from}, "
         f"but {'; and '.join(why)}. Nothing was applied and the held gradients were dropped: send the "
-        "forward_backward calls again, then an optim_step naming them", field="gradients_from")
+        "forward_backward calls again, then optim_step", field="gradients_from")
+
+
+def _recompute(ctx: JobContext, job: OptimStepJob, spec: RunSpec, missing: list[str]) -> bool:
+    """The gradients of the forward_backward jobs `missing`, computed again from their payloads on
+    the active adapter and held; False (nothing added) when a payload cannot be read or is not a
+    forward_backward of this run that trains."""
+    payloads = []
+    for job_id in missing:
+        try:
+            with translated(ctx.conn, f"read forward_backward job {job_id}"):
+                fb = ForwardBackwardJob.model_validate(Job.fetch(job_id, connection=ctx.conn,
+                                                                 serializer=JSONSerializer).args[0])
+        except (NoSuchJobError, ValidationError, IndexError, TypeError) as exc:
+            log.warning("optim_step.recompute_impossible run=%s job_id=%s: %s", job.run, job_id, exc)
+            return False
+        if fb.run != job.run or fb.forward_only:
+            return False
+        payloads.append(fb)
+    started = time.perf_counter()
+    for fb in payloads:
+        accumulate(ctx, fb, spec)
+    log.warning("optim_step.recomputed run=%s job_id=%s gradients_of=%s duration_s=%.3f: the trainer no longer "
+                "held them (it restarted, or another worker ran them)", job.run, job.job_id, missing,
+                time.perf_counter() - started)
+    return True
 
 
 def _step(ctx: JobContext, job: OptimStepJob, spec: RunSpec, latest: int, parent: int,
