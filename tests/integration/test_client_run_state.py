@@ -139,3 +139,30 @@ def test_delete_waits_for_a_job_that_published_its_version_to_end(redis_conn: re
     Registry(redis_conn).register_version(Manifest(run="busy", version=1, parent=0, step=1, job_id="j1",
                                                    job_digest="d", base_model="tiny", lora_rank=8))
     assert client.delete_run("busy").versions == [1]  # the second 409 waited on, the third answer taken
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, float("inf"), float("nan"), True, "60"])
+def test_a_train_wait_that_is_no_number_of_seconds_is_validation_failed_naming_it(
+    client_conn: redis.Redis, timeout_s: Any
+) -> None:
+    Registry(client_conn).create_run(RunSpec(name="waits", base_model="tiny"))
+    run = Client("http://127.0.0.1:9", conn=client_conn).run("waits")
+    with pytest.raises(ValidationFailed, match="give the seconds to wait, a number above 0") as info:
+        run.train([group()], timeout_s=timeout_s)
+    assert info.value.field == "timeout_s" and run.status()["pending_jobs"] == []
+
+
+@pytest.mark.parametrize(("timeout_s", "limit"), [(0.05, 1800), (60, 1800), (7200.5, 7201), (100_000, 86400)])
+def test_a_short_wait_does_not_cut_the_jobs_own_time_limit_short(
+    client_conn: redis.Redis, timeout_s: float, limit: int
+) -> None:
+    """The wait is the caller's; the job keeps a limit of its own, so that one still running when
+    the wait ends may publish, as TrainTimeout.running says."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    Registry(client_conn).create_run(RunSpec(name="limits", base_model="tiny", max_staleness_steps=8))
+    handle = Client("http://127.0.0.1:9", conn=client_conn).run("limits").train([group()], wait=False,
+                                                                                timeout_s=timeout_s)
+    job = Job.fetch(handle.job_id, connection=client_conn, serializer=JSONSerializer)
+    assert job.args[0]["timeout_s"] == limit and job.timeout == limit

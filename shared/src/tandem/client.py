@@ -46,6 +46,11 @@ __all__ = ["Client", "Completion", "Episode", "Run", "TrainHandle"]
 
 log = logging.getLogger(__name__)
 
+JOB_MIN_LIMIT_S = 1800
+"""A train job's own time limit is never below this (the job's default), whatever its caller waits."""
+JOB_MAX_LIMIT_S = 86400
+"""Nor above a day (what a job takes)."""
+
 DELETE_AFTER_PUBLISH_S = 5.0
 """How long `delete_run` waits for a job whose version is already published to end: the trainer
 finishes its bookkeeping after `train()` has returned."""
@@ -169,12 +174,18 @@ class Run:
         are refused (ValidationFailed naming them) before anything is enqueued. While the run has
         `run_max_queued_jobs` jobs on the queue it waits for the trainer to take one (RunQueueFull
         past `queue_wait_s`).
+
+        `timeout_s` (default `train_timeout_s`) is how long this call waits, any number of seconds
+        above 0. The job's own time limit, after which the trainer stops it, is that rounded up, but
+        never below `JOB_MIN_LIMIT_S` nor above a day: a short wait does not cut the step short, and
+        a job the trainer runs when the wait ends may still publish (`TrainTimeout.running`).
         """
         conn = self.client.conn
-        # 0 is refused, not read as "the default": the job would run on while the caller was told
-        # it timed out (the job's own bound, whole seconds from 1, checks the rest)
         timeout = self.client.settings.train_timeout_s if timeout_s is None else timeout_s
-        whole = math.ceil(timeout) if timeout >= 1 else timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ValidationFailed(f"timeout_s {timeout_s!r}: give the seconds to wait, a number above 0 (None: "
+                                   f"train_timeout_s, {self.client.settings.train_timeout_s:g})", field="timeout_s")
+        whole = min(max(math.ceil(timeout), JOB_MIN_LIMIT_S), JOB_MAX_LIMIT_S)
         if isinstance(groups, (str, bytes)) or not hasattr(groups, "__iter__"):
             raise ValidationFailed(f"groups: got {type(groups).__name__}; give a list of groups (Run.group)",
                                    field="groups")
