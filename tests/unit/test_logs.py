@@ -69,3 +69,30 @@ def access(method: str, path: str, status: int) -> logging.LogRecord:
 ])
 def test_successful_polls_are_left_out_of_the_access_log(method: str, path: str, status: int, kept: bool) -> None:
     assert QuietPolls().filter(access(method, path, status)) is kept
+
+
+FORGING = """
+import logging
+from tandem import logs
+logs.configure()
+logging.getLogger("tandem.x").info("train.start run=%s job_id=j", "zz\\n2026-01-01 00:00:00,000 INFO forged\\x1b[31m")
+try:
+    raise ValueError("boom")
+except ValueError:
+    logging.getLogger("tandem.x").exception("failed run=%s", "a\\rb")
+for _ in range(50):
+    logging.getLogger("asyncio").error("socket.accept() out of system resource\\nsocket: <s>", exc_info=OSError(24, "x"))
+"""
+
+
+def test_a_value_in_a_message_cannot_forge_a_line_and_a_traceback_keeps_its_lines() -> None:
+    done = subprocess.run([sys.executable, "-c", FORGING], capture_output=True, text=True, check=True, timeout=60)
+    lines = done.stderr.splitlines()
+    start = next(line for line in lines if "train.start" in line)
+    assert start.endswith("run=zz\\n2026-01-01 00:00:00,000 INFO forged\\x1b[31m job_id=j")
+    assert not [line for line in lines if line.startswith("2026-01-01")] and "\x1b" not in done.stderr
+    failed = lines.index(next(line for line in lines if "failed run=a\\rb" in line))
+    assert lines[failed + 1] == "Traceback (most recent call last):" and "ValueError: boom" in lines
+    floods = [line for line in lines if "socket.accept() out of system resource" in line]
+    assert len(floods) == 1 and "(0 more left out since the last" in floods[0]  # once a minute, no traceback
+    assert "OSError" not in done.stderr
