@@ -601,6 +601,9 @@ def test_api_key_is_required_when_set(
             wrong_key.completions.create(model="base", prompt="x", max_tokens=2)
         with oai(url, api_key="s3cret") as right_key:
             assert right_key.completions.create(model="base", prompt="x", max_tokens=2).choices
+        for auth, status in (("bearer s3cret", 200), ("BEARER s3cret", 200), ("Basic s3cret", 401),
+                             ("Bearer  s3cret", 401), ("s3cret", 401)):  # the scheme is case-insensitive (RFC 7235)
+            assert httpx.get(f"{url}/v1/models", headers={"Authorization": auth}).status_code == status, auth
         assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/ready").status_code == 200
         for page in ("/docs", "/redoc", "/openapi.json"):  # FastAPI would serve them without the key
             assert httpx.get(f"{url}{page}").status_code == 404, page

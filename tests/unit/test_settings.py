@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -39,3 +41,31 @@ def test_secrets_are_redacted(monkeypatch: pytest.MonkeyPatch) -> None:
     dumped = InferenceSettings().redacted()
     assert dumped["gateway"]["api_key"] == "**********"
     assert "hunter2" not in str(dumped)
+
+
+def test_load_names_each_bad_variable_on_one_line_and_never_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem.errors import ConfigError
+    from tandem.settings import InferenceSettings, TrainerSettings, load
+
+    monkeypatch.setenv("TANDEM_GATEWAY__PORT", "abc")
+    monkeypatch.setenv("TANDEM_GPUS__INFERENCE", "0")
+    monkeypatch.setenv("TANDEM_GATEWAY__API_KEY", "x" * 3)  # fine, and never shown
+    with pytest.raises(ConfigError) as info:
+        load(InferenceSettings)
+    message = str(info.value)
+    assert "\n" not in message and "TANDEM_GATEWAY__PORT='abc': Input should be a valid integer" in message
+    assert "TANDEM_GPUS__INFERENCE=0: Input should be a valid list" in message and "fix or unset them" in message
+
+    monkeypatch.delenv("TANDEM_GATEWAY__PORT")
+    monkeypatch.setenv("TANDEM_GPUS__INFERENCE", "notjson")
+    with pytest.raises(ConfigError) as info:
+        load(TrainerSettings)
+    assert "TANDEM_GPUS__INFERENCE='notjson' is not JSON" in str(info.value) and "\n" not in str(info.value)
+
+    monkeypatch.delenv("TANDEM_GPUS__INFERENCE")
+    monkeypatch.setenv("TANDEM_REDIS__URL", "redis://u:SEKRIT@[::1/0")  # a bracket left open
+    assert "SEKRIT" not in json.dumps(load(TrainerSettings).redacted())
+    monkeypatch.setenv("TANDEM_JOB_TIMEOUT_S", "0")
+    with pytest.raises(ConfigError) as info:
+        load(TrainerSettings)
+    assert "TANDEM_JOB_TIMEOUT_S='0': Input should be greater than or equal to 1" in str(info.value)

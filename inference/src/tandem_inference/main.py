@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from tandem import logs
 from tandem.errors import ConfigError, TandemError
-from tandem.settings import GatewaySettings, InferenceSettings
+from tandem.settings import GatewaySettings, InferenceSettings, load
 from tandem_inference.bodies import is_loopback
 
 if TYPE_CHECKING:
@@ -182,7 +182,11 @@ def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
 def main() -> int:
     logs.configure()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
-    settings = InferenceSettings()
+    try:
+        settings = load(InferenceSettings)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
     log.info("settings: %s", json.dumps(settings.redacted(), sort_keys=True))
     # NOTE: uvicorn (0.54) shuts down gracefully on SIGTERM, then restores the handler it found and
     # raises the signal again. With the default handler that kills the process on the spot, so no

@@ -37,19 +37,18 @@ def trainer_gpus(gpus: GpuSettings) -> str | None:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the trainer worker until it is asked to stop; `--burst` exits when the queue is empty."""
-    from pydantic import ValidationError
 
     from tandem import logs
     from tandem.errors import ConfigError, TandemError
-    from tandem.settings import TrainerSettings
+    from tandem.settings import TrainerSettings, load
 
     args = sys.argv[1:] if argv is None else argv
     logs.configure()
     try:
-        settings = TrainerSettings()
-    except ValidationError as exc:
-        log.error("invalid trainer settings: %s", exc)
-        raise SystemExit(2) from exc
+        settings = load(TrainerSettings)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        raise SystemExit(2) from None
     name = settings.worker_name or f"{socket.gethostname()}.{os.getpid()}"
     ranks = settings.parallel.world(settings.gpus)
     gpus = trainer_gpus(settings.gpus)

@@ -47,8 +47,8 @@ def has_key(request: Request, gw: GatewayDep) -> bool:
     """Whether the request carries the gateway's API key (True when none is set)."""
     if gw.api_key is None:
         return True
-    given = request.headers.get("authorization", "")
-    return secrets.compare_digest(given.encode(), f"Bearer {gw.api_key}".encode())
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(given.encode(), gw.api_key.encode())
 
 
 def require_key(request: Request, gw: GatewayDep) -> None:

@@ -12,7 +12,7 @@ import logging
 
 from tandem.errors import TandemError
 from tandem.logs import configure
-from tandem.settings import TinkerSettings
+from tandem.settings import TinkerSettings, load
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def _loopback(host: str) -> bool:
 def main() -> None:
     configure()
     try:
-        _serve(TinkerSettings())
+        _serve(load(TinkerSettings))
     except TandemError as exc:
         log.error("tinker service stopped: %s", exc)
         raise SystemExit(1) from None

@@ -44,7 +44,8 @@ def require_key(request: Request) -> None:
     if key is None:
         return
     secret = key.get_secret_value()
-    given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
+    scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+    given = request.headers.get("x-api-key") or (bearer if scheme.lower() == "bearer" else "")
     if not any(secrets.compare_digest(given.encode(), k.encode()) for k in (secret, f"tml-{secret}")):
         raise HTTPException(401, "missing or wrong API key; pass api_key='tml-' + the gateway's key "
                             "(TANDEM_GATEWAY__API_KEY) to tinker.ServiceClient", headers={"WWW-Authenticate": "Bearer"})

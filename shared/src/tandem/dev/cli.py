@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from tandem.dev.settings_reference import settings_markdown
 from tandem.errors import BackendUnavailable, ConfigError, TandemError, ValidationFailed
 from tandem.runs import check_run_name, missing_model_directory
-from tandem.settings import LOCAL_STACK_ENV, SERVICES, ClientSettings, redact_url
+from tandem.settings import LOCAL_STACK_ENV, SERVICES, ClientSettings, load, redact_url
 
 TINY_MODEL = ".tandem/models/tiny"
 
@@ -85,6 +85,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from tandem.dev.stack import Stack
 
     _check_paths(args)
+    for service in SERVICES.values():  # a bad TANDEM_* value: one line now, not a service dying at start
+        load(service)
     if args.model == TINY_MODEL:
         ensure_tiny_model(args.model)
     stack = Stack(StackConfig(state_dir=Path(args.state_dir), model=args.model, gateway_port=args.gateway_port,
@@ -152,7 +154,7 @@ def cmd_settings(args: argparse.Namespace) -> int:
     if not args.service:
         print(f"name a service ({', '.join(sorted(SERVICES))}) or pass --markdown", file=sys.stderr)
         return 2
-    print(json.dumps(SERVICES[args.service]().redacted(), indent=2))
+    print(json.dumps(load(SERVICES[args.service]).redacted(), indent=2))
     return 0
 
 
@@ -160,7 +162,7 @@ def _client_settings(args: argparse.Namespace) -> ClientSettings:
     """The client's settings; with --state-dir DIR, the gateway and Redis URLs of DIR's client.env
     (what `tandem up --state-dir DIR` wrote), over the environment's: the flag names the stack,
     even in a shell that exported another stack's URLs. The rest (an API key) is the environment's."""
-    settings = ClientSettings()
+    settings = load(ClientSettings)
     if args.state_dir is None:
         return settings
     env = Path(args.state_dir) / "client.env"

@@ -17,12 +17,14 @@ them into the settings of each service:
     gpus        gpus: which GPUs each side uses, shared mode's hand-over
     trainer     backend, metrics, tracker, parallel: the trainer's sections
     root        TrainerSettings, InferenceSettings, ClientSettings, TinkerSettings and SERVICES
+    loading     load(): a service's settings, or one ConfigError line naming each bad variable
 """
 
 from tandem.settings.controller import ControllerSettings, ReplicaSettings
 from tandem.settings.engine import VLLM_LORA_RANKS, EngineSettings
 from tandem.settings.gateway import GatewaySettings
 from tandem.settings.gpus import GpuSettings, ReleaseTag
+from tandem.settings.loading import load
 from tandem.settings.root import (
     LOCAL_STACK_ENV,
     SERVICES,
@@ -40,5 +42,5 @@ __all__ = [
     "LOCAL_STACK_ENV", "SERVICES", "VLLM_LORA_RANKS", "ClientSettings", "ControllerSettings", "EngineSettings",
     "GatewaySettings", "GpuSettings", "InferenceSettings", "ParallelSettings", "RedisSettings", "ReleaseTag",
     "ReplicaSettings", "RetentionSettings", "Secret", "StoreSettings", "TinkerServiceSettings", "TinkerSettings",
-    "TrackerSettings", "TrainerBackendSettings", "TrainerMetricsSettings", "TrainerSettings", "redact_url",
+    "TrackerSettings", "TrainerBackendSettings", "TrainerMetricsSettings", "TrainerSettings", "load", "redact_url",
 ]

@@ -19,8 +19,13 @@ an unset variable: never a key that an empty `Authorization: Bearer ` header wou
 
 
 def redact_url(url: str) -> str:
-    """The URL with its password, if any, shown as '***' (for logs and messages)."""
-    parts = urlsplit(url)
+    """The URL with its password, if any, shown as '***' (for logs and messages); one that does not
+    parse (a bracket left open) is shown as its scheme only, since where its password is is unknown."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - reading it is what checks it
+    except ValueError:
+        return f"{url.split(':', 1)[0][:20]}://*** (does not parse)"
     if parts.password is None:
         return url
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)

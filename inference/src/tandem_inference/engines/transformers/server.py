@@ -95,10 +95,15 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 def main() -> None:
     """`tandem-engine`: parse settings, set up logging, then load the model and serve."""
-    from tandem.settings import InferenceSettings
+    from tandem.errors import ConfigError
+    from tandem.settings import InferenceSettings, load
 
-    settings = InferenceSettings()
     logs.configure()
+    try:
+        settings = load(InferenceSettings)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        raise SystemExit(2) from None
     log.info("engine_settings %s", json.dumps(settings.redacted()["engine"], default=str))
     import uvicorn
     from transformers.utils import logging as hf_logging

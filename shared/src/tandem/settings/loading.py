@@ -1,0 +1,71 @@
+"""A service's settings read from the environment, or one line that names each bad variable.
+
+pydantic's own report is several lines per field and names the field (`gateway.port`), not the
+variable a person set (`TANDEM_GATEWAY__PORT`); a list or object setting whose value is not JSON
+fails even before validation, with a traceback naming only its section. `load` turns both into
+a `ConfigError` whose message names the variables, the values (secrets never shown) and what
+each needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TypeVar
+
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings
+from pydantic_settings.exceptions import SettingsError
+
+from tandem.errors import ConfigError
+
+S = TypeVar("S", bound=BaseSettings)
+
+PREFIX = "TANDEM_"
+#: Words of a variable name whose values are never quoted back.
+SECRET_WORDS = ("PASSWORD", "KEY", "TOKEN", "SECRET", "URL")
+
+
+def env_name(loc: tuple[int | str, ...]) -> str:
+    """The variable that sets a field at `loc` (`('gateway', 'port')` -> `TANDEM_GATEWAY__PORT`)."""
+    return PREFIX + "__".join(str(part).upper() for part in loc if not isinstance(part, int))
+
+
+def shown(name: str, value: object) -> str:
+    """A variable's value as a message may show it: secrets (and URLs, which carry passwords) not."""
+    return "(value not shown)" if any(word in name for word in SECRET_WORDS) else f"{value!r:.80}"
+
+
+def load(cls: type[S]) -> S:
+    """`cls()` from the environment and `.env`, or ConfigError naming every variable it refuses."""
+    try:
+        return cls()
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            name = env_name(tuple(error["loc"]))
+            given = "" if error["type"] == "missing" else f"={shown(name, error.get('input'))}"
+            problems.append(f"{name}{given}: {error['msg']}")
+        raise ConfigError(f"invalid {cls.__name__}: {'; '.join(problems)}; fix or unset "
+                          f"{'it' if len(problems) == 1 else 'them'} (`tandem settings --markdown` lists every "
+                          "setting, its type and bounds)") from None
+    except SettingsError as exc:
+        section = str(exc).split('"')[1] if str(exc).count('"') >= 2 else ""
+        raise ConfigError(f"invalid {cls.__name__}: {_not_json(section) or exc}; a list or object setting "
+                          "takes JSON, e.g. TANDEM_GPUS__INFERENCE='[0]' or "
+                          "TANDEM_ENGINE__EXTRA_ARGS='[\"--flag\", \"value\"]'") from None
+
+
+def _not_json(section: str) -> str:
+    """The variables of `section` whose values look like JSON lists or objects but do not parse,
+    or whose section wants JSON and got a bare word: named with their values."""
+    head = f"{PREFIX}{section.upper()}"
+    found = []
+    for name, value in sorted(os.environ.items()):
+        if not name.upper().startswith(head):
+            continue
+        try:
+            json.loads(value)
+        except ValueError:
+            found.append(f"{name}={shown(name.upper(), value)} is not JSON")
+    return "; ".join(found)
