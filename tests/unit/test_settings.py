@@ -69,3 +69,19 @@ def test_load_names_each_bad_variable_on_one_line_and_never_a_secret(monkeypatch
     with pytest.raises(ConfigError) as info:
         load(TrainerSettings)
     assert "TANDEM_JOB_TIMEOUT_S='0': Input should be greater than or equal to 1" in str(info.value)
+
+
+def test_a_misspelt_setting_of_a_known_section_is_named_with_what_it_may_mean(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tandem.settings import InferenceSettings, load
+
+    monkeypatch.setenv("TANDEM_GATEWAY__API_KEYS", "s3cret")
+    monkeypatch.setenv("TANDEM_BACKEND__NOPE", "1")
+    monkeypatch.setenv("TANDEM_COMPOSE", "docker compose")  # no section: another tool's, not looked at
+    caplog.set_level("WARNING", logger="tandem.settings.loading")
+    assert load(InferenceSettings).gateway.api_key is None  # ignored, as before, but said
+    assert ("TANDEM_GATEWAY__API_KEYS names no setting of any tandem service and is ignored; did you mean "
+            "TANDEM_GATEWAY__API_KEY?") in caplog.text
+    assert "TANDEM_BACKEND__NOPE names no setting of any tandem service and is ignored\n" in caplog.text + "\n"
+    assert "TANDEM_COMPOSE" not in caplog.text

@@ -112,7 +112,8 @@ def install_error_handlers(app: FastAPI) -> None:
             exc.status_code, "error")
         message = str(exc.detail)
         if exc.status_code == 400 and message == UNPARSED:  # starlette's words for any body json cannot read
-            message = ("the body could not be read as JSON (not UTF-8, or nested too deeply); send one JSON "
+            message = ("the body could not be read as JSON (not UTF-8, nested too deeply, or an integer of more "
+                       "than 4300 digits); send one JSON "
                        "object, UTF-8, with Content-Type: application/json")
         resp = error_reply(exc.status_code, message, kind)
         for name, value in (exc.headers or {}).items():

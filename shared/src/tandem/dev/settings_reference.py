@@ -17,8 +17,14 @@ from tandem.settings import SERVICES
 
 def _type_name(ann: Any) -> str:
     args = get_args(ann)
-    if get_origin(ann) is Literal:
+    origin = get_origin(ann)
+    if origin is Literal:
         return " / ".join(f"`{a}`" for a in args)
+    if origin in (list, tuple, set, frozenset):  # set from the environment as JSON: '[0, 1]'
+        inner = " or ".join(_type_name(a) for a in args if a is not Ellipsis)
+        return f"JSON list of {inner}" if inner else "JSON list"
+    if origin is dict:
+        return "JSON object"
     if args:
         return " or ".join(_type_name(a) for a in args)
     if ann is type(None):

@@ -4,22 +4,28 @@ pydantic's own report is several lines per field and names the field (`gateway.p
 variable a person set (`TANDEM_GATEWAY__PORT`); a list or object setting whose value is not JSON
 fails even before validation, with a traceback naming only its section. `load` turns both into
 a `ConfigError` whose message names the variables, the values (secrets never shown) and what
-each needs.
+each needs. A variable of a known section that names no setting of any service
+(`TANDEM_GATEWAY__API_KEYS`) is ignored, as pydantic-settings ignores it, but said in a warning
+with the setting it may have meant: a misspelt key would otherwise leave a gateway without one.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import logging
 import os
 from typing import TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_settings import BaseSettings
 from pydantic_settings.exceptions import SettingsError
 
 from tandem.errors import ConfigError
 
 S = TypeVar("S", bound=BaseSettings)
+
+log = logging.getLogger(__name__)
 
 PREFIX = "TANDEM_"
 #: Words of a variable name whose values are never quoted back.
@@ -39,7 +45,7 @@ def shown(name: str, value: object) -> str:
 def load(cls: type[S]) -> S:
     """`cls()` from the environment and `.env`, or ConfigError naming every variable it refuses."""
     try:
-        return cls()
+        settings = cls()
     except ValidationError as exc:
         problems = []
         for error in exc.errors():
@@ -54,6 +60,39 @@ def load(cls: type[S]) -> S:
         raise ConfigError(f"invalid {cls.__name__}: {_not_json(section) or exc}; a list or object setting "
                           "takes JSON, e.g. TANDEM_GPUS__INFERENCE='[0]' or "
                           "TANDEM_ENGINE__EXTRA_ARGS='[\"--flag\", \"value\"]'") from None
+    for name, meant in unknown_variables():
+        log.warning("%s names no setting of any tandem service and is ignored%s", name,
+                    f"; did you mean {meant}?" if meant else "")
+    return settings
+
+
+def _names(model: type[BaseModel], env: str) -> set[str]:
+    names = set()
+    for field, info in model.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            names |= _names(ann, f"{env}{field.upper()}__")
+        else:
+            names.add(f"{env}{field.upper()}")
+    return names
+
+
+def unknown_variables() -> list[tuple[str, str | None]]:
+    """(variable, the setting it may have meant) for each TANDEM_<SECTION>__<NAME> in the environment
+    whose section is a settings section and whose name is no setting of it in any service."""
+    from tandem.settings.root import SERVICES
+
+    known = set().union(*(_names(cls, PREFIX) for cls in SERVICES.values()))
+    sections = {name.split("__", 1)[0] + "__" for name in known if "__" in name}
+    found = []
+    for name in sorted(os.environ):
+        upper = name.upper()
+        section = upper.split("__", 1)[0] + "__"
+        if "__" in upper and section in sections and upper not in known:
+            rest = {k[len(section):]: k for k in known if k.startswith(section)}  # the section's own names
+            close = difflib.get_close_matches(upper[len(section):], sorted(rest), n=1, cutoff=0.75)
+            found.append((name, rest[close[0]] if close else None))
+    return found
 
 
 def _not_json(section: str) -> str:
