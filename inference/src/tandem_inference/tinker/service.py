@@ -143,34 +143,29 @@ class TinkerService:
 
     def load_weights(self, req: tt.LoadWeightsRequest) -> Future:
         """Load a `weights` checkpoint into a model: an existing one (model_id), or a new one that the
-        SDK names `<session_id>:train:<model_seq_id>` (create_training_client_from_state*)."""
+        SDK names `<session_id>:train:<model_seq_id>` (create_training_client_from_state*).
+
+        A checkpoint saved before its model's first optim_step (version 0) names a fresh LoRA, which
+        the run's spec seeds: a new model from it is that spec under a new run at version 0, with
+        nothing to load. Loading one into an existing model (a reset) is refused, naming what to do."""
         checked_seq(req.seq_id)
         checked_seq(req.model_seq_id, "model_seq_id")
         source_run, version = self.resolve_path(req.path, want="weights")
-        if version < 1:
-            return self._load_untrained(req, source_run)
         if req.model_id is not None:
+            if version < 1:
+                raise TinkerInvalid(f"path {req.path!r} was saved before its model's first optim_step, so it names "
+                                    "a fresh LoRA, which tandem does not load into an existing model; open a new "
+                                    "training client from it (create_training_client_from_state)", param="path")
             m = self.live_model(req.model_id)
         elif req.session_id is not None and req.model_seq_id is not None:
             m = self._model_from(req.path, source_run, req.session_id, req.model_seq_id, req.base_model)
         else:
             raise TinkerInvalid("load_weights needs model_id, or session_id with model_seq_id", param="model_id")
+        if version < 1:  # nothing to load: its turn passes (_apply)
+            return self._submit(m, req.seq_id, "load_weights", {"untrained": True})
         job = _job(tj.LoadStateJob, run=m.run, seq=req.seq_id or 0, source_run=source_run, source_version=version,
                    with_optimizer=req.optimizer)
         return self._submit(m, req.seq_id, "load_weights", {"job": job.model_dump(mode="json"), "path": req.path})
-
-    def _load_untrained(self, req: tt.LoadWeightsRequest, source_run: str) -> Future:
-        """A checkpoint saved before its model's first optim_step names a fresh LoRA, which the run's
-        spec seeds: a new model from it is that spec under a new run at version 0, with nothing to
-        load. Loading one into an existing model (a reset) is refused, naming what to do instead."""
-        if req.model_id is not None:
-            raise TinkerInvalid(f"path {req.path!r} was saved before its model's first optim_step, so it names a "
-                                "fresh LoRA, which tandem does not load into an existing model; open a new training "
-                                "client from it (create_training_client_from_state)", param="path")
-        if req.session_id is None or req.model_seq_id is None:
-            raise TinkerInvalid("load_weights needs model_id, or session_id with model_seq_id", param="model_id")
-        m = self._model_from(req.path, source_run, req.session_id, req.model_seq_id, req.base_model)
-        return self._submit(m, req.seq_id, "load_weights", {"untrained": True})
 
     def _model_from(self, path: str, source_run: str, session_id: str, model_seq_id: int,
                     base_model: str | None) -> ModelRecord:
