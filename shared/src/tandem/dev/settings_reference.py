@@ -13,6 +13,7 @@ from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel
 
 from tandem.settings import SERVICES
+from tandem.settings.loading import setting_fields
 
 
 def _type_name(ann: Any) -> str:
@@ -47,23 +48,19 @@ def _bounds(metadata: list[Any]) -> str:
     return ", ".join(parts)
 
 
-def _rows(model: type[BaseModel], env: str, path: str) -> list[str]:
+def _rows(model: type[BaseModel]) -> list[str]:
     rows = []
-    for name, info in model.model_fields.items():
-        ann = info.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            rows += _rows(ann, f"{env}{name.upper()}__", f"{path}{name}.")
-            continue
+    for var, path, info in setting_fields(model):
         default = info.get_default(call_default_factory=True)
         shown = "(unset)" if default is None else f"`{default}`"
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
         if "shown_default" in extra:  # computed where it runs (a host name), not here
             shown = str(extra["shown_default"])
-        kind = _type_name(ann)
+        kind = _type_name(info.annotation)
         bounds = _bounds(info.metadata)
         desc = (info.description or "").replace("\n", " ")
         kind_bounds = f"{kind} ({bounds})" if bounds else kind
-        rows.append(f"| `{path}{name}` | `{env}{name.upper()}` | {kind_bounds} | {shown} | {desc} |")
+        rows.append(f"| `{path}` | `{var}` | {kind_bounds} | {shown} | {desc} |")
     return rows
 
 
@@ -80,5 +77,5 @@ def settings_markdown() -> str:
     for service, cls in SERVICES.items():
         out += ["", f"## {service}", "", (cls.__doc__ or "").strip(), "",
                 "| setting | environment variable | type | default | meaning |", "|---|---|---|---|---|"]
-        out += _rows(cls, "TANDEM_", "")
+        out += _rows(cls)
     return "\n".join(out) + "\n"

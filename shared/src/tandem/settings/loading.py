@@ -15,9 +15,11 @@ import difflib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 from pydantic_settings.exceptions import SettingsError
 
@@ -66,15 +68,14 @@ def load(cls: type[S]) -> S:
     return settings
 
 
-def _names(model: type[BaseModel], env: str) -> set[str]:
-    names = set()
-    for field, info in model.model_fields.items():
+def setting_fields(model: type[BaseModel], env: str = PREFIX, path: str = "") -> Iterator[tuple[str, str, FieldInfo]]:
+    """(environment variable, dotted path, field) of each setting of `model`, its sections walked into."""
+    for name, info in model.model_fields.items():
         ann = info.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            names |= _names(ann, f"{env}{field.upper()}__")
+            yield from setting_fields(ann, f"{env}{name.upper()}__", f"{path}{name}.")
         else:
-            names.add(f"{env}{field.upper()}")
-    return names
+            yield f"{env}{name.upper()}", f"{path}{name}", info
 
 
 def unknown_variables() -> list[tuple[str, str | None]]:
@@ -82,7 +83,7 @@ def unknown_variables() -> list[tuple[str, str | None]]:
     whose section is a settings section and whose name is no setting of it in any service."""
     from tandem.settings.root import SERVICES
 
-    known = set().union(*(_names(cls, PREFIX) for cls in SERVICES.values()))
+    known = {var for cls in SERVICES.values() for var, _, _ in setting_fields(cls)}
     sections = {name.split("__", 1)[0] + "__" for name in known if "__" in name}
     found = []
     for name in sorted(os.environ):
