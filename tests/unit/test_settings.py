@@ -31,6 +31,26 @@ def test_bounds_are_enforced_with_the_field_named(monkeypatch: pytest.MonkeyPatc
         InferenceSettings()
 
 
+@pytest.mark.parametrize(("variable", "value"), [
+    ("TANDEM_CONTROLLER__RECONCILE_S", "nan"),  # bounded: nan used to fail the bound, named as the fault
+    ("TANDEM_ENGINE__BOOT_TIMEOUT_S", "inf"),  # no upper bound: inf used to pass, and print as null
+    ("TANDEM_GPUS__LEASE_WAIT_S", "1e400"),
+    ("TANDEM_TRAIN_TIMEOUT_S", "Infinity"),  # the client's own, top-level setting
+])
+def test_every_number_setting_must_be_finite(monkeypatch: pytest.MonkeyPatch, variable: str, value: str) -> None:
+    from tandem.errors import ConfigError
+    from tandem.settings import SERVICES, load
+
+    monkeypatch.setenv(variable, value)
+    refused = []
+    for cls in SERVICES.values():
+        try:
+            load(cls)
+        except ConfigError as exc:
+            refused.append(str(exc))
+    assert refused and all(f"{variable}='{value}': Input should be a finite number" in m for m in refused)
+
+
 def test_served_model_name_may_not_contain_colon() -> None:
     with pytest.raises(ValidationError, match="served_model_name"):
         EngineSettings(served_model_name="a:b")

@@ -8,6 +8,7 @@ resolved settings, secrets redacted, with `tandem settings <service>`.
 A module per section, each importing only from those above it in this list; `root` composes
 them into the settings of each service:
 
+    section     what every section shares: docstrings as descriptions, finite numbers only
     secret      the optional secret type, URL redaction
     storage     redis, store: where tandem's state lives (every service); retention (the trainer)
     engine      engine: the inference engine

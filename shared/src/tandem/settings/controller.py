@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import socket
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
+
+from tandem.settings.section import SECTION
 
 
 class ControllerSettings(BaseModel):
     """The inference controller that follows the event stream and loads adapters."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True)
+    model_config = SECTION
 
     consumer: str = "inference"
     """Name of the controller's cursor on the event stream; each replica keeps its own, `<consumer>:<replica.id>`."""
@@ -46,7 +48,7 @@ def _host_id() -> str:
 class ReplicaSettings(BaseModel):
     """This inference service as one replica among others sharing the Redis (tandem.replicas)."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True)
+    model_config = SECTION
 
     id: str = Field(default_factory=lambda: _host_id(), pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$",
                     json_schema_extra={"shown_default": "the host name"})

@@ -6,10 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from tandem.runs import DEFAULT_TARGETS
 from tandem.settings.secret import Secret
+from tandem.settings.section import SECTION
 
 #: The LoRA ranks vLLM can be started with (its `--max-lora-rank` choices, 0.33).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -18,7 +19,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 class EngineSettings(BaseModel):
     """The inference engine (SGLang or vLLM on GPUs, or the transformers engine on CPU)."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True)
+    model_config = SECTION
 
     kind: Literal["transformers", "sglang", "vllm"] = "transformers"
     """Which engine serves rollouts: `sglang` or `vllm` (each in its own image, started and supervised

@@ -3,15 +3,16 @@ admission limits and episodes."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from tandem.settings.secret import Secret
+from tandem.settings.section import SECTION
 
 
 class GatewaySettings(BaseModel):
     """The OpenAI-compatible gateway."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True)
+    model_config = SECTION
 
     host: str = "127.0.0.1"
     """Interface the gateway binds to."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
+
+from tandem.settings.section import SECTION
 
 #: What the engine can free for the trainer in shared mode.
 ReleaseTag = Literal["kv_cache", "weights", "cuda_graph"]
@@ -18,7 +20,7 @@ def _default_release_tags() -> list[ReleaseTag]:
 class GpuSettings(BaseModel):
     """Which GPUs each side uses; read by both services from the same `.env`."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True)
+    model_config = SECTION
 
     mode: Literal["split", "shared", "cpu"] = "cpu"
     """split: disjoint GPUs for inference and training; shared: both on one GPU with a lease; cpu: no GPU."""

@@ -17,6 +17,7 @@ from tandem.settings.engine import EngineSettings
 from tandem.settings.gateway import GatewaySettings
 from tandem.settings.gpus import GpuSettings
 from tandem.settings.secret import Secret, redact_url
+from tandem.settings.section import SECTION
 from tandem.settings.storage import RedisSettings, RetentionSettings, StoreSettings
 from tandem.settings.tinker import TinkerServiceSettings
 from tandem.settings.trainer import (
@@ -31,7 +32,7 @@ LOCAL_STACK_ENV = ".tandem/stack/client.env"
 
 _CONFIG = SettingsConfigDict(
     env_prefix="TANDEM_", env_nested_delimiter="__", env_file=".env", extra="ignore",
-    use_attribute_docstrings=True,
+    use_attribute_docstrings=SECTION["use_attribute_docstrings"], allow_inf_nan=SECTION["allow_inf_nan"],
 )
 
 

@@ -7,16 +7,17 @@ import re
 from pathlib import Path
 
 import redis
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from tandem.errors import BackendUnavailable, ConfigError
 from tandem.settings.secret import Secret, redact_url
+from tandem.settings.section import SECTION
 
 
 class RedisSettings(BaseModel):
     """Where Redis is."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True)
+    model_config = SECTION
 
     url: str = "redis://127.0.0.1:6379/0"
     """Redis URL (`redis://[user:password@]host:port/db`): each service its own role's Redis user
@@ -64,7 +65,7 @@ class RedisSettings(BaseModel):
 class StoreSettings(BaseModel):
     """The adapter volume."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True)
+    model_config = SECTION
 
     root: Path = Path(".tandem/adapters")
     """Directory that holds every adapter version; shared by trainer (rw) and inference (ro)."""
@@ -77,7 +78,7 @@ PINNED_VERSION = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}@v?[1-9][0-9]{0,17}$"
 class RetentionSettings(BaseModel):
     """Which old versions the trainer removes from the adapter store (tandem_trainer.store_cleanup)."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True)
+    model_config = SECTION
 
     keep_versions: int = Field(0, ge=0, le=1_000_000)
     """Versions of each run kept in the store, the newest ones: after each publish the trainer removes

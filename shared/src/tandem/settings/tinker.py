@@ -8,13 +8,15 @@ sends as `tml-KEY` (the SDK refuses a key without that prefix) or as the key its
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
+
+from tandem.settings.section import SECTION
 
 
 class TinkerServiceSettings(BaseModel):
     """The Tinker-compatible service."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True)
+    model_config = SECTION
 
     host: str = "127.0.0.1"
     """Interface the service binds to."""

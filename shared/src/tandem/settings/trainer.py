@@ -6,15 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from tandem.settings.gpus import GpuSettings
+from tandem.settings.section import SECTION
 
 
 class TrainerBackendSettings(BaseModel):
     """How the trainer runs the model."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True)
+    model_config = SECTION
 
     kind: Literal["auto", "peft", "unsloth"] = "auto"
     """`auto` picks Unsloth when it imports and CUDA is there, else peft."""
@@ -58,7 +59,7 @@ class TrainerBackendSettings(BaseModel):
 class TrainerMetricsSettings(BaseModel):
     """The trainer's Prometheus endpoint (`GET /metrics`), served by the process that runs the jobs."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True)
+    model_config = SECTION
 
     enabled: bool = True
     """Serve `/metrics`; off: the trainer listens on no port at all."""
@@ -72,7 +73,7 @@ class TrainerMetricsSettings(BaseModel):
 class TrackerSettings(BaseModel):
     """Where the trainer logs each run's learning curve, one tracker run per tandem run."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True)
+    model_config = SECTION
 
     kind: Literal["none", "mlflow", "wandb"] = "none"
     """`mlflow` (needs `tandem-trainer[mlflow]`), `wandb` (needs `tandem-trainer[wandb]`) or `none`."""
@@ -92,7 +93,7 @@ class TrackerSettings(BaseModel):
 class ParallelSettings(BaseModel):
     """Data-parallel training: several trainer processes (ranks) train each job together."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True)
+    model_config = SECTION
 
     ranks: int | None = Field(None, ge=1, le=64)
     """Trainer processes on this machine, started by torchrun. Unset: one per GPU of `gpus.trainer`
