@@ -86,3 +86,26 @@ def test_the_staged_adapter_writes_what_peft_and_the_manifest_need(tmp_path: Pat
     assert checksums == {f"adapter/{p.name}": file_checksum(p) for p in adapter.iterdir()}
     assert LoraConfig.from_pretrained(str(adapter)).r == 4
     assert staged.nbytes == sum(t.numel() * 2 for t in lora_tensors(3).values())
+
+
+def test_short_writes_go_on_where_they_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`writev` may write fewer bytes than given (a signal; Linux's cap near 2 GiB a call): the
+    file must still hold every byte once, whatever buffer a call stopped in."""
+    import os
+
+    real = os.writev
+    calls = []
+
+    def short(fd: int, buffers: list[memoryview]) -> int:  # at most 100 bytes a call, so most stop mid-buffer
+        calls.append(len(buffers))
+        data = b"".join(bytes(b) for b in buffers)[:100]
+        return real(fd, [data])
+
+    monkeypatch.setattr(os, "writev", short)
+    tensors = {k: v.to(torch.bfloat16) for k, v in lora_tensors(3, rank=8).items()}
+    path = tmp_path / "adapter_model.safetensors"
+    digest = write_safetensors(path, tensors, {"format": "pt"})
+    monkeypatch.setattr(os, "writev", real)
+    back = load_file(path)
+    assert all(torch.equal(back[name], tensor) for name, tensor in tensors.items())
+    assert digest == file_checksum(path) and len(calls) > 20

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import struct
 import time
 from collections.abc import Mapping
@@ -137,20 +138,34 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor],
             raise CheckpointError(f"tensor {name!r} must be contiguous on the CPU to be written (it is on "
                              f"{tensor.device}, contiguous={tensor.is_contiguous()})")
     head = safetensors_header(tensors, metadata)
+    views = [memoryview(head)]
+    views += [memoryview(t.reshape(-1).view(torch.uint8).numpy().data) for t in tensors.values() if t.numel()]
     hasher = new_hasher(CHECKSUM)
-    hasher.update(head)
-    with path.open("wb", buffering=0) as f:
-        f.write(head)
-        for tensor in tensors.values():
-            if tensor.numel() == 0:
-                continue
-            data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy().data)
-            hasher.update(data)
-            _write_all(f, data)
+    for data in views:
+        hasher.update(data)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, views)
+    finally:
+        os.close(fd)
     return str(hasher.hexdigest())
 
 
-def _write_all(f: Any, data: memoryview) -> None:
-    """An unbuffered write may take fewer bytes than given (Linux caps one call near 2 GiB)."""
-    while data:
-        data = data[f.write(data):]
+#: The most buffers one `writev` takes (the system's IOV_MAX; 1024 on Linux).
+IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """Write `views` back to back with as few system calls as the system allows (a 0.5B adapter's
+    336 tensors in one, instead of one each); a call may write fewer bytes than given (a
+    signal, Linux's cap near 2 GiB), so each goes on from where the last one stopped."""
+    i = 0
+    while i < len(views):
+        written = os.writev(fd, views[i:i + IOV_MAX])
+        if written <= 0:
+            raise OSError(f"writev wrote nothing with {sum(len(v) for v in views[i:])} bytes left")
+        while i < len(views) and written >= len(views[i]):
+            written -= len(views[i])
+            i += 1
+        if written:
+            views[i] = views[i][written:]
