@@ -245,7 +245,8 @@ def test_gradients_a_restart_lost_are_computed_again_from_their_jobs_and_step_as
         for k in (1, 2):
             job = ForwardBackwardJob(job_id=f"{run}-fb-{k}", run=run, datums=[make_datum(k)], loss_fn="cross_entropy")
             enqueue(redis_conn, job)  # as the Tinker service puts it on the queue (its payload stays in rq)
-            trainer.run("forward_backward", job.model_dump(mode="json"))  # as the worker runs it
+            trainer.run("forward_backward", job.model_dump(mode="json"))  # as the worker runs it,
+            Job.fetch(job.job_id, connection=redis_conn, serializer=JSONSerializer).set_status(JobStatus.FINISHED)
         if run == "lost":
             trainer.backend.drop_gradients("the trainer restarted")
         caplog.set_level("WARNING", logger="tandem_trainer.jobs.optim_step")
@@ -255,6 +256,23 @@ def test_gradients_a_restart_lost_are_computed_again_from_their_jobs_and_step_as
     assert lost.keys() == kept.keys()
     for key, tensor in kept.items():
         assert torch.allclose(lost[key], tensor, atol=1e-6), key  # both jobs' gradients, once each
+
+
+def test_a_step_leaves_out_failed_forward_backwards_and_refuses_one_not_run_yet(trainer, redis_conn, tiny_model) -> None:
+    """A forward_backward that failed (refused, out of retries) added nothing: the step applies the
+    others. One still on the queue (a retry after the step) is neither computed here nor dropped silently."""
+    create_runs(redis_conn, tiny_model, "a")
+    refused = ForwardBackwardJob(job_id="fb-bad", run="a", datums=[make_datum(1)], loss_fn="cross_entropy")
+    enqueue(redis_conn, refused)
+    Job.fetch("fb-bad", connection=redis_conn, serializer=JSONSerializer).set_status(JobStatus.FAILED)  # as the worker
+    forward_backward(trainer, "a", "fb-1", [make_datum(2)])
+    assert optim_step(trainer, "a", "step-1", ["fb-bad", "fb-1"]).metrics["gradient_jobs"] == 1.0
+
+    enqueue(redis_conn, ForwardBackwardJob(job_id="fb-later", run="a", datums=[make_datum(3)], loss_fn="cross_entropy"))
+    forward_backward(trainer, "a", "fb-2", [make_datum(4)])
+    with pytest.raises(JobRejected, match=r"\['fb-later'\] have not finished \(queued\)") as err:
+        optim_step(trainer, "a", "step-2", ["fb-later", "fb-2"])
+    assert err.value.field == "gradients_from" and Registry(redis_conn).latest_version("a") == 1
 
 
 def test_a_job_that_never_got_its_runs_lock_drops_no_gradients(trainer, redis_conn, tiny_model) -> None:

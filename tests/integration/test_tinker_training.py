@@ -108,7 +108,8 @@ def test_train_save_sample_and_load_through_the_sdk(stack: str, sdk: Any, tiny_m
     assert run.endswith(":train:1")
 
 
-def test_a_datum_the_trainer_refuses_fails_its_future_with_the_trainers_message(sdk: Any, tiny_model: Path) -> None:
+def test_a_datum_the_trainer_refuses_fails_its_future_with_the_trainers_message_and_adds_nothing(
+        sdk: Any, tiny_model: Path) -> None:
     tc = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
     with pytest.raises(tinker.RequestFailedError, match="target_tokens") as failed:
         tc.forward_backward([datum([5, 6, 10**7])], "cross_entropy").result(timeout=300)
@@ -119,6 +120,10 @@ def test_a_datum_the_trainer_refuses_fails_its_future_with_the_trainers_message(
     seen = tc.forward([datum([5, 6, 7])], "cross_entropy").result(timeout=300)  # forward only: the same logprobs
     assert seen.loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx(out.loss_fn_outputs[0]["logprobs"].tolist(),
                                                                          abs=1e-5)
+    # the step applies the forward_backward that trained, not the refused one: it used to count it
+    # as lost, compute it again without the checks that refused it, and fail (or train on it)
+    stepped = tc.optim_step(tt.AdamParams(learning_rate=1e-2)).result(timeout=300)
+    assert stepped.metrics["gradient_jobs"] == 1.0 and stepped.metrics["grad_norm"] > 0
 
 
 def scaled(tokens: list[int], scale: list[float]) -> tt.Datum:

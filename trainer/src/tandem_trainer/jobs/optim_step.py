@@ -4,13 +4,15 @@ The job is the unit of idempotency, as a train job is: one that already publishe
 maps its id to a version) returns that version again, and a version that reached the store but
 not the registry is adopted (publisher.py). Otherwise, under the run's lock, the run's newest
 version becomes the training adapter with the gradients the run holds (tinker_common.py), and
-the step goes ahead when the held gradients are those of `gradients_from`. Gradients that are
-missing (the trainer restarted after their forward_backward jobs finished, or another worker ran
-them) are computed again from those jobs' payloads, which rq keeps: no optim_step came between
-(the Tinker service orders them so), so the adapter is the version they ran on and the gradients
-are theirs. Only when that cannot be done (a job's record expired, gradients held that the step
-does not name) is the job rejected, never retried, naming the jobs; the held gradients are
-dropped, so that the forward_backward calls sent again start clean.
+the step goes ahead when the held gradients are those of `gradients_from`, but for the jobs among
+them that failed (refused for their input, or out of retries): those added nothing, and their
+callers were told so. Gradients that are missing (the trainer restarted after their
+forward_backward jobs finished, or another worker ran them) are computed again from those jobs'
+payloads, which rq keeps: no optim_step came between (the Tinker service orders them so), so the
+adapter is the version they ran on and the gradients are theirs. Only when that cannot be done
+(a job's record expired, one has not finished, gradients held that the step does not name) is
+the job rejected, never retried, naming the jobs; the held gradients are dropped, so that the
+forward_backward calls sent again start clean.
 
 The step: the call's `AdamParams` set on the run's optimizer (learning rate, betas, eps, decoupled
 weight decay: torch's AdamW), the gradient clipped to `grad_clip_norm` when that is above 0,
@@ -25,7 +27,7 @@ import time
 
 from pydantic import BaseModel, JsonValue, ValidationError
 from rq.exceptions import NoSuchJobError
-from rq.job import Job
+from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from tandem.adapters import Manifest
@@ -65,8 +67,8 @@ class OptimStepKind(JobKind[OptimStepJob, OptimStepResult]):
             with ctx.device() as gpu_wait_s:
                 latest, parent = activate_newest(ctx, spec)
                 attempt.version = latest + 1
-                _check_held(ctx, job, spec)
-                trained = _step(ctx, job, spec, latest, parent, gpu_wait_s)
+                applied = _check_held(ctx, job, spec)
+                trained = _step(ctx, job, spec, latest, parent, gpu_wait_s, applied=len(applied))
             return _result(publish(ctx, job, spec, trained))
 
     def log_end(self, result: OptimStepResult, attempt: Attempt) -> None:
@@ -75,18 +77,31 @@ class OptimStepKind(JobKind[OptimStepJob, OptimStepResult]):
                  result.metrics.get("grad_norm", 0.0))
 
 
-def _check_held(ctx: JobContext, job: OptimStepJob, spec: RunSpec) -> None:
-    """The held gradients are `job.gradients_from`'s (missing ones computed again), else the job is
-    rejected (and they dropped)."""
+def _check_held(ctx: JobContext, job: OptimStepJob, spec: RunSpec) -> list[str]:
+    """The forward_backward jobs whose gradients the step applies: `job.gradients_from` but those
+    that failed (refused or out of retries: they added nothing, as their callers were told), held
+    now (missing ones that finished computed again); else the job is rejected (and the held
+    gradients dropped)."""
     held = ctx.backend.gradient_jobs()
     if held == job.gradients_from:
-        return
-    missing = [j for j in job.gradients_from if j not in held]
-    extra = [j for j in held if j not in job.gradients_from]
-    if missing and not extra and _recompute(ctx, job, spec, missing):
-        return
+        return held
+    status = {j: _status(ctx, j) for j in job.gradients_from if j not in held}
+    failed = [j for j, s in status.items() if s in ADDED_NOTHING]
+    wanted = [j for j in job.gradients_from if j not in failed]
+    if failed:
+        log.info("optim_step.without run=%s job_id=%s failed=%s: forward_backward jobs that failed add nothing",
+                 job.run, job.job_id, failed)
+    missing = [j for j in wanted if j not in held]
+    extra = [j for j in held if j not in wanted]
+    unfinished = [j for j in missing if status[j] not in (JobStatus.FINISHED, None)]  # None: expired, lost
+    if held == wanted or (missing and not extra and not unfinished and _recompute(ctx, job, spec, missing)):
+        return wanted
     why = []
-    if missing:
+    states = {j: s.value for j, s in status.items() if s is not None}
+    if unfinished:
+        why.append(f"forward_backward job(s) {unfinished} have not finished "
+                   f"({', '.join(states[j] for j in unfinished)})")
+    if missing and not unfinished:
         why.append(f"the gradients of forward_backward job(s) {missing} were lost (the trainer restarted, a failed "
                    "job dropped them, or another trainer worker ran them)")
     if extra:
@@ -95,15 +110,29 @@ def _check_held(ctx: JobContext, job: OptimStepJob, spec: RunSpec) -> None:
         why.append(f"the trainer accumulated them in another order: {held}")
     ctx.backend.drop_gradients(f"optim_step {job.job_id} named other gradients")
     raise JobRejected(
-        f"gradients_from: optim_step {job.job_id} of run {job.run!r} applies the gradients of {job.gradients_from}, "
+        f"gradients_from: optim_step {job.job_id} of run {job.run!r} applies the gradients of {wanted}, "
         f"but {'; and '.join(why)}. Nothing was applied and the held gradients were dropped: send the "
         "forward_backward calls again, then optim_step", field="gradients_from")
 
 
+#: A forward_backward job in one of these states added no gradient: refused (bad input) or out of
+#: retries, its caller told so; cancelled or stopped before it ran.
+ADDED_NOTHING = frozenset({JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED})
+
+
+def _status(ctx: JobContext, job_id: str) -> JobStatus | None:
+    """The queue's state of a job (None: its record expired or never was)."""
+    with translated(ctx.conn, f"read the state of forward_backward job {job_id}"):
+        try:
+            return Job.fetch(job_id, connection=ctx.conn, serializer=JSONSerializer).get_status()
+        except NoSuchJobError:
+            return None
+
+
 def _recompute(ctx: JobContext, job: OptimStepJob, spec: RunSpec, missing: list[str]) -> bool:
-    """The gradients of the forward_backward jobs `missing`, computed again from their payloads on
-    the active adapter and held; False (nothing added) when a payload cannot be read or is not a
-    forward_backward of this run that trains."""
+    """The gradients of the finished forward_backward jobs `missing`, computed again from their
+    payloads on the active adapter and held; False (nothing added) when a payload cannot be read
+    or is not a forward_backward of this run that trains."""
     payloads = []
     for job_id in missing:
         try:
@@ -126,13 +155,12 @@ def _recompute(ctx: JobContext, job: OptimStepJob, spec: RunSpec, missing: list[
 
 
 def _step(ctx: JobContext, job: OptimStepJob, spec: RunSpec, latest: int, parent: int,
-          gpu_wait_s: float | None) -> Trained:
+          gpu_wait_s: float | None, *, applied: int) -> Trained:
     """One AdamW step with the call's parameters, staged in host memory as version `latest + 1`."""
     started = time.perf_counter()
     adam = job.adam
     ctx.backend.set_adam(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
                          weight_decay=adam.weight_decay)
-    applied = len(job.gradients_from)
     grad_norm = ctx.backend.step(adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf"))
     ctx.backend.synchronize()
     stepped_at = time.time()
