@@ -105,3 +105,13 @@ def test_a_misspelt_setting_of_a_known_section_is_named_with_what_it_may_mean(
             "TANDEM_GATEWAY__API_KEY?") in caplog.text
     assert "TANDEM_BACKEND__NOPE names no setting of any tandem service and is ignored\n" in caplog.text + "\n"
     assert "TANDEM_COMPOSE" not in caplog.text
+
+
+def test_a_client_made_with_a_bad_variable_raises_config_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not pydantic's ValidationError naming the field: the client's errors are TandemErrors."""
+    from tandem import Client
+    from tandem.errors import ConfigError
+
+    monkeypatch.setenv("TANDEM_TRAIN_TIMEOUT_S", "-5")
+    with pytest.raises(ConfigError, match="TANDEM_TRAIN_TIMEOUT_S='-5': Input should be greater than 0"):
+        Client("http://127.0.0.1:9", "redis://127.0.0.1:9/0")

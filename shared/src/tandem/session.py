@@ -18,7 +18,7 @@ import redis
 from tandem.errors import BackendUnavailable, GatewayError, ValidationFailed
 from tandem.events import EventStream
 from tandem.registry import Registry
-from tandem.settings import ClientSettings
+from tandem.settings import ClientSettings, load
 
 __all__ = ["Session", "SessionRun"]
 
@@ -41,7 +41,7 @@ class Session:
         http: httpx.Client | None = None,
         conn: redis.Redis | None = None,
     ) -> None:
-        settings = settings or ClientSettings()
+        settings = settings or load(ClientSettings)  # a bad TANDEM_ variable: ConfigError naming it
         updates: dict[str, Any] = {}
         if gateway_url:
             updates["gateway_url"] = gateway_url
