@@ -23,9 +23,10 @@ from helpers.loopback import free_port, held_stream_proxy, serve_app
 from helpers.servers import BASE, gateway, inference_settings
 from helpers.waiting import wait_until
 
-from tandem import EpisodeState, Origin
+from tandem import Client, EpisodeState, Origin
 from tandem.acl import Role
 from tandem.adapters import AdapterStore
+from tandem.errors import GatewayError
 from tandem.events import EventStream
 from tandem.registry import Registry
 from tandem.runs import RunSpec
@@ -607,6 +608,11 @@ def test_api_key_is_required_when_set(
         assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/ready").status_code == 200
         for page in ("/docs", "/redoc", "/openapi.json"):  # FastAPI would serve them without the key
             assert httpx.get(f"{url}{page}").status_code == 404, page
+        for key, given in ((None, "none is set"), ("nope", "a wrong one is set")):  # tandem's client and CLI
+            with Client(url, redis_url, api_key=key) as client, pytest.raises(GatewayError) as refused:
+                client.delete_run("nobody")
+            assert refused.value.status_code == 401
+            assert f"set TANDEM_API_KEY to it ({given}), or pass Client(api_key=...)" in str(refused.value)
 
 
 @pytest.mark.parametrize("empty", ["", "  "])

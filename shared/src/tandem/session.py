@@ -49,6 +49,7 @@ class Session:
             updates["redis"] = settings.redis.model_copy(update={"url": redis_url})
         self.settings = settings.model_copy(update=updates)
         key = api_key or (self.settings.api_key.get_secret_value() if self.settings.api_key else None)
+        self.keyed = key is not None
         self.http = http or httpx.Client(
             base_url=self.settings.gateway_url,
             timeout=httpx.Timeout(self.settings.request_timeout_s, connect=10.0),
@@ -97,7 +98,11 @@ class Session:
         except ValueError:
             payload = resp.text
         if resp.status_code >= 400:
-            raise GatewayError(f"{path} -> {resp.status_code}: {_message(payload) or resp.text}",
+            fix = ""
+            if resp.status_code == 401:  # a CLI user sends no headers: name the setting that sends the key
+                given = "a wrong one is set" if self.keyed else "none is set"
+                fix = f"; the gateway takes a key: set TANDEM_API_KEY to it ({given}), or pass Client(api_key=...)"
+            raise GatewayError(f"{path} -> {resp.status_code}: {_message(payload) or resp.text}{fix}",
                                status_code=resp.status_code, body=payload)
         if resp.status_code == 204:
             return {}
