@@ -27,12 +27,14 @@ from tandem.adapters import AdapterStore
 from tandem.client import Client
 from tandem.deletion import delete_run
 from tandem.dev import cli
-from tandem.errors import RunBusy, RunNotFound
+from tandem.errors import RunBusy, RunNotFound, ValidationFailed
 from tandem.events import EventKind, EventStream
-from tandem.jobs import enqueue, train_queue
+from tandem.jobs import TrainJob, check_incarnation, enqueue, train_queue
 from tandem.registry import Registry
 from tandem.runs import RunSpec
 from tandem.settings import InferenceSettings
+from tandem_trainer.errors import JobRejected
+from tandem_trainer.jobs.train_checks import check_origins
 from tandem_trainer.store_cleanup import remove_deleted_runs
 
 pytestmark = pytest.mark.integration
@@ -248,3 +250,21 @@ def test_a_run_created_again_under_a_deleted_runs_name_never_serves_the_deleted_
         assert greedy(url, "again")  # answered, by the one adapter of the run the engine holds
     assert greedy(engine_url, f"{base}:again-v1-a1") != deleted  # the new run's weights, not the deleted run's
     assert redis_conn.hget(keys.run_load_attempts("again"), "floor:1") == b"1"
+
+    # a rollout the deleted run's v1 sampled is no rollout of the new run's v1: the client and the
+    # trainer refuse it (the same run name and version number used to train on it as on-policy)
+    def sampled_by(adapter: str) -> TrainJob:
+        job = make_job(run="again", version=1).model_dump()
+        job["groups"][0]["trajectories"][2]["origin"] = {"run": "again", "adapter": adapter}
+        return TrainJob.model_validate(job)
+
+    registry = Registry(role_conns[Role.CLIENT])
+    with pytest.raises(ValidationFailed) as refused:
+        check_incarnation(sampled_by("again-v1"), registry.load_attempt_floor)
+    assert refused.value.field == "groups.0.trajectories.2.origin.adapter"
+    assert "adapter 'again-v1': version 1 of a deleted run that was also named 'again'" in str(refused.value)
+    with pytest.raises(JobRejected) as rejected:
+        check_origins(sampled_by("again-v1"), Registry(trainer))
+    assert rejected.value.field == "groups.0.trajectories.2.origin.adapter"
+    check_incarnation(sampled_by("again-v1-a1"), registry.load_attempt_floor)  # the new run's own v1
+    check_origins(sampled_by("again-v1-a1"), Registry(trainer))

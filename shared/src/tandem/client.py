@@ -191,6 +191,7 @@ class Run:
                                    field="groups")
         job = jobs.parse_job({"run": self.name, "groups": list(groups), "timeout_s": whole})
         jobs.check_origins(job)
+        jobs.check_incarnation(job, self.client.registry.load_attempt_floor)
         settings = self.client.settings  # beyond the run's quota of queued jobs, wait for room (job_quota)
         job_quota.wait_for_room(conn, self.name, settings.run_max_queued_jobs, settings.queue_wait_s)
         job = job.model_copy(update={"step": self.client.registry.next_step(self.name)})

@@ -3,8 +3,9 @@
 Jobs are serialized as JSON (rq's JSONSerializer), validated with pydantic on both ends,
 carry an explicit timeout, and are idempotent by `job_id`: a retried job finds the version
 it already published instead of publishing a second one. A job trains one run on that run's
-own rollouts (`check_origins`), checked by the client before it enqueues and by the trainer
-before it trains.
+own rollouts (`check_origins`), and none of a deleted run of the same name
+(`check_incarnation`), checked by the client before it enqueues and by the trainer before it
+trains.
 
 Redis is a code-execution boundary: rq imports and calls whatever function and callbacks a
 job hash names. The train queue therefore carries `GuardedJob`, an rq job class that
@@ -18,6 +19,7 @@ import hashlib
 import reprlib
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -33,7 +35,7 @@ from tandem import keys
 from tandem.connection import translated
 from tandem.errors import JobRefused, ValidationFailed, invalid
 from tandem.fair_queue import FairQueue, job_meta
-from tandem.runs import check_run_name
+from tandem.runs import check_run_name, parse_adapter_name
 from tandem.trajectories import TrajectoryGroup
 
 #: Dotted path of the function the trainer worker runs for each job.
@@ -98,6 +100,35 @@ def check_origins(job: TrainJob) -> None:
                 f"trains run {job.run!r}: train each run on its own rollouts (sampled with model {job.run!r})",
                 field=field,
             )
+
+
+def check_incarnation(job: TrainJob, floor: Callable[[str, int], int]) -> None:
+    """No trajectory sampled by a deleted run of the same name; else ValidationFailed naming it.
+
+    A run deleted and created again starts over at version 0, so its version 2 and the deleted
+    run's version 2 share a run name and a number but are other policies. Their adapters' engine
+    names tell them apart: `floor(run, version)` (`Registry.load_attempt_floor`) is the first load
+    attempt of the run registered now, and a sample whose `origin.adapter` is an earlier attempt
+    (`<run>-v2` where this run's v2 serves as `<run>-v2-a1`) was sampled by the deleted run.
+    """
+    floors: dict[int, int] = {}
+    for g, group in enumerate(job.groups):
+        for t, traj in enumerate(group.trajectories):
+            adapter = traj.origin.adapter if traj.origin is not None else None
+            named = parse_adapter_name(adapter) if adapter else None
+            if named is None or named[0] != job.run:
+                continue
+            _, version, attempt = named
+            if version not in floors:
+                floors[version] = floor(job.run, version)
+            if attempt < floors[version]:
+                field = f"groups.{g}.trajectories.{t}.origin.adapter"
+                raise ValidationFailed(
+                    f"{field}: group {g} sample {t} was sampled by adapter {adapter!r}: version {version} of a "
+                    f"deleted run that was also named {job.run!r}, another policy than this run's v{version}; "
+                    f"train run {job.run!r} on rollouts sampled since it was created",
+                    field=field,
+                )
 
 
 def groups_digest(job: TrainJob) -> str:

@@ -47,7 +47,7 @@ class TrainKind(JobKind[TrainJob, TrainResult]):
         if result is not None:
             return result
         spec = ctx.run_spec(job.run)
-        check_origins(job)
+        check_origins(job, ctx.registry)
         info = ctx.backend.model_info(spec.base_model)
         check_tokens(job, info)
         check_rewards(job, spec)

@@ -24,10 +24,12 @@ from tandem_trainer.grpo import group_advantages
 from tandem_trainer.turns import check_trained_spans
 
 
-def check_origins(job: TrainJob) -> None:
-    """No trajectory another run sampled (`tandem.jobs.check_origins`), as a JobRejected naming it."""
+def check_origins(job: TrainJob, registry: Registry) -> None:
+    """No trajectory another run sampled (`tandem.jobs.check_origins`) nor a deleted run of the same
+    name (`tandem.jobs.check_incarnation`), as a JobRejected naming it."""
     try:
         jobs.check_origins(job)
+        jobs.check_incarnation(job, registry.load_attempt_floor)
     except ValidationFailed as exc:
         raise JobRejected(str(exc), field=exc.field) from exc
 
