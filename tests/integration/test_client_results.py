@@ -278,6 +278,26 @@ def test_a_timeout_of_a_job_the_trainer_runs_keeps_it_to_wait_on(redis_conn: red
     assert [r.version for r in run.wait_all(timeout_s=10)] == [1]
 
 
+def test_a_train_that_times_out_behind_a_running_job_names_its_own_job_and_hands_it_back(
+        redis_conn: redis.Redis, client_conn: redis.Redis) -> None:
+    """train() waits on the run's earlier jobs first: when one of them is still running at the
+    timeout, the error used to name that job and say "wait on it (handle.result())", with no
+    handle to this call's job, which it had submitted."""
+    run = open_run(client_conn, "behind")
+    earlier = run.train([group()], wait=False)
+    Job.fetch(earlier.job_id, connection=redis_conn, serializer=JSONSerializer).set_status("started")
+    with pytest.raises(TrainTimeout) as info:
+        run.train([group()], timeout_s=0.5)
+    mine = info.value.handle
+    assert mine is not None and info.value.job_id == mine.job_id != earlier.job_id
+    message = str(info.value)
+    assert message.startswith(f"job {mine.job_id} (run 'behind', step 2) did not serve within 0.5 s: it waits "
+                              f"behind job {earlier.job_id} (step 1)")
+    assert "not started and is cancelled" in message and not info.value.running  # as a timeout of its own
+    assert Job.fetch(mine.job_id, connection=redis_conn, serializer=JSONSerializer).get_status() == "canceled"
+    assert run.status()["pending_jobs"] == [earlier.job_id]
+
+
 FIELD = "groups.0.trajectories.1.completion_ids"
 
 

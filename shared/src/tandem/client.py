@@ -218,7 +218,11 @@ class Run:
                 handle.result(timeout_s)
             except (TrainFailed, TrainTimeout) as exc:
                 if isinstance(exc, TrainTimeout) and exc.running:  # it may still publish: it stays pending
-                    raise
+                    timeout = self.client.settings.train_timeout_s if timeout_s is None else timeout_s
+                    given_up = mine.behind(handle, timeout)  # the error names the job this call submitted
+                    if not given_up.running:
+                        self._take_off(mine)
+                    raise given_up from exc
                 if handle.thread == mine.thread and self._take_off(handle):
                     raise
                 continue

@@ -107,11 +107,16 @@ class TrainFailed(TandemError):
 class TrainTimeout(TandemError):
     """A train job did not reach the server in the allowed time. `running`: the trainer had started
     it, so it may still publish a version (wait on it again rather than submitting it again); a job
-    that had not started is cancelled."""
+    that had not started is cancelled. `job_id` and `handle` (a `tandem.TrainHandle`): the job the
+    call submitted, to wait on again with `handle.result()` (a `train()` that waited returns no
+    handle otherwise)."""
 
-    def __init__(self, message: str, *, running: bool = False) -> None:
+    def __init__(self, message: str, *, running: bool = False, job_id: str | None = None,
+                 handle: object = None) -> None:
         super().__init__(message)
         self.running = running
+        self.job_id = job_id
+        self.handle = handle
 
 
 class GatewayError(TandemError):

@@ -80,8 +80,8 @@ class TrainHandle:
         if not self._waiting.acquire(timeout=timeout):
             raise TrainTimeout(
                 f"job {self.job_id} (run {self.run.name!r}, step {self.step}) did not serve within "
-                f"{timeout:.0f} s while another thread waited on it; check the trainer and inference logs, "
-                "or raise train_timeout_s")
+                f"{timeout:g} s while another thread waited on it; check the trainer and inference logs, "
+                "or raise train_timeout_s", job_id=self.job_id, handle=self)
         try:
             return self._wait(timeout, deadline)
         except TrainFailed as exc:
@@ -108,8 +108,19 @@ class TrainHandle:
         running, what = self._give_up()
         raise TrainTimeout(
             f"job {self.job_id} (run {self.run.name!r}, step {self.step}) did not serve within "
-            f"{timeout:.0f} s; {what}; check the trainer and inference logs, or raise train_timeout_s",
-            running=running,
+            f"{timeout:g} s; {what}; check the trainer and inference logs, or raise train_timeout_s",
+            running=running, job_id=self.job_id, handle=self,
+        )
+
+    def behind(self, earlier: TrainHandle, timeout: float) -> TrainTimeout:
+        """The timeout of this job's wait, which ended on `earlier` (a job before it, still running):
+        this job is given up as `result()` gives it up (cancelled unless the trainer took it)."""
+        running, what = self._give_up()
+        return TrainTimeout(
+            f"job {self.job_id} (run {self.run.name!r}, step {self.step}) did not serve within {timeout:g} s: it "
+            f"waits behind job {earlier.job_id} (step {earlier.step}), which did not serve in that time and may "
+            f"still publish; this job: {what}; check the trainer and inference logs, or raise train_timeout_s",
+            running=running, job_id=self.job_id, handle=self,
         )
 
     def _give_up(self) -> tuple[bool, str]:
