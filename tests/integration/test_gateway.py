@@ -297,6 +297,11 @@ def test_pinned_versions_and_unknown_names(
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve(f"{run}@v9")
     assert f"{run}@v2" in str(missing.value)
+    # a registered version the engine does not hold (evicted, retired, not loaded yet) is a model
+    # too: a request for it loads it, so the list and models.retrieve name it as well
+    publish(AdapterStore(settings.store.root), Registry(redis_conn), tiny_model, run, 3)
+    assert client.models.retrieve(f"{run}@v3").id == f"{run}@v3"
+    assert f"{run}@v3" in [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
 
 
 def test_a_run_created_after_start_is_served_by_the_base_model(

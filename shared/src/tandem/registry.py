@@ -162,6 +162,15 @@ class Registry:
             scored = self.conn.zrange(keys.run_versions(run), 0, -1, withscores=True)
         return [int(pair[1]) for pair in scored]
 
+    def versions_of(self, runs: list[str]) -> dict[str, list[int]]:
+        """`versions` of each run, in one round trip."""
+        with translated(self.conn, f"read the versions of {len(runs)} runs"):
+            pipe = self.conn.pipeline(transaction=False)
+            for run in runs:
+                pipe.zrange(keys.run_versions(run), 0, -1, withscores=True)
+            replies = pipe.execute()
+        return {run: [int(pair[1]) for pair in scored] for run, scored in zip(runs, replies, strict=True)}
+
     def manifest(self, run: str, version: int) -> Manifest | None:
         with translated(self.conn, f"read version {version} of run {run!r}"):
             found = _members(self.conn.zrangebyscore(keys.run_versions(run), version, version))

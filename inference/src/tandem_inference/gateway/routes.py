@@ -29,7 +29,6 @@ from tandem_inference.gateway.error_replies import error_reply, for_clients
 from tandem_inference.gateway.metrics import OpaqueRuns
 from tandem_inference.gateway.schemas import EPISODE_ID, ChatRequest, CompletionRequest
 from tandem_inference.gateway.service import Gateway
-from tandem_inference.routing import parse_model
 
 log = logging.getLogger(__name__)
 
@@ -120,16 +119,25 @@ async def model(model_id: str, gw: GatewayDep) -> dict[str, Any]:
 
 
 async def model_cards(gw: Gateway) -> list[dict[str, Any]]:
-    """The base model, every registered run and every loaded version of one, as OpenAI's model objects."""
+    """The base model, every registered run and every registered version of one (`run@vN`: loaded
+    now or on request), as OpenAI's model objects."""
     table = gw.table
-    registered = set(await gw.registry_runs())
+    registered = await gw.registry_runs()
     for run in registered:
         if not table.has_run(run):
             table.add_run(run)
+    try:
+        versions = await asyncio.to_thread(gw.registry.versions_of, registered)
+    except BackendUnavailable as exc:  # Redis down: what this replica routes to now
+        log.warning("registry unreachable (%s); listing the versions the routing table holds", exc)
+        versions = {run: table.loaded(run) for run in registered}
+    names = [table.base_model]
+    for run in sorted(registered):
+        names += [run, *(f"{run}@v{v}" for v in sorted(set(versions.get(run, ())) | set(table.loaded(run))))]
     return [{"id": m, "object": "model", "created": 0, "owned_by": "tandem",
              "root": gw.settings.engine.model if m == table.base_model else None,
              **({"lora": lora_limits(gw.settings.engine)} if m == table.base_model else {})}
-            for m in table.known_models() if m == table.base_model or parse_model(m)[0] in registered]
+            for m in names]
 
 
 def lora_limits(engine: EngineSettings) -> dict[str, Any]:
