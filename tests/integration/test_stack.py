@@ -118,7 +118,7 @@ def test_every_service_gets_the_engine_admin_key(tmp_path: Path) -> None:
     assert len(key) >= 32 and stack.env()["TANDEM_ENGINE__ADMIN_API_KEY"] == key
 
 
-@pytest.mark.parametrize("what", ["gateway", "redis"])
+@pytest.mark.parametrize("what", ["gateway", "redis", "tinker"])
 def test_a_port_in_use_is_named_before_anything_starts(tmp_path: Path, what: str) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -70,7 +70,7 @@ def _run_name(raw: str) -> str:
 
 
 def _port(raw: str) -> int:
-    """--gateway-port, --redis-port: 0 (a free one) to 65535."""
+    """--gateway-port, --redis-port, --tinker-port: 0 (a free one) to 65535."""
     try:
         n = int(raw)
     except ValueError:
@@ -90,7 +90,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.model == TINY_MODEL:
         ensure_tiny_model(args.model)
     stack = Stack(StackConfig(state_dir=Path(args.state_dir), model=args.model, gateway_port=args.gateway_port,
-                              redis_port=args.redis_port, replicas=args.replicas))
+                              redis_port=args.redis_port, tinker_port=args.tinker_port, replicas=args.replicas))
     for sig in (signal.SIGINT, signal.SIGTERM):  # both stop the stack, even where a shell ignored SIGINT (`&`)
         signal.signal(sig, _interrupt)
     try:
@@ -233,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--state-dir", default=".tandem/stack", help="logs, adapters and Redis data")
     up.add_argument("--gateway-port", type=_port, default=8000, help="0 = a free port")
     up.add_argument("--redis-port", type=_port, default=0, help="0 = a free port")
+    up.add_argument("--tinker-port", type=_port, default=0,
+                    help="the Tinker API's port, where the tinker package is installed (0 = a free port)")
     up.add_argument("--replicas", type=_replicas, default=1,
                     help="inference replicas, each with its own engine, behind the router (HAProxy) on the gateway port")
     up.set_defaults(func=cmd_up)

@@ -250,7 +250,9 @@ class Composition:
     # what is checked and written before and after the services start ---------
     def check_ports(self) -> None:
         """Refuse, before anything starts, a port given in the config that something listens on."""
-        for what, port in (("gateway", self.config.gateway_port), ("redis", self.config.redis_port)):
+        given = (("gateway", self.config.gateway_port), ("redis", self.config.redis_port),
+                 ("tinker", self.config.tinker_port if self.tinker_url else 0))
+        for what, port in given:
             if port and not port_free(port):
                 raise ConfigError(
                     f"{what} port {port} is in use (another `tandem up`?); stop that, "
