@@ -308,15 +308,18 @@ def test_an_on_policy_run_goes_on_from_the_version_before_a_broken_newest(
 
 def test_a_stale_rollout_of_a_run_whose_newest_does_not_serve_says_so(trainer: Trainer, run: RunSpec,
                                                                      redis_conn) -> None:
+    """v2 does not serve yet: still loading (the common case: jobs pipelined with wait=False) or
+    refused. The message says both, not only "refused, restart inference"."""
     trainer.train(make_job("job-1"))
     trainer.train(make_job("job-2", seed=1, version=1))
-    redis_conn.set(keys.run_serving(RUN), 1)  # inference refused v2 (e.g. its adapter slots were full)
+    redis_conn.set(keys.run_serving(RUN), 1)
     job = make_job("job-3", seed=2, version=0)
     with pytest.raises(JobRejected) as info:
         trainer.train(job)
     message = str(info.value)
-    assert "max_staleness_steps=1" in message and "version 2 does not serve" in message
-    assert "inference serves version 1" in message and "adapter_rejected" in message
+    assert f"max_staleness_steps=1: sample again with model {RUN!r} (its newest version)" in message
+    assert "inference serves version 1, not yet version 2: it may still be loading" in message
+    assert "an adapter_rejected event of version 2 says why it will not" in message
 
 
 def test_a_run_whose_directory_is_not_in_the_store_is_not_started_over_from_the_base_model(

@@ -104,8 +104,8 @@ def check_versions(job: TrainJob, spec: RunSpec, latest: int, parent: int, regis
                 raise JobRejected(
                     f"{field}: the trajectory comes from version {traj.version}, "
                     f"{parent - traj.version} versions older than version {parent} this job trains "
-                    f"from; run {spec.name!r} allows max_staleness_steps={spec.max_staleness_steps}"
-                    + _not_serving(registry, spec.name, parent),
+                    f"from; run {spec.name!r} allows max_staleness_steps={spec.max_staleness_steps}: sample "
+                    f"again with model {spec.name!r} (its newest version)" + _not_serving(registry, spec.name, parent),
                     field=field,
                 )
 
@@ -118,7 +118,7 @@ def _not_serving(registry: Registry, run: str, parent: int) -> str:
         return ""
     if serving >= parent:
         return ""
-    return (f"; version {parent} does not serve (inference serves version {serving}: its adapter_rejected "
-            "event says why, e.g. the engine's adapter slots are full), so no rollout of it can exist; "
-            "fix that and restart the inference service, which loads the newest version, or allow "
-            "staler rollouts with a new run")
+    return (f"; inference serves version {serving}, not yet version {parent}: it may still be loading (then "
+            f"sample once it serves: train() returns when it does), or an adapter_rejected event of version "
+            f"{parent} says why it will not (e.g. the engine's adapter slots are full: fix that and restart the "
+            "inference service, which loads the newest version)")
