@@ -560,7 +560,15 @@ def test_engine_refusals_are_400_and_an_unreachable_engine_503(
     }  # longer than the tiny model's context: the engine refuses it, for what the client asked
     resp = httpx.post(f"{url}/v1/completions", json=too_long)
     assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
-    assert "context length 1024" in resp.json()["error"]["message"]
+    assert "context length 1024" in resp.json()["error"]["message"] and resp.json()["error"]["param"] == "prompt"
+    for body, param in (({"prompt": [5] * 1000, "max_tokens": 60}, "max_tokens"),  # fits alone, not with the ask
+                        ({"messages": [{"role": "user", "content": "x " * 1100}], "max_tokens": 2}, "messages")):
+        route = "chat/completions" if "messages" in body else "completions"
+        resp = httpx.post(f"{url}/v1/{route}", json={"model": "base", **body})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+        assert "context length 1024" in resp.json()["error"]["message"]
+        if param.startswith("max"):
+            assert "ask for at most" in resp.json()["error"]["message"]
 
     dead = inference_settings(redis_url, tmp_path / "s2", f"http://127.0.0.1:{free_port()}", tiny_model)
     with gateway(dead, tokenizer, with_controller=False) as dead_url:

@@ -231,6 +231,14 @@ def test_refusals_in_tinkers_shape(url: str, sdk: Any, tiny_model: Path, redis_c
             "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]},
             "sampling_params": {"max_tokens": 2, "temperature": 0}})
         assert sample.status_code == 200, sample.text
+        for tokens, max_tokens, param in (([5] * 1020, 8, "sampling_params.max_tokens"), ([5] * 1030, 2, "prompt")):
+            long = http.post("/api/v1/asample", json={
+                "sampling_session_id": sessions[0], "seq_id": 1, "num_samples": 1,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
+                "sampling_params": {"max_tokens": max_tokens, "temperature": 0}})
+            body = long.json() if long.status_code != 200 else http.post(
+                "/api/v1/retrieve_future", json={"request_id": long.json()["request_id"]}).json()
+            assert "context length 1024" in body["error"] and body.get("param") == param, body
         foreign = http.post("/api/v1/retrieve_futures", json={
             "target": {"type": "sampling_session", "sampling_session_id": sessions[1]},
             "retrieved_request_ids": [sample.json()["request_id"]]})

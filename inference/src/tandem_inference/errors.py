@@ -193,6 +193,12 @@ class RequestRefused(InferenceError):
         """The request field at fault (OpenAI's `param`)."""
 
 
+class ContextTooLong(RequestRefused):
+    """The prompt and the tokens asked for do not fit in the model's context (OpenAI's 400)."""
+
+    status_code = 400
+
+
 class EpisodeRefused(RequestRefused):
     """An episode request the gateway refuses; nothing of the episode changed."""
 

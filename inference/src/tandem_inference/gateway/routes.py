@@ -70,7 +70,8 @@ async def chat_completions(body: ChatRequest, request: Request, gw: GatewayDep) 
         turn = await gw.episode_turn(body, sampling.max_tokens)
         return await gw.serve(request, "chat", body, turn.input_ids, sampling, body.logprobs, episode=turn)
     ids = await gw.chat_ids(body)
-    sampling = gw.fit_default(sampling, asked=asked, prompt_tokens=len(ids))
+    sampling = gw.fit_default(sampling, asked=asked, prompt_tokens=len(ids), prompt_param="messages",
+                              param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     return await gw.serve(request, "chat", body, ids, sampling, body.logprobs)
 
 

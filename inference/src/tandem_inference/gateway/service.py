@@ -27,6 +27,7 @@ from tandem_inference.controller.gpu_sharing import Admission
 from tandem_inference.engines.base import Engine, Sampling
 from tandem_inference.errors import (
     ClientLeft,
+    ContextTooLong,
     EngineClientError,
     ModelNotFound,
     NotResident,
@@ -191,10 +192,23 @@ class Gateway:
             stop_token_ids=tuple(body.stop_token_ids or ()),
         )
 
-    def fit_default(self, sampling: Sampling, *, asked: int | None, prompt_tokens: int) -> Sampling:
+    def fit_default(self, sampling: Sampling, *, asked: int | None, prompt_tokens: int,
+                    param: str = "max_tokens", prompt_param: str = "prompt") -> Sampling:
         """A request that named no max_tokens gets the default only as far as the context leaves
-        room after its prompt (OpenAI's rule: the rest of the context); one that named it keeps it."""
-        room = (self._engine_context or 0) - prompt_tokens
+        room after its prompt (OpenAI's rule: the rest of the context); one that named more than
+        that room is refused naming `param`, and a prompt that leaves no room naming `prompt_param`
+        (the engine would refuse both, naming no field)."""
+        context = self._engine_context or 0
+        room = context - prompt_tokens
+        if context and room < 1:
+            raise ContextTooLong(
+                f"{prompt_param}: the prompt's {prompt_tokens} tokens leave no room in the model's context length "
+                f"{context}; shorten it", param=prompt_param)
+        if asked is not None and context and asked > room:
+            raise ContextTooLong(
+                f"{param} {asked}: the prompt's {prompt_tokens} tokens and {asked} new ones exceed the model's "
+                f"context length {context}; ask for at most {room} (or leave {param} out: the rest of the context)",
+                param=param)
         if asked is not None or room < 1 or sampling.max_tokens <= room:
             return sampling
         return dataclasses.replace(sampling, max_tokens=room)

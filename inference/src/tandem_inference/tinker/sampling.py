@@ -17,6 +17,9 @@ from tinker import types as tt
 from tandem_inference.errors import TinkerInvalid, TinkerRefusal
 from tandem_inference.tinker import wire
 
+#: Fields of the SDK's SamplingParams under the gateway's names: a refusal of one names it as the SDK sent it.
+SAMPLING_PARAMS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"})
+
 #: SampleRequest's extras the engine cannot serve, with the value that means "not asked".
 _EXTRAS: dict[str, Any] = {"prompt_logprobs": (None, False), "topk_prompt_logprobs": (0,),
                            "topk_sample_logprobs": (0,), "target_prompt_logprobs": (None,),
@@ -99,8 +102,11 @@ def sample(gateway: httpx.Client, body: dict[str, Any], timeout_s: float) -> byt
     if resp.status_code >= 400:
         message = (reply.get("error") or {}).get("message") if isinstance(reply, dict) else None
         error = TinkerInvalid if resp.status_code < 500 else TinkerRefusal
+        param = (reply.get("error") or {}).get("param") if isinstance(reply, dict) else None
+        if param in SAMPLING_PARAMS:  # the gateway's name of a field of the SDK's SamplingParams
+            param = f"sampling_params.{param}"
         raise error(f"the gateway refused the sample ({resp.status_code}): {message or resp.text[:300]}",
-                    param=(reply.get("error") or {}).get("param") if isinstance(reply, dict) else None)
+                    param=param)
     ext = reply.get("tandem") or {}
     ids, lps = ext.get("completion_token_ids") or [], ext.get("completion_logprobs") or []
     choices = sorted(reply.get("choices") or [], key=lambda c: c.get("index", 0))
