@@ -153,6 +153,21 @@ def test_bad_ids_n_and_stream_are_422_naming_the_field(url: str, extra: dict[str
     assert httpx.get(f"{url}/v1/episodes/ep").status_code == 404  # nothing was stored
 
 
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("chat/completions", {"messages": START, "episode_id": "ep"}, "episode_id"),  # the client's name of the field
+    ("completions", {"prompt": "hi", "episode": "ep"}, "episode"),  # episodes are chat's
+    ("completions", {"prompt": "hi", "episode_id": "ep"}, "episode_id"),
+])
+def test_an_episode_asked_where_none_is_kept_is_refused_not_served_without_it(
+        url: str, route: str, body: dict[str, Any], param: str) -> None:
+    """Ignored like other unknown fields, these served the turn and kept no episode: its
+    trajectory was lost, found out only when reading the episode back."""
+    resp = httpx.post(f"{url}/v1/{route}", json={"model": BASE, "max_tokens": 2, **body}, timeout=30)
+    assert resp.status_code == 422 and resp.json()["error"]["param"] == param, resp.text
+    assert "`episode`" in resp.json()["error"]["message"] or "/v1/chat/completions" in resp.json()["error"]["message"]
+    assert httpx.get(f"{url}/v1/episodes/ep").status_code == 404
+
+
 def test_a_continuation_that_is_not_a_prefix_is_409_naming_the_first_differing_message(url: str) -> None:
     first = said(turn(url, "ep-x", START, max_tokens=4))
     reply = first["choices"][0]["message"]

@@ -306,6 +306,9 @@ class ChatRequest(ChatLogprobs, SamplingRequest):
     """`none` leaves the tools out of the prompt, `auto` (or none) renders them; a forced choice is refused."""
     episode: str | None = Field(None, pattern=EPISODE_ID)
     """The multi-turn episode this request continues (or starts): see gateway/episodes.py."""
+    episode_id: Any = None
+    """The client's name of `episode` (`Run.episode(episode_id=...)`): refused, naming `episode`,
+    since ignored like other unknown fields it would serve the turn and keep no episode."""
     parallel_tool_calls: Any = None
     prediction: Any = None
     audio: Any = None
@@ -322,6 +325,14 @@ class ChatRequest(ChatLogprobs, SamplingRequest):
         if value is not None and other is not None and value != other:
             raise ValueError(f"max_tokens {other} and max_completion_tokens {value} differ: they are two names of "
                              "one limit (max_completion_tokens the newer); send one of them, or the same value in both")
+        return value
+
+    @field_validator("episode_id")
+    @classmethod
+    def _episode_is_the_field(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("the gateway's field for an episode's id is `episode`, not `episode_id`; send "
+                             "\"episode\": <id> (the turn was not served, so that no episode is lost)")
         return value
 
     @field_validator("tool_choice")
@@ -350,6 +361,9 @@ class CompletionRequest(SamplingRequest):
     """`NOT_SAMPLED`: refused unless neutral."""
     max_completion_tokens: Any = None
     """Chat's field, not the completions API's: refused unless null, never ignored."""
+    episode: Any = None
+    episode_id: Any = None
+    """Episodes are chat's (turns of messages): refused unless null, never ignored."""
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
     """OpenAI's completions API takes a count here: any value asks for logprobs, and that many
     alternatives per token come back in `top_logprobs`."""
@@ -360,6 +374,14 @@ class CompletionRequest(SamplingRequest):
         if isinstance(value, list) and any(isinstance(p, (str, list)) for p in value):
             raise ValueError("a batch of prompts (a list of strings or of token-id lists) is not served; send one "
                              "prompt per request, a string or one list of token ids (n asks for several samples)")
+        return value
+
+    @field_validator("episode", "episode_id")
+    @classmethod
+    def _no_episode(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(f"{info.field_name}: episodes are turns of messages, served by /v1/chat/completions "
+                             "only; send the turn there (\"episode\": <id>), or leave the field out")
         return value
 
     @field_validator("max_completion_tokens")
