@@ -151,9 +151,15 @@ def test_episodes_of_one_start_make_a_group_and_close_deletes_them() -> None:
         pass
     assert ("DELETE", f"/v1/episodes/{ep.id}", None) in gateway.requests
     ep.close()  # idempotent
-    with pytest.raises(GatewayError) as info:
-        ep.trajectory(1.0)
-    assert info.value.status_code == 404
+    for use in (lambda: ep.trajectory(1.0), lambda: ep.sample(), lambda: run.group([ep], [1.0])):
+        with pytest.raises(ValidationFailed, match="was closed") as info:  # not the gateway's "unknown or expired"
+            use()
+        assert info.value.field == "episode"
+    fresh = run.episode([{"role": "user", "content": "z"}])
+    sent = len(gateway.requests)
+    with pytest.raises(ValidationFailed, match="has no sampled turn.*call sample\\(\\) first"):
+        run.group([fresh], [1.0])
+    assert len(gateway.requests) == sent  # nothing asked of the gateway
 
 
 @pytest.mark.parametrize("episode_id", ["", "a/b", "x" * 129, "white space", "ep\n"])
@@ -175,6 +181,12 @@ def test_assistant_messages_come_only_from_sample() -> None:
         ep.add({"role": "assistant", "content": "made up"})
     with pytest.raises(ValidationFailed, match="empty"):
         run.episode([])
+    for bad in ("wizard", "Assistant", "function"):  # kept, it made every later turn fail with a 422
+        with pytest.raises(ValidationFailed, match=f"role '{bad}'.*system, developer, user, tool") as info:
+            ep.add({"role": bad, "content": "x"})
+        assert info.value.field == "messages"
+    assert ep.messages == [{"role": "user", "content": "a"}]
+    ep.add({"role": "tool", "content": "42"}, {"role": "developer", "content": "d"})  # the roles it takes
 
 
 def test_an_episode_without_a_turn_cannot_become_a_trajectory() -> None:

@@ -153,6 +153,19 @@ class Episode:
         self.turns: list[Turn] = []
         self.state: EpisodeState | None = None
         """The gateway's episode after the last turn (None before the first)."""
+        self._given_id = episode_id is not None
+        """An id of the caller's: the episode may have turns another process sampled."""
+        self._closed = False
+
+    def _check_open(self, doing: str, *, needs_turn: bool = False) -> None:
+        """ValidationFailed for what the gateway would answer with "unknown or expired" (404): an
+        episode this object closed, or one it never sampled (and nobody else did: its id is new)."""
+        if self._closed:
+            raise ValidationFailed(f"episode {self.id!r} was closed (close() or the end of its `with`); it cannot "
+                                   f"{doing}: start a new episode", field="episode")
+        if needs_turn and not self.turns and not self._given_id:
+            raise ValidationFailed(f"episode {self.id!r} has no sampled turn, so the gateway holds nothing of it to "
+                                   f"{doing}; call sample() first", field="turns")
 
     def sample(
         self,
@@ -165,6 +178,7 @@ class Episode:
         version: int | None = None,
     ) -> Turn:
         """Sample the next assistant turn from the episode's ids and append it to `messages`."""
+        self._check_open("sample a turn")
         body: dict[str, Any] = {
             "model": self.run.name if version is None else f"{self.run.name}@v{version}",
             "messages": self.messages, "episode": self.id, "max_tokens": max_tokens,
@@ -186,6 +200,7 @@ class Episode:
 
     def fetch(self) -> EpisodeState:
         """The gateway's episode now (`GET /v1/episodes/{id}`); GatewayError 404 once it expired."""
+        self._check_open("be read", needs_turn=True)
         data = self.run.client.get(f"/v1/episodes/{self.id}")
         try:
             return EpisodeState.model_validate(data)
@@ -203,6 +218,7 @@ class Episode:
     def close(self) -> None:
         """Drop the episode from the gateway's store (it would expire on its own)."""
         self.run.client.delete(f"/v1/episodes/{self.id}")
+        self._closed = True
 
     def __enter__(self) -> Episode:
         return self
@@ -220,6 +236,14 @@ def _check_messages(messages: Sequence[dict[str, Any]], where: str) -> None:
             raise ValidationFailed(
                 f"{where} #{i} is an assistant message; an episode's assistant turns come from "
                 "sample(), so that their ids are the ones the model sampled", field="messages")
+        if role not in MESSAGE_ROLES:
+            raise ValidationFailed(
+                f"{where} #{i} has role {role[:40]!r}; an episode takes {', '.join(MESSAGE_ROLES)} messages (kept, it "
+                "would make every later turn of the episode fail)", field="messages")
+
+
+#: The roles of the messages an episode takes from the caller (the gateway's, less `assistant`).
+MESSAGE_ROLES = ("system", "developer", "user", "tool")
 
 
 def _parse_turn(data: dict[str, Any], gateway_url: str) -> tuple[Turn, EpisodeState]:
