@@ -215,6 +215,13 @@ def test_refusals_in_tinkers_shape(url: str, sdk: Any, tiny_model: Path, redis_c
         bad = refusal(http.post("/api/v1/forward_backward", content=b"\xff\x00garbage",
                                 headers={"Content-Type": "application/x-protobuf"}), 422)
         assert "ForwardBackwardRequest" in bad["error"]
+        for fbi, param in (({"data": "x", "loss_fn": "cross_entropy"}, "forward_backward_input.data"),
+                           ({"data": ["x"], "loss_fn": "cross_entropy"}, "data.0"), ("x", "forward_backward_input"),
+                           ({"data": [], "loss_fn": "cross_entropy", "loss_fn_config": [1]},
+                            "forward_backward_input.loss_fn_config")):
+            shaped = refusal(http.post("/api/v1/forward_backward", json={
+                "model_id": "any", "seq_id": 1, "forward_backward_input": fbi}), 422)
+            assert shaped["param"] == param, shaped
         shape = refusal(http.post("/api/v1/create_model", json={"session_id": "s", "base_model": 3}), 422)
         assert shape["param"]
         assert "request_id" in refusal(http.post("/api/v1/retrieve_future", json={"request_id": "req-x"}), 404)["param"]

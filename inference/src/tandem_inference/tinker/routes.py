@@ -172,11 +172,25 @@ async def forward_backward(request: Request) -> dict[str, Any]:
 def _json_forward_backward(body: bytes) -> tuple[str, int | None, str, dict[str, float], list[Any], bool]:
     """The JSON form of a forward_backward (what SDKs before protobuf sent)."""
     raw = wire.loads(body)
+    if not isinstance(raw, dict):
+        raise TinkerInvalid(f"the body is not a ForwardBackwardRequest, in JSON or protobuf (Content-Type: "
+                            f"{wire.PROTO}): a JSON {type(raw).__name__}, not an object", param="body")
+    fbi = raw.get("forward_backward_input")
+    if not isinstance(fbi, dict):
+        raise TinkerInvalid(f"forward_backward_input is {type(fbi).__name__}; send an object with data (a list of "
+                            "Datum) and loss_fn", param="forward_backward_input")
+    for field, kind in (("data", list), ("loss_fn_config", (dict, type(None)))):
+        if not isinstance(fbi.get(field), kind):
+            raise TinkerInvalid(f"forward_backward_input.{field} is {type(fbi.get(field)).__name__}; send "
+                                f"{'a list of Datum' if field == 'data' else 'an object of numbers, or null'}",
+                                param=f"forward_backward_input.{field}")
     try:
-        fbi = raw["forward_backward_input"]
         loss_fn = wire.check_loss(str(fbi["loss_fn"]))  # first: an unsupported loss is named before its config
         datums = []
         for i, d in enumerate(fbi["data"]):
+            if not isinstance(d, dict):
+                raise TinkerInvalid(f"data.{i} is {type(d).__name__}; each datum is an object with model_input "
+                                    "and loss_fn_inputs", param=f"data.{i}")
             tokens = [int(t) for j, c in enumerate(d["model_input"]["chunks"]) for t in _chunk_tokens(i, j, c)]
             inputs = {k: wire.json_tensor(f"data.{i}.loss_fn_inputs.{k}", v) for k, v in d.get("loss_fn_inputs", {}).items()}
             datums.append(wire.datum(i, tokens, inputs))
