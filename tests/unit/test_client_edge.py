@@ -114,6 +114,8 @@ BAD_GROUPS: dict[str, tuple[list[Completion], list[float], str | None]] = {
     "more rewards than completions": ([completion(), completion()], [1.0, 0.0, 1.0], "rewards"),
     "one completion": ([completion()], [1.0], None),
     "reward not finite": ([completion(), completion()], [float("nan"), 1.0], None),
+    "reward a string": ([completion(), completion()], ["1", 0.0], None),  # pydantic took "1" and True for 1.0
+    "reward a bool": ([completion(), completion()], [True, 0.0], None),
 }
 
 

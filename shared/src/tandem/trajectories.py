@@ -138,6 +138,15 @@ class Trajectory(Sample):
     reward: float
     """Scalar reward."""
 
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _a_number(cls, reward: Any) -> Any:
+        """A number: pydantic would read "1" and True as 1.0, a reward function's bug taken for a score."""
+        if isinstance(reward, (bool, str, bytes)):
+            raise ValueError(f"reward {reward!r:.60} is a {type(reward).__name__}; give a number (a float or an int; "
+                             "numpy scalars work)")
+        return reward
+
     @field_validator("loss_mask")
     @classmethod
     def _something_to_train(cls, mask: list[int] | None) -> list[int] | None:
