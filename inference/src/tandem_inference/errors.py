@@ -35,6 +35,7 @@
         │   └── TinkerUnsupported      a route or option tandem does not serve (404; lists what it serves)
         └── RequestRefused             (gateway) a request refused for a value it asks for (422 unless
             │                          a subclass says otherwise); carries the field at fault
+            ├── ContextTooLong         the prompt and the tokens asked for do not fit the context (400)
             └── EpisodeRefused         an episode request that cannot go on (422 for a request
                 │                      episodes do not take)
                 ├── EpisodeNotFound    the episode is unknown or has expired (404)

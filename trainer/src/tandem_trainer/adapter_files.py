@@ -163,7 +163,7 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
     while i < len(views):
         written = os.writev(fd, views[i:i + IOV_MAX])
         if written <= 0:
-            raise OSError(f"writev wrote nothing with {sum(len(v) for v in views[i:])} bytes left")
+            raise CheckpointError(f"writev wrote nothing with {sum(len(v) for v in views[i:])} bytes left")
         while i < len(views) and written >= len(views[i]):
             written -= len(views[i])
             i += 1
