@@ -313,3 +313,24 @@ def test_a_failed_step_names_the_field_the_trainer_refused(redis_conn: redis.Red
     with pytest.raises(TrainFailed, match="step 1 failed: token id 99999") as info:
         handle.result(timeout_s=10)
     assert info.value.field == expected
+
+
+def test_a_pipelined_train_that_raises_an_earlier_failure_hands_back_its_own_job(
+        redis_conn: redis.Redis, client_conn: redis.Redis) -> None:
+    """train(wait=False) submits its job, then waits on the oldest pending ones (max_staleness_steps):
+    an earlier job's failure raised there used to read as this call's, with no handle to the job it
+    had queued, so a caller that retried trained that step twice."""
+    run = open_run(client_conn, "pipelined")
+    first = run.train([group()], wait=False)
+    EventStream(redis_conn).append(Event(
+        kind=EventKind.TRAIN_FAILED, run="pipelined", job_id=first.job_id,
+        data={"message": "stale rollouts", "field": "groups.0.trajectories.0.version", "retries_left": 0},
+    ))
+    with pytest.raises(TrainFailed) as info:
+        run.train([group()], wait=False, timeout_s=10)
+    mine = info.value.submitted
+    assert mine is not None and mine.job_id != first.job_id and mine.step == 2
+    assert str(info.value).startswith("step 1 failed: stale rollouts")
+    assert f"this call's own job {mine.job_id}, step 2, was submitted and is pending" in str(info.value)
+    assert info.value.field == "groups.0.trajectories.0.version"
+    assert run.status()["pending_jobs"] == [mine.job_id]

@@ -202,7 +202,13 @@ class Run:
             self._pending.append(handle)
         if wait:
             return self._wait_through(handle, timeout_s)
-        self._drain(self.spec.max_staleness_steps, timeout_s)
+        try:
+            self._drain(self.spec.max_staleness_steps, timeout_s)
+        except TrainFailed as exc:  # an earlier job's: this call's own job is queued, say so
+            raise TrainFailed(f"{exc}{_submitted(handle)}", field=exc.field, submitted=handle) from exc
+        except TrainTimeout as exc:
+            raise TrainTimeout(f"{exc}{_submitted(handle)}", running=exc.running, job_id=exc.job_id,
+                               handle=exc.handle, submitted=handle) from exc
         return handle
 
     def _wait_through(self, mine: TrainHandle, timeout_s: float | None) -> jobs.TrainResult:
@@ -408,3 +414,9 @@ class Client(Session):
         except ValidationError as exc:
             raise GatewayError(f"DELETE /v1/runs/{name} answered without what it deleted: {exc}",
                                status_code=200) from exc
+
+
+def _submitted(handle: TrainHandle) -> str:
+    """What a train(wait=False) that raised an earlier job's outcome did with its own job."""
+    return (f" (an earlier job's; this call's own job {handle.job_id}, step {handle.step}, was submitted and is "
+            "pending: the exception's .submitted is its handle; do not submit the same groups again)")

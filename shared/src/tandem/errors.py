@@ -97,11 +97,14 @@ class VersionExists(AdapterError):
 
 class TrainFailed(TandemError):
     """A train job ended with `train_failed`; the message is the trainer's, and `field` names the
-    part of the job it refused (`groups.0.trajectories.3.completion_ids`), None when no one part."""
+    part of the job it refused (`groups.0.trajectories.3.completion_ids`), None when no one part.
+    `submitted`: a `train(wait=False)` that raised an earlier job's failure had submitted its own
+    job first, pending: its `tandem.TrainHandle` (else None)."""
 
-    def __init__(self, message: str, *, field: str | None = None) -> None:
+    def __init__(self, message: str, *, field: str | None = None, submitted: object = None) -> None:
         super().__init__(message)
         self.field = field
+        self.submitted = submitted
 
 
 class TrainTimeout(TandemError):
@@ -109,14 +112,16 @@ class TrainTimeout(TandemError):
     it, so it may still publish a version (wait on it again rather than submitting it again); a job
     that had not started is cancelled. `job_id` and `handle` (a `tandem.TrainHandle`): the job the
     call submitted, to wait on again with `handle.result()` (a `train()` that waited returns no
-    handle otherwise)."""
+    handle otherwise). `submitted`: as TrainFailed's, when a `train(wait=False)` raised it for an
+    earlier job."""
 
     def __init__(self, message: str, *, running: bool = False, job_id: str | None = None,
-                 handle: object = None) -> None:
+                 handle: object = None, submitted: object = None) -> None:
         super().__init__(message)
         self.running = running
         self.job_id = job_id
         self.handle = handle
+        self.submitted = submitted
 
 
 class GatewayError(TandemError):
