@@ -115,3 +115,27 @@ def test_a_client_made_with_a_bad_variable_raises_config_error_naming_it(monkeyp
     monkeypatch.setenv("TANDEM_TRAIN_TIMEOUT_S", "-5")
     with pytest.raises(ConfigError, match="TANDEM_TRAIN_TIMEOUT_S='-5': Input should be greater than 0"):
         Client("http://127.0.0.1:9", "redis://127.0.0.1:9/0")
+
+
+@pytest.mark.parametrize(("prog", "entry"), [
+    ("tandem-engine", "tandem_inference.engines.transformers.server:main"),
+    ("tandem-inference", "tandem_inference.main:main"),
+    ("tandem-tinker", "tandem_inference.tinker.main:main"),
+    ("tandem-trainer", "tandem_trainer.main:main"),
+])
+def test_a_service_command_answers_help_and_refuses_arguments_before_it_starts(
+        prog: str, entry: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tandem-engine --help` used to load the model and serve on its port, with no admin key."""
+    import importlib
+
+    module, name = entry.split(":")
+    main = getattr(importlib.import_module(module), name)
+    monkeypatch.setenv("TANDEM_REDIS__URL", "redis://127.0.0.1:9/0")  # nothing may be reached before these end
+    for argv, code in ((["--help"], 0), (["--port", "5"], 2)):
+        monkeypatch.setattr("sys.argv", [prog, *argv])
+        with pytest.raises(SystemExit) as ended:
+            main()
+        assert ended.value.code == code
+    out, err = capsys.readouterr()
+    assert f"usage: {prog}" in out and "TANDEM_ environment variables" in out and "tandem settings" in out
+    assert "unrecognized arguments: --port 5" in err

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from tandem import logs
 from tandem.errors import ConfigError, TandemError
-from tandem.settings import GatewaySettings, InferenceSettings, load
+from tandem.settings import GatewaySettings, InferenceSettings, load, service_arguments
 from tandem_inference.bodies import is_loopback
 
 if TYPE_CHECKING:
@@ -180,6 +180,8 @@ def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
 
 
 def main() -> int:
+    service_arguments("tandem-inference", "inference", "The inference service: the OpenAI-compatible gateway, "
+                      "and the controller that hot-loads each adapter version into the engine.")
     logs.configure()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
     try:

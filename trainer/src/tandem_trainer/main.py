@@ -40,9 +40,12 @@ def main(argv: list[str] | None = None) -> None:
 
     from tandem import logs
     from tandem.errors import ConfigError, TandemError
-    from tandem.settings import TrainerSettings, load
+    from tandem.settings import TrainerSettings, load, service_arguments
 
     args = sys.argv[1:] if argv is None else argv
+    service_arguments("tandem-trainer", "trainer", "The trainer worker: takes training jobs off the queue, trains "
+                      "the LoRA adapters and publishes each version.", args,
+                      flags={"--burst": "exit once the queue is empty instead of waiting for jobs"})
     logs.configure()
     try:
         settings = load(TrainerSettings)

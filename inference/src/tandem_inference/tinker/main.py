@@ -12,7 +12,7 @@ import logging
 
 from tandem.errors import TandemError
 from tandem.logs import configure
-from tandem.settings import TinkerSettings, load
+from tandem.settings import TinkerSettings, load, service_arguments
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,8 @@ def _loopback(host: str) -> bool:
 
 
 def main() -> None:
+    service_arguments("tandem-tinker", "tinker", "The Tinker-compatible training API: the tinker SDK and "
+                      "tinker-cookbook train and sample through it.")
     configure()
     try:
         _serve(load(TinkerSettings))

@@ -25,7 +25,7 @@ from tandem.settings.controller import ControllerSettings, ReplicaSettings
 from tandem.settings.engine import VLLM_LORA_RANKS, EngineSettings
 from tandem.settings.gateway import GatewaySettings
 from tandem.settings.gpus import GpuSettings, ReleaseTag
-from tandem.settings.loading import load
+from tandem.settings.loading import load, service_arguments
 from tandem.settings.root import (
     LOCAL_STACK_ENV,
     SERVICES,
@@ -43,5 +43,6 @@ __all__ = [
     "LOCAL_STACK_ENV", "SERVICES", "VLLM_LORA_RANKS", "ClientSettings", "ControllerSettings", "EngineSettings",
     "GatewaySettings", "GpuSettings", "InferenceSettings", "ParallelSettings", "RedisSettings", "ReleaseTag",
     "ReplicaSettings", "RetentionSettings", "Secret", "StoreSettings", "TinkerServiceSettings", "TinkerSettings",
-    "TrackerSettings", "TrainerBackendSettings", "TrainerMetricsSettings", "TrainerSettings", "load", "redact_url",
+    "TrackerSettings", "TrainerBackendSettings", "TrainerMetricsSettings", "TrainerSettings", "load",
+    "redact_url", "service_arguments",
 ]

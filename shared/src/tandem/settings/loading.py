@@ -11,10 +11,12 @@ with the setting it may have meant: a misspelt key would otherwise leave a gatew
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import json
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from typing import TypeVar
 
@@ -76,6 +78,22 @@ def setting_fields(model: type[BaseModel], env: str = PREFIX, path: str = "") ->
             yield from setting_fields(ann, f"{env}{name.upper()}__", f"{path}{name}.")
         else:
             yield f"{env}{name.upper()}", f"{path}{name}", info
+
+
+def service_arguments(prog: str, service: str, summary: str, argv: list[str] | None = None,
+                      flags: dict[str, str] | None = None) -> argparse.Namespace:
+    """A service command's arguments, before anything starts: `--help` says what it is and what
+    configures it (the TANDEM_ variables, not arguments), `flags` (name: help) are its switches,
+    and anything else is a usage error naming it (exit 2). `tandem-engine --help` used to load the
+    model and serve."""
+    parser = argparse.ArgumentParser(
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=f"{summary}\n\nConfigured by TANDEM_ environment variables (and a .env file), not "
+                    f"arguments: `tandem settings {service}` prints them resolved, secrets hidden; "
+                    "`tandem settings --markdown` lists every setting with its type and bounds.")
+    for flag, text in (flags or {}).items():
+        parser.add_argument(flag, action="store_true", help=text)
+    return parser.parse_args(sys.argv[1:] if argv is None else argv)
 
 
 def unknown_variables() -> list[tuple[str, str | None]]:

@@ -96,8 +96,10 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 def main() -> None:
     """`tandem-engine`: parse settings, set up logging, then load the model and serve."""
     from tandem.errors import ConfigError
-    from tandem.settings import InferenceSettings, load
+    from tandem.settings import InferenceSettings, load, service_arguments
 
+    service_arguments("tandem-engine", "inference", "The transformers engine (the CPU stack's): serves the base "
+                      "model and its LoRA adapters over HTTP for the inference service.")
     logs.configure()
     try:
         settings = load(InferenceSettings)
