@@ -127,6 +127,7 @@ def test_train_while_redis_is_down_names_the_url_without_its_password(own_redis:
     message = str(info.value)
     assert f"redis://127.0.0.1:{own_redis.port}/0" in message and PASSWORD not in message
     assert "TANDEM_REDIS__URL" in message and "start Redis" in message
+    assert message.startswith("train() submitted nothing for run 'r'") and "submit the same groups again" in message
     client.close()
 
 

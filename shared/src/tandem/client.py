@@ -35,7 +35,16 @@ from tandem import job_quota, jobs
 from tandem.deletion import Deletion
 from tandem.engine_card import EngineCard
 from tandem.episodes import Episode
-from tandem.errors import GatewayError, RunBusy, RunNotFound, TrainFailed, TrainTimeout, ValidationFailed, invalid
+from tandem.errors import (
+    BackendUnavailable,
+    GatewayError,
+    RunBusy,
+    RunNotFound,
+    TrainFailed,
+    TrainTimeout,
+    ValidationFailed,
+    invalid,
+)
 from tandem.events import Event, EventKind
 from tandem.handles import TrainHandle
 from tandem.runs import LoraConfig, LossConfig, OptimizerConfig, RunSpec, check_run_name
@@ -191,11 +200,15 @@ class Run:
                                    field="groups")
         job = jobs.parse_job({"run": self.name, "groups": list(groups), "timeout_s": whole})
         jobs.check_origins(job)
-        jobs.check_incarnation(job, self.client.registry.load_attempt_floor)
-        settings = self.client.settings  # beyond the run's quota of queued jobs, wait for room (job_quota)
-        job_quota.wait_for_room(conn, self.name, settings.run_max_queued_jobs, settings.queue_wait_s)
-        job = job.model_copy(update={"step": self.client.registry.next_step(self.name)})
-        after = self.client.events.last_id()
+        try:  # Redis away before the job is queued: nothing was submitted, and the error says so
+            jobs.check_incarnation(job, self.client.registry.load_attempt_floor)
+            settings = self.client.settings  # beyond the run's quota of queued jobs, wait for room (job_quota)
+            job_quota.wait_for_room(conn, self.name, settings.run_max_queued_jobs, settings.queue_wait_s)
+            job = job.model_copy(update={"step": self.client.registry.next_step(self.name)})
+            after = self.client.events.last_id()
+        except BackendUnavailable as exc:
+            raise BackendUnavailable(f"train() submitted nothing for run {self.name!r}: {exc}; submit the same "
+                                     "groups again once Redis answers") from exc
         jobs.enqueue(conn, job)
         handle = TrainHandle(run=self, job_id=job.job_id, step=job.step, after=after)
         with self._pending_lock:
