@@ -72,6 +72,14 @@ def test_the_stacks_redis_has_a_password_that_stays_private(tmp_path: Path) -> N
             assert secret not in cmdline, f"{name} is on redis-server's command line"
         for private in ("secrets.json", "redis/redis.conf", "client.env"):
             assert (state / private).stat().st_mode & 0o777 == 0o600, private
+        # Redis's data (every run, job and episode) and the logs: the directory is the user's alone,
+        # and what the services write in it is theirs (it was 0755, the AOF and logs 0644)
+        redis.Redis.from_url(stack.admin_redis_url).set("x", "y")
+        assert state.stat().st_mode & 0o777 == 0o700
+        written = [p for p in (state / "redis").rglob("*") if p.is_file() and p.name != "redis.conf"]
+        written += list((state / "logs").glob("*.log"))
+        assert written and all(p.stat().st_mode & 0o077 == 0 for p in written), [
+            (str(p), oct(p.stat().st_mode)) for p in written]
         assert f"TANDEM_REDIS__URL={stack.redis_url}" in (state / "client.env").read_text()
         assert f"TANDEM_GATEWAY_URL={stack.gateway_url}" in (state / "client.env").read_text()
     again = RedisOnly(StackConfig(state_dir=state, gateway_port=0))

@@ -25,6 +25,10 @@ log = logging.getLogger("tandem.dev.stack")
 """`tandem up`'s log: every line of the stack under one name, whichever module writes it."""
 
 
+#: The services' umask: what they write in the state directory is their user's alone.
+PRIVATE_UMASK = 0o077
+
+
 @dataclass
 class Service:
     """One process of the stack: what to run and how to tell it is ready, then its process."""
@@ -60,9 +64,13 @@ class Supervisor:
         """The state directory's lock (`stack.lock`), held while the stack runs."""
 
     def open(self) -> None:
-        """Make the log directory and take the state directory's lock, before any service starts."""
+        """Make the log directory and take the state directory's lock, before any service starts.
+
+        The state directory is the stack's user's alone (0700, and every service writes with umask
+        077): Redis's data holds every run, queued job and episode, the logs their prompts."""
         try:
             self.logs.mkdir(parents=True, exist_ok=True)
+            self.state.chmod(0o700)
         except OSError as exc:
             raise ConfigError(f"cannot make the log directory {self.logs} ({exc}); give the stack a state "
                               "directory it can write (`tandem up --state-dir DIR`)") from exc
@@ -107,10 +115,11 @@ class Supervisor:
     def _spawn(self, svc: Service, env: dict[str, str]) -> None:
         assert svc.log_path is not None
         try:
+            svc.log_path.touch(mode=0o600)
             with svc.log_path.open("ab") as out:
                 svc.proc = subprocess.Popen(
                     svc.argv, env={**env, **svc.env}, stdout=out, stderr=subprocess.STDOUT,
-                    start_new_session=True,
+                    start_new_session=True, umask=PRIVATE_UMASK,
                 )
         except OSError as exc:
             raise StackError(f"cannot start {svc.name} ({svc.argv[0]}, log {svc.log_path}): {exc}") from exc
