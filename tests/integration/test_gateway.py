@@ -601,6 +601,25 @@ def test_serving_the_gateway_app_starts_no_controller(
         assert controller.status()["reconciled"] is False and controller._task is None
 
 
+def test_a_version_the_engine_lost_is_a_503_to_retry_not_a_502(
+    redis_url: str, tmp_path: Path, engine_url: str, tiny_model: Path, tokenizer: Any, redis_conn: redis.Redis
+) -> None:
+    """A restarted engine holds no adapter until the controller loads them again: a request in
+    between was a 502 "engine_error"; it is a 503 with Retry-After, which clients (the openai
+    package among them) retry. (The periodic reconcile is put off here, so the window stays open.)"""
+    settings = inference_settings(redis_url, tmp_path / "store", engine_url, tiny_model, limit=LIMIT)
+    settings = settings.model_copy(update={"controller": settings.controller.model_copy(update={"reconcile_s": 3600})})
+    Registry(redis_conn).create_run(RunSpec(name="lost", base_model=str(tiny_model)))
+    with gateway(settings, tokenizer) as url:
+        train(settings, redis_conn, tiny_model, url, "lost", 1)
+        held = [m["id"] for m in httpx.get(f"{engine_url}/v1/models").json()["data"] if m["id"].startswith("lost-v1")]
+        assert httpx.post(f"{engine_url}/unload_lora_adapter", json={"lora_name": held[0]}).status_code == 200
+        resp = httpx.post(f"{url}/v1/completions", json={"model": "lost", "prompt": "x", "max_tokens": 2})
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "2", resp.text
+        assert resp.json()["error"]["type"] == "engine_unavailable" and "retry in 2 s" in resp.json()["error"]["message"]
+        assert "http://" not in resp.text
+
+
 def test_api_key_is_required_when_set(
     redis_url: str, tmp_path: Path, engine_url: str, tiny_model: Path, tokenizer: Any, redis_conn: redis.Redis
 ) -> None:

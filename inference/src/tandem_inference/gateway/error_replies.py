@@ -39,6 +39,11 @@ _URL = re.compile(r"https?://[^\s,;)'\"]+")
 UNPARSED = "There was an error parsing the body"
 
 
+#: Seconds a client is told to wait when the engine lacks an adapter (a restarted engine's are
+#: loaded again within a reconcile).
+ADAPTER_RETRY_S = 2
+
+
 def for_clients(exc: Exception) -> str:
     """An engine error's message as a client may read it: the engine's internal address left out
     (the gateway's log keeps it)."""
@@ -92,6 +97,13 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, EngineUnreachable):
             log.warning("engine unavailable: %s", exc)
             return error_reply(503, for_clients(exc), "engine_unavailable")
+        if isinstance(exc, AdapterMissing):  # the engine restarted: the controller loads its adapters again
+            log.warning("engine lacks an adapter the table routes to: %s", exc)
+            resp = error_reply(503, "the engine does not hold this version's adapter right now (it restarted, and "
+                               f"its adapters are being loaded again); retry in {ADAPTER_RETRY_S} s",
+                               "engine_unavailable")
+            resp.headers["Retry-After"] = str(ADAPTER_RETRY_S)
+            return resp
         if isinstance(exc, EngineResponseError) and _refused_as_invalid(exc):
             refused(request, 400, f"refused by the engine: {exc.engine_message}")
             return error_reply(400, f"invalid request, refused by the engine: {exc.engine_message}",
