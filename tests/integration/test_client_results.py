@@ -334,3 +334,14 @@ def test_a_pipelined_train_that_raises_an_earlier_failure_hands_back_its_own_job
     assert f"this call's own job {mine.job_id}, step 2, was submitted and is pending" in str(info.value)
     assert info.value.field == "groups.0.trajectories.0.version"
     assert run.status()["pending_jobs"] == [mine.job_id]
+
+    # the same with a train() that waits: it waits on its thread's earlier jobs first
+    EventStream(redis_conn).append(Event(
+        kind=EventKind.TRAIN_FAILED, run="pipelined", job_id=mine.job_id,
+        data={"message": "stale again", "field": None, "retries_left": 0},
+    ))
+    with pytest.raises(TrainFailed) as info:
+        run.train([group()], timeout_s=10)
+    waited = info.value.submitted
+    assert waited is not None and waited.step == 3 and str(info.value).startswith("step 2 failed: stale again")
+    assert f"this call's own job {waited.job_id}, step 3, was submitted" in str(info.value)

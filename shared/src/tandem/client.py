@@ -217,11 +217,8 @@ class Run:
             return self._wait_through(handle, timeout_s)
         try:
             self._drain(self.spec.max_staleness_steps, timeout_s)
-        except TrainFailed as exc:  # an earlier job's: this call's own job is queued, say so
-            raise TrainFailed(f"{exc}{_submitted(handle)}", field=exc.field, submitted=handle) from exc
-        except TrainTimeout as exc:
-            raise TrainTimeout(f"{exc}{_submitted(handle)}", running=exc.running, job_id=exc.job_id,
-                               handle=exc.handle, submitted=handle) from exc
+        except (TrainFailed, TrainTimeout) as exc:  # an earlier job's: this call's own job is queued, say so
+            raise _with_submitted(exc, handle) from exc
         return handle
 
     def _wait_through(self, mine: TrainHandle, timeout_s: float | None) -> jobs.TrainResult:
@@ -242,8 +239,8 @@ class Run:
                     if not given_up.running:
                         self._take_off(mine)
                     raise given_up from exc
-                if handle.thread == mine.thread and self._take_off(handle):
-                    raise
+                if handle.thread == mine.thread and self._take_off(handle):  # this thread's earlier step's
+                    raise _with_submitted(exc, mine) from exc
                 continue
             self._take_off(handle)
         try:
@@ -429,7 +426,11 @@ class Client(Session):
                                status_code=200) from exc
 
 
-def _submitted(handle: TrainHandle) -> str:
-    """What a train(wait=False) that raised an earlier job's outcome did with its own job."""
-    return (f" (an earlier job's; this call's own job {handle.job_id}, step {handle.step}, was submitted and is "
-            "pending: the exception's .submitted is its handle; do not submit the same groups again)")
+def _with_submitted(exc: TrainFailed | TrainTimeout, handle: TrainHandle) -> TrainFailed | TrainTimeout:
+    """An earlier job's failure or timeout, raised by a train() that had queued its own job first:
+    the same error, saying so, with that job's handle (`.submitted`) to wait on."""
+    said = (f"{exc} (an earlier job's; this call's own job {handle.job_id}, step {handle.step}, was submitted and "
+            "is pending: the exception's .submitted is its handle; do not submit the same groups again)")
+    if isinstance(exc, TrainTimeout):
+        return TrainTimeout(said, running=exc.running, job_id=exc.job_id, handle=exc.handle, submitted=handle)
+    return TrainFailed(said, field=exc.field, submitted=handle)

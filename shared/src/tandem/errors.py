@@ -98,7 +98,7 @@ class VersionExists(AdapterError):
 class TrainFailed(TandemError):
     """A train job ended with `train_failed`; the message is the trainer's, and `field` names the
     part of the job it refused (`groups.0.trajectories.3.completion_ids`), None when no one part.
-    `submitted`: a `train(wait=False)` that raised an earlier job's failure had submitted its own
+    `submitted`: a `train()` that raised an earlier job's failure had submitted its own
     job first, pending: its `tandem.TrainHandle` (else None)."""
 
     def __init__(self, message: str, *, field: str | None = None, submitted: object = None) -> None:
@@ -112,7 +112,7 @@ class TrainTimeout(TandemError):
     it, so it may still publish a version (wait on it again rather than submitting it again); a job
     that had not started is cancelled. `job_id` and `handle` (a `tandem.TrainHandle`): the job the
     call submitted, to wait on again with `handle.result()` (a `train()` that waited returns no
-    handle otherwise). `submitted`: as TrainFailed's, when a `train(wait=False)` raised it for an
+    handle otherwise). `submitted`: as TrainFailed's, when a `train()` raised it for an
     earlier job."""
 
     def __init__(self, message: str, *, running: bool = False, job_id: str | None = None,
