@@ -110,10 +110,10 @@ class TrainFailed(TandemError):
 class TrainTimeout(TandemError):
     """A train job did not reach the server in the allowed time. `running`: the trainer had started
     it, so it may still publish a version (wait on it again rather than submitting it again); a job
-    that had not started is cancelled. `job_id` and `handle` (a `tandem.TrainHandle`): the job the
-    call submitted, to wait on again with `handle.result()` (a `train()` that waited returns no
-    handle otherwise). `submitted`: as TrainFailed's, when a `train()` raised it for an
-    earlier job."""
+    that had not started is cancelled. `job_id` and `handle` (a `tandem.TrainHandle`): the job that
+    timed out, to wait on again with `handle.result()` (a `train()` that waited returns no handle
+    otherwise); one that timed out behind an earlier job of the run is the job it submitted.
+    `submitted`: as TrainFailed's, when a `train()` raised an earlier job's timeout."""
 
     def __init__(self, message: str, *, running: bool = False, job_id: str | None = None,
                  handle: object = None, submitted: object = None) -> None:
