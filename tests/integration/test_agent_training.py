@@ -21,7 +21,7 @@ import torch
 from tandem import Client, Run
 from tandem.acl import Role
 from tandem.adapters import AdapterStore
-from tandem.errors import GatewayError
+from tandem.errors import GatewayError, ValidationFailed
 from tandem.registry import Registry
 from tandem.runs import LoraConfig, OptimizerConfig, RunSpec
 from tandem.settings import TrainerSettings
@@ -225,7 +225,9 @@ def test_episode_ids_are_the_engines_turn_after_turn(base_run: Run, tokenizer: A
         rerendered_differs.append(tokenizer(naive, add_special_tokens=False).input_ids
                                   != trajectory.prompt_ids + trajectory.completion_ids)
         ep.close()
-        with pytest.raises(GatewayError) as gone:
-            ep.fetch()
+        with pytest.raises(GatewayError) as gone:  # deleted at the gateway
+            base_run.client.get(f"/v1/episodes/{ep.id}")
         assert gone.value.status_code == 404
+        with pytest.raises(ValidationFailed, match="was closed"):  # and the client says so before asking
+            ep.fetch()
     assert any(rerendered_differs), "re-rendering the conversation gives other ids than the ones sampled"
