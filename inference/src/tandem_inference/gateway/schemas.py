@@ -355,15 +355,25 @@ class ChatRequest(ChatLogprobs, SamplingRequest):
         return [t.as_template_input() for t in self.tools]
 
 
+#: Chat's fields, each refused on the completions API unless null (never ignored), saying what to do instead.
+CHAT_ONLY = {
+    "max_completion_tokens": "max_completion_tokens is not a field of the completions API (only chat completions "
+                             "take it); send max_tokens, the completions API's field, instead",
+    "episode": "episode: episodes are turns of messages, served by /v1/chat/completions only; send the turn there "
+               "(\"episode\": <id>), or leave the field out",
+    "episode_id": "episode_id: episodes are turns of messages, served by /v1/chat/completions only; send the turn "
+                  "there (\"episode\": <id>), or leave the field out",
+}
+
+
 class CompletionRequest(SamplingRequest):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(strict=True)]], Field(min_length=1)]
     suffix: Any = None
     """`NOT_SAMPLED`: refused unless neutral."""
     max_completion_tokens: Any = None
-    """Chat's field, not the completions API's: refused unless null, never ignored."""
     episode: Any = None
     episode_id: Any = None
-    """Episodes are chat's (turns of messages): refused unless null, never ignored."""
+    """`CHAT_ONLY`: chat's fields, refused unless null, never ignored."""
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
     """OpenAI's completions API takes a count here: any value asks for logprobs, and that many
     alternatives per token come back in `top_logprobs`."""
@@ -376,20 +386,11 @@ class CompletionRequest(SamplingRequest):
                              "prompt per request, a string or one list of token ids (n asks for several samples)")
         return value
 
-    @field_validator("episode", "episode_id")
+    @field_validator(*CHAT_ONLY)
     @classmethod
-    def _no_episode(cls, value: Any, info: ValidationInfo) -> Any:
+    def _chat_only(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None:
-            raise ValueError(f"{info.field_name}: episodes are turns of messages, served by /v1/chat/completions "
-                             "only; send the turn there (\"episode\": <id>), or leave the field out")
-        return value
-
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _chat_only(cls, value: Any) -> Any:
-        if value is not None:
-            raise ValueError("max_completion_tokens is not a field of the completions API (only chat completions "
-                             "take it); send max_tokens, the completions API's field, instead")
+            raise ValueError(CHAT_ONLY[info.field_name or ""])
         return value
 
     @property
