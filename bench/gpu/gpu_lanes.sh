@@ -4,9 +4,15 @@
 # separated by '|'; every part runs with KILL=0 and LANE_GPU / GPU set to its lane's GPU, and the
 # engines a part left on its GPU (a part its LIMIT cut short) are ended before the lane's next part.
 #
-#   LANE0='TAG=a ENGINES=sglang ONLY=hotload LIMIT=255 | TAG=c ENGINES=vllm ONLY=throughput VLLM_BATCH_INVARIANT=1 LIMIT=285' \
-#   LANE1='TAG=b ENGINES=vllm ONLY=throughput LIMIT=270 | TAG=d ENGINES=vllm ONLY=throughput LIMIT=270 ENGINE_ARGS='"'"'["--no-enable-prefix-caching"]'"'"'' \
+#   LANE0='TAG=e ENGINES=sglang ONLY=hotload LIMIT=465' \
+#   LANE1='TAG=f ENGINES=vllm ONLY=throughput LIMIT=230 | TAG=g ENGINES=vllm ONLY=throughput LIMIT=330 VLLM_BATCH_INVARIANT=1' \
 #   PART=compare bash bench/gpu/gpu_lanes.sh
+#
+# Size each LIMIT from what the parts took on 2 x H200 (2026-11-30), the lanes sharing the host's
+# CPUs: SGLang's hot-load study ~300 s (its two merges start a trainer process each, 27-39 s);
+# vLLM's throughput grid 195-235 s when it finished (its stack up in 58-176 s, the longest in
+# batch-invariant mode; 16 training jobs; 90 s of cells). A part its LIMIT cuts leaves its log but
+# no results.
 #
 # PART (default compare) applies to every part that names none. Each part's output is in
 # $OUT/lane<gpu>-<n>.log and its files in $OUT/<part>-<TAG>.tgz (gpu_proof.sh's own), so give

@@ -86,9 +86,10 @@ class EngineSettings(BaseModel):
     batch_invariant: bool = False
     """vLLM: its batch-invariant mode (`VLLM_BATCH_INVARIANT=1`), for rollouts that decode the same
     whatever else is in the batch. With tandem's flags vLLM's batched greedy outputs left their solo
-    outputs at near-ties in 78 of 140 requests, none of 140 in this mode (one H200, 2026-11-29);
-    its cost in throughput is not measured yet. Ignored by SGLang, whose batched outputs matched
-    the solo ones (0 of 140) without it."""
+    outputs at near-ties in 78 of 140 requests, none of 140 in this mode (one H200, 2026-11-29).
+    It cost 0.73-0.91 x the tokens/s at one client, and stayed within run-to-run spread at 8 and
+    64 (2026-11-30). Ignored by SGLang, whose batched outputs matched the solo ones (0 of 140)
+    without it."""
     cuda_graph_max_bs: int | None = Field(None, ge=1)
     """Largest batch size SGLang captures CUDA graphs for (vLLM: `--max-cudagraph-capture-size`);
     small values shorten boot."""
