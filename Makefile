@@ -62,7 +62,7 @@ PROFILES ?=
 PROFILE_FLAGS = $(foreach p,$(PROFILES), --profile $(p))
 BENCH_ARGS ?=
 
-.PHONY: help install cookbook demo dev test test-unit test-integration test-latest test-clients bench bench-quick lint clean images up down logs ps e2e locks compose-v2 publish tools
+.PHONY: help install cookbook demo dev test test-unit test-integration test-latest test-clients bench bench-quick lint check-patches clean images up down logs ps e2e locks compose-v2 publish tools
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_.-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -312,6 +312,9 @@ lint: install ## ruff, mypy --strict on the three packages, and actionlint (.git
 	$(VENV)/bin/mypy --strict inference/src/tandem_inference
 	$(VENV)/bin/mypy --strict trainer/src/tandem_trainer
 	$(VENV)/bin/actionlint
+
+check-patches: ## tandem's patches to SGLang (images/patches/) against the locked wheel's files, by sha256
+	images/patches/check.sh sglang
 
 clean: ## remove local state (.tandem) and bench results
 	rm -rf .tandem bench/results

@@ -29,7 +29,7 @@ ENV DEBIAN_FRONTEND=noninteractive LANG=C.UTF-8 PYTHONUNBUFFERED=1 PYTHONDONTWRI
 # (containers here reach PyPI only with it).
 COPY --from=local /local/ca-certificates.crt /tmp/host-ca.crt
 RUN apt-get update -qq \
- && apt-get install -y -qq --no-install-recommends python3 python3-venv python3-dev gcc g++ libc6-dev ca-certificates >/dev/null \
+ && apt-get install -y -qq --no-install-recommends python3 python3-venv python3-dev gcc g++ libc6-dev ca-certificates patch >/dev/null \
  && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb \
  && if [ -s /tmp/host-ca.crt ]; then cp /tmp/host-ca.crt /etc/ssl/certs/ca-certificates.crt; fi && rm /tmp/host-ca.crt \
  && python3 -c "import sys; v = sys.version.split()[0]; assert sys.version_info[:2] == (3, 12), 'the locks are for Python 3.12; BASE_IMAGE has ' + v" \
@@ -41,6 +41,10 @@ RUN apt-get update -qq \
 COPY images/locks/sglang.txt /opt/locks/sglang.txt
 RUN python3 -m venv /opt/sglang \
  && /opt/sglang/bin/pip install -q --no-deps --require-hashes --only-binary :all: -r /opt/locks/sglang.txt
+# tandem's patches to SGLang (images/patches/: an adapter copied into its GPU slot at load time,
+# switched on by engine.eager_adapter_slot), each file checked by sha256 before and after.
+COPY images/patches /opt/patches
+RUN /opt/patches/apply.sh sglang /opt/sglang/lib/python3.12/site-packages
 
 # tandem's environment (no torch), then tandem itself from the source tree.
 COPY images/locks/tandem.txt /opt/locks/tandem.txt

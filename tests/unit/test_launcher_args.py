@@ -73,6 +73,11 @@ def test_engine_sees_only_its_gpus() -> None:
     assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
 
 
+def test_eager_adapter_slot_is_the_patched_sglangs_variable_and_off_unless_asked() -> None:
+    assert sglang_env(settings(eager_adapter_slot=True), base={})["SGLANG_LORA_EAGER_SLOT"] == "1"
+    assert "SGLANG_LORA_EAGER_SLOT" not in sglang_env(settings(), base={})
+
+
 @pytest.mark.parametrize("url", ["http://0.0.0.0:31000", "http://10.0.0.5:31000", "http://sglang:31000"])
 def test_sglang_off_loopback_is_refused_naming_the_url(url: str) -> None:
     with pytest.raises(ConfigError, match=f"engine.url '{url}' makes SGLang listen on .*TANDEM_ENGINE__URL"):

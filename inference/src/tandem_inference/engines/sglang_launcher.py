@@ -55,4 +55,7 @@ def sglang_env(settings: InferenceSettings, base: dict[str, str] | None = None) 
     # tandem's logprob convention (tandem.logprobs): the temperature-scaled distribution, which is
     # SGLang's default; "true" would return the unscaled one and break every ratio at T != 1.
     env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "false"
+    # tandem's patch (images/patches/): each adapter copied into a free GPU slot at its load
+    if settings.engine.eager_adapter_slot:
+        env["SGLANG_LORA_EAGER_SLOT"] = "1"
     return env

@@ -83,6 +83,13 @@ class EngineSettings(BaseModel):
     x 2 bytes: 8 GiB holds ~700k tokens of Qwen2.5-0.5B, ~65k of an 8B of 32 layers and 8 KV heads;
     vLLM's log gives the count at start-up ("GPU KV cache size"). Ignored by SGLang, whose
     resume takes 10-18 ms at any size."""
+    eager_adapter_slot: bool = False
+    """SGLang: copy each adapter into a free slot of the GPU memory pool when it loads
+    (`SGLANG_LORA_EAGER_SLOT=1`), instead of in the first batch that uses it, which is on the path
+    of a new version's first response (~35 ms at 0.5B on an H200). It needs tandem's patch to SGLang
+    (images/patches/), which the inference image applies; an unpatched SGLang ignores the variable.
+    Off until its effect is measured on a GPU (docs/benchmarks.md). Ignored by vLLM, whose load
+    does that copy itself."""
     batch_invariant: bool = False
     """vLLM: its batch-invariant mode (`VLLM_BATCH_INVARIANT=1`), for rollouts that decode the same
     whatever else is in the batch. With tandem's flags vLLM's batched greedy outputs left their solo
