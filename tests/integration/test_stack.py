@@ -155,6 +155,19 @@ def test_a_second_stack_on_a_state_directory_in_use_is_refused_and_touches_nothi
         assert redis.Redis.from_url(again.redis_url).ping()
 
 
+def test_tandem_up_on_a_state_directory_in_use_is_refused_before_it_builds_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tiny model's build took its time (imports, weights) before the second `tandem up` was told
+    that the directory is taken."""
+    monkeypatch.chdir(tmp_path)  # the tiny model's default path is relative: .tandem/models/tiny
+    state = tmp_path / "state"
+    with RedisOnly(StackConfig(state_dir=state, gateway_port=0)):
+        assert tandem(["up", "--state-dir", str(state), "--gateway-port", "0"]) == 1
+        assert f"the state directory {state} is in use by another stack (pid {os.getpid()})" in capsys.readouterr().err
+        assert not (tmp_path / ".tandem" / "models").exists()
+
+
 def test_a_stack_that_fails_to_start_frees_its_state_directory(tmp_path: Path) -> None:
     class Failing(Stack):
         def plan(self) -> list[Service]:

@@ -87,10 +87,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     _check_paths(args)
     for service in SERVICES.values():  # a bad TANDEM_* value: one line now, not a service dying at start
         load(service)
-    if args.model == TINY_MODEL:
-        ensure_tiny_model(args.model)
     stack = Stack(StackConfig(state_dir=Path(args.state_dir), model=args.model, gateway_port=args.gateway_port,
                               redis_port=args.redis_port, tinker_port=args.tinker_port, replicas=args.replicas))
+    stack.supervisor.open()  # the state directory first: a second `tandem up` on it is refused before any work
+    if args.model == TINY_MODEL:
+        try:
+            ensure_tiny_model(args.model)
+        except BaseException:
+            stack.stop()
+            raise
     for sig in (signal.SIGINT, signal.SIGTERM):  # both stop the stack, even where a shell ignored SIGINT (`&`)
         signal.signal(sig, _interrupt)
     try:

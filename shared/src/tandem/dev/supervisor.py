@@ -67,7 +67,10 @@ class Supervisor:
         """Make the log directory and take the state directory's lock, before any service starts.
 
         The state directory is the stack's user's alone (0700, and every service writes with umask
-        077): Redis's data holds every run, queued job and episode, the logs their prompts."""
+        077): Redis's data holds every run, queued job and episode, the logs their prompts. Opening
+        an open supervisor again does nothing."""
+        if self._lock_fd is not None:
+            return
         try:
             self.logs.mkdir(parents=True, exist_ok=True)
             self.state.chmod(0o700)
