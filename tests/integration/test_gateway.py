@@ -385,6 +385,15 @@ def test_malformed_stop_token_ids_are_422_naming_the_field(url: str, value: Any)
     assert "stop_token_ids" in resp.json()["error"]["message"] + str(resp.json()["error"].get("param"))
 
 
+def test_stop_token_ids_outside_the_vocabulary_are_422_naming_them(url: str) -> None:
+    """The engine refused them too, as a 400 that named no field."""
+    for path, body in (("/v1/completions", {"prompt": "Count:"}), ("/v1/chat/completions", {"messages": CHAT})):
+        resp = httpx.post(f"{url}{path}", json={"model": "base", "max_tokens": 2, "stop_token_ids": [3, 99999], **body})
+        assert resp.status_code == 422, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "stop_token_ids" and "[99999] are outside the vocabulary" in error["message"], error
+
+
 def test_sampling_fields_at_their_neutral_values_are_served(url: str, client: openai.OpenAI) -> None:
     """What clients send as defaults changes nothing, so it is taken."""
     neutral = {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "seed": None, "top_k": -1,

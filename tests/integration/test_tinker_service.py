@@ -212,6 +212,15 @@ def test_refusals_in_tinkers_shape(url: str, sdk: Any, tiny_model: Path, redis_c
         unknown = refusal(http.post("/api/v1/optim_step", json={"model_id": "nope", "seq_id": 1,
                                                                 "adam_params": {"learning_rate": 1e-4}}), 404)
         assert "nope" in unknown["error"] and unknown["param"] == "model_id"
+        # the SDK sends NaN and infinity as null; raw JSON may carry them as numbers
+        model_id = sdk.create_lora_training_client(base_model=str(tiny_model), rank=4).result().model_id
+        for seq, (lr, said) in enumerate(((b"NaN", "nan is not a finite number"), (b"1e400", "inf is not a finite number"),
+                                          (b"null", "null is not a number (NaN and infinity reach the server as null)")),
+                                         start=1):
+            step = b'{"model_id": "%s", "seq_id": %d, "adam_params": {"learning_rate": %s}}' % (model_id.encode(), seq, lr)
+            nan = refusal(http.post("/api/v1/optim_step", content=step, headers={"Content-Type": "application/json"}),
+                          422)
+            assert nan["param"] == "adam_params.learning_rate" and said in nan["error"], nan
         bad = refusal(http.post("/api/v1/forward_backward", content=b"\xff\x00garbage",
                                 headers={"Content-Type": "application/x-protobuf"}), 422)
         assert "ForwardBackwardRequest" in bad["error"]
@@ -246,6 +255,14 @@ def test_refusals_in_tinkers_shape(url: str, sdk: Any, tiny_model: Path, redis_c
             body = long.json() if long.status_code != 200 else http.post(
                 "/api/v1/retrieve_future", json={"request_id": long.json()["request_id"]}).json()
             assert "context length 1024" in body["error"] and body.get("param") == param, body
+        outside = http.post("/api/v1/asample", json={  # a stop token id outside the vocabulary
+            "sampling_session_id": sessions[0], "seq_id": 2, "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]},
+            "sampling_params": {"max_tokens": 2, "temperature": 0, "stop": [99999]}})
+        body = outside.json() if outside.status_code != 200 else http.post(
+            "/api/v1/retrieve_future", json={"request_id": outside.json()["request_id"]}).json()
+        assert body.get("param") == "sampling_params.stop" and "[99999] are outside the vocabulary" in body["error"]
+        assert "(400)" not in body["error"] and "(422)" not in body["error"], body
         foreign = http.post("/api/v1/retrieve_futures", json={
             "target": {"type": "sampling_session", "sampling_session_id": sessions[1]},
             "retrieved_request_ids": [sample.json()["request_id"]]})

@@ -31,6 +31,18 @@ def test_invalid_run_names_are_refused_with_the_name(name: str) -> None:
         check_run_name(name)
 
 
+def test_a_tinker_model_id_of_a_restored_model_says_where_its_run_is() -> None:
+    """The tinker SDK names a model it opens from a checkpoint `<session_id>:train:<n>`; its run has
+    another name, which the refusal says how to find."""
+    model_id = "session-6770aa:train:1"
+    with pytest.raises(ValueError, match=r"tinker SDK gives a model opened from a checkpoint.*tinker-<n>-<hex>.*"
+                                         r"`tandem status`.*tinker.create_model model_id=session-6770aa:train:1 run="):
+        check_run_name(model_id)
+    with pytest.raises(ValueError) as plain:
+        check_run_name("a:b")
+    assert "tinker" not in str(plain.value)
+
+
 def test_adapter_names_are_unique_per_version_and_colon_free() -> None:
     names = {adapter_name("r", v) for v in range(1, 50)}
     assert len(names) == 49 and not any(":" in n for n in names)

@@ -23,7 +23,7 @@ from tandem import keys
 from tandem.adapters import Manifest
 from tandem.connection import text, translated
 from tandem.errors import RunExists, RunNotFound, ValidationFailed
-from tandem.runs import RunSpec
+from tandem.runs import RunSpec, tinker_model_hint
 
 T = TypeVar("T")
 
@@ -104,7 +104,7 @@ class Registry:
         with translated(self.conn, f"read run {name!r}"):
             raw = self.conn.get(keys.run(name))
         if raw is None:
-            raise RunNotFound(f"unknown run {name!r}; known runs: {self.list_runs()}")
+            raise RunNotFound(f"unknown run {name!r}; known runs: {self.list_runs()}{tinker_model_hint(name)}")
         try:
             return RunSpec.model_validate_json(raw)
         except ValidationError as exc:

@@ -26,9 +26,22 @@ def check_run_name(name: str) -> str:
     if not RUN_NAME.fullmatch(name):
         raise ValueError(
             f"run name {name!r} is invalid: use 1-63 letters, digits, '_', '.', '-' "
-            "starting with a letter or digit (no ':', '@' or '/')"
+            f"starting with a letter or digit (no ':', '@' or '/'){tinker_model_hint(name)}"
         )
     return name
+
+
+#: The id the tinker SDK gives a model it opens from a checkpoint: `<session_id>:train:<model_seq_id>`.
+TINKER_RESTORED_ID = re.compile(r"^.+:train:[0-9]+$")
+
+
+def tinker_model_hint(name: str) -> str:
+    """For a name that is a Tinker model id of a model opened from a checkpoint: where its run is."""
+    if not TINKER_RESTORED_ID.fullmatch(name):
+        return ""
+    return ("; it is the id the tinker SDK gives a model opened from a checkpoint "
+            "(create_training_client_from_state), whose run is named tinker-<n>-<hex>: `tandem status` "
+            f"lists the runs, and the Tinker service's log names the pair (tinker.create_model model_id={name} run=...)")
 
 
 #: A hub id: `org/name`, letters, digits, '_', '.', '-'.

@@ -183,6 +183,10 @@ class Gateway:
             raise RequestRefused(f"{field} {max_tokens} is above the limit {limit} "
                                  f"(settings.engine.max_new_tokens_limit); ask for at most {limit}", param=field)
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        outside = [t for t in body.stop_token_ids or () if t >= self.vocab_size]
+        if outside:  # the engine refuses them too, naming no field
+            raise RequestRefused(f"stop_token_ids {outside[:5]} are outside the vocabulary [0, {self.vocab_size}); "
+                                 "give ids the model's tokenizer gives", param="stop_token_ids")
         return Sampling(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,

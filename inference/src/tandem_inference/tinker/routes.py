@@ -60,11 +60,7 @@ async def parse(request: Request, model: type[M]) -> M:
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        got = "" if first["type"] == "missing" else f", got {first['input']!r:.80}"
-        raise TinkerInvalid(f"invalid {model.__name__}: {where}: {first['msg']}{got} ({exc.error_count()} "
-                            "problem(s))", param=where) from exc
+        raise wire.invalid(exc, f"invalid {model.__name__}") from exc
 
 
 def untyped(future: Future) -> dict[str, Any]:

@@ -103,10 +103,12 @@ def sample(gateway: httpx.Client, body: dict[str, Any], timeout_s: float) -> byt
         message = (reply.get("error") or {}).get("message") if isinstance(reply, dict) else None
         error = TinkerInvalid if resp.status_code < 500 else TinkerRefusal
         param = (reply.get("error") or {}).get("param") if isinstance(reply, dict) else None
+        if param == "stop_token_ids":  # the SDK's stop, sent as token ids
+            param = "stop"
         if param in SAMPLING_PARAMS:  # the gateway's name of a field of the SDK's SamplingParams
             param = f"sampling_params.{param}"
-        raise error(f"the gateway refused the sample ({resp.status_code}): {message or resp.text[:300]}",
-                    param=param)
+        status = "" if resp.status_code < 500 else f" ({resp.status_code})"  # a 4xx is the caller's: this 422
+        raise error(f"the gateway refused the sample{status}: {message or resp.text[:300]}", param=param)
     ext = reply.get("tandem") or {}
     ids, lps = ext.get("completion_token_ids") or [], ext.get("completion_logprobs") or []
     choices = sorted(reply.get("choices") or [], key=lambda c: c.get("index", 0))

@@ -30,6 +30,7 @@ from tandem.registry import Registry
 from tandem.runs import LoraConfig, RunSpec
 from tandem.settings import TinkerSettings
 from tandem_inference.errors import TinkerInvalid, TinkerNotFound, TinkerRefusal
+from tandem_inference.tinker import wire
 from tandem_inference.tinker.order import Order, Sequencer, checked_seq
 from tandem_inference.tinker.state import Future, Kind, ModelRecord, SamplingSession, State, new_id
 
@@ -127,8 +128,7 @@ class TinkerService:
         try:
             adam = tj.AdamParams.model_validate(params.model_dump())
         except ValidationError as exc:
-            raise TinkerInvalid(f"adam_params: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}",
-                             param="adam_params") from exc
+            raise wire.invalid(exc, "invalid adam_params", prefix="adam_params") from exc
         job = _job(tj.OptimStepJob, run=m.run, seq=req.seq_id or 0, adam=adam)
         return self._submit(m, req.seq_id, "optim_step", {"job": job.model_dump(mode="json")})
 

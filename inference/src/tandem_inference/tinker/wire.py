@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from typing import Any
 
 import numpy as np
 import zstandard
 from google.protobuf.message import DecodeError
+from pydantic import ValidationError
 from tinker.proto import tinker_public_pb2 as pb
 
 from tandem.tinker_jobs import LOSSES, Datum
@@ -196,3 +198,23 @@ def sample_response(sequences: list[tuple[list[int], list[float], str]]) -> byte
         if logprobs:
             seq.logprobs = np.asarray(logprobs, dtype=np.float32).tobytes()
     return bytes(msg.SerializeToString())
+
+
+#: pydantic's errors for a value that should have been a number.
+NUMBER_ERRORS = frozenset({"float_type", "int_type", "float_parsing", "int_parsing", "finite_number"})
+
+
+def invalid(exc: ValidationError, subject: str, prefix: str = "") -> TinkerInvalid:
+    """pydantic's refusal as a 422 naming the first bad field (under `prefix`) and what is wrong with it."""
+    first = exc.errors()[0]
+    # a union's member is named in the location by its class (`AdamParams`): fields are lower case
+    loc = [str(p) for p in first["loc"] if not (isinstance(p, str) and p[:1].isupper())]
+    where = ".".join([prefix] * bool(prefix) + loc) or "body"
+    given = first.get("input")
+    if isinstance(given, float) and not math.isfinite(given):
+        what = f"{given!r} is not a finite number; give a finite one"
+    elif given is None and first["type"] in NUMBER_ERRORS:  # the SDK sends NaN and infinity as null
+        what = "null is not a number (NaN and infinity reach the server as null); give a finite number"
+    else:
+        what = first["msg"] + ("" if first["type"] == "missing" else f", got {given!r:.80}")
+    return TinkerInvalid(f"{subject}: {where}: {what} ({exc.error_count()} problem(s))", param=where)
