@@ -17,9 +17,10 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from tandem import Client
+from tandem.deletion import delete_run
 from tandem.errors import TrainFailed, TrainTimeout
 from tandem.events import Event, EventKind, EventStream
-from tandem.jobs import STARTED, claim
+from tandem.jobs import STARTED, claim, train_queue
 from tandem.registry import Registry
 from tandem.runs import RunSpec
 from tandem.trajectories import Trajectory, TrajectoryGroup
@@ -70,6 +71,25 @@ def test_an_adapter_ready_with_unexpected_data_still_gives_the_version(redis_con
 
     result = handle.result(timeout_s=10)
     assert (result.version, result.step, result.parent) == (1, 1, 0) and result.published_at > 0
+
+
+def test_a_run_deleted_after_its_version_was_published_fails_the_wait_at_once(
+    redis_conn: redis.Redis, client_conn: redis.Redis
+) -> None:
+    """The job ended and published its version; the run was deleted before the version served. The
+    wait timed out after train_timeout_s (30 min by default), telling the caller to wait again."""
+    run = open_run(client_conn, "gone")
+    handle = run.train([group()], wait=False)
+    train_queue(redis_conn).remove(handle.job_id)  # the trainer took it and ended it
+    EventStream(redis_conn).append(Event(kind=EventKind.ADAPTER_READY, run="gone", version=1, job_id=handle.job_id,
+                                         data={"step": 1, "parent": 0}))
+    assert delete_run(redis_conn, "gone").jobs == []  # not queued: no train_failed for it
+    with pytest.raises(TrainFailed, match=r"step 1 will not serve: run 'gone' was deleted after its version 1 was "
+                                          r"published, before it served; create the run again") as failed:
+        handle.result(timeout_s=20)  # a TrainTimeout after 20 s without the deletion's event
+    assert failed.value.field == "run"
+    with pytest.raises(TrainFailed, match="was deleted"):  # told again to a later waiter
+        run.wait_all(timeout_s=5)
 
 
 #: Entries anyone with write access to Redis can append to the stream a waiting train() reads.

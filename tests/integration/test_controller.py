@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -25,6 +26,7 @@ from prometheus_client import generate_latest
 
 from tandem import keys
 from tandem.adapters import AdapterStore
+from tandem.deletion import delete_run
 from tandem.events import Cursor, Event, EventKind, EventStream, entry_order
 from tandem.registry import Registry
 from tandem.runs import RunSpec
@@ -1068,3 +1070,30 @@ async def test_a_run_created_after_start_gets_its_gauges_at_the_next_reconcile(
     await wait_until(lambda: 'tandem_serving_version{run="late-run"} 0.0' in gauges(), timeout_s=10,
                      what="the new run's serving gauge")
     assert 'tandem_loaded_versions{run="late-run"} 0.0' in gauges()
+
+
+async def test_a_run_deleted_while_its_version_loads_is_taken_back_and_nothing_fails(
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: TransformersEngine, tiny_model: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The run was deleted and its run_deleted handled while the engine loaded its new version: the
+    load's end raised (the routing table no longer knew the run), logged as a failed event with its
+    traceback, and the adapter stayed in the engine until the next reconcile found it."""
+    caplog.set_level(logging.INFO)
+    controller = await start()
+    registry, events = Registry(redis_conn), EventStream(redis_conn)
+    real_load = engine.load_adapter
+
+    async def load(name: str, path: str) -> float:
+        load_ms = await real_load(name, path)
+        if name.startswith(f"{run}-v1"):
+            delete_run(redis_conn, run)  # the gateway's DELETE as the engine's load completes
+            controller.forget_run(run)  # and its run_deleted, handled meanwhile
+        return load_ms
+
+    engine.load_adapter = load  # type: ignore[method-assign]
+    announce(events, store, publish(store, registry, tiny_model, run, 1))
+    await wait_until(lambda: "the run was deleted while it loaded" in caplog.text, what="the load given up")
+    await wait_until(lambda: _lacks(engine, f"{run}-v1"), what="the adapter taken back")
+    assert "failed; skipping it" not in caplog.text and "Traceback" not in caplog.text
+    assert not events_of(events, EventKind.ADAPTER_LOADED, run)

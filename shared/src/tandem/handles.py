@@ -9,7 +9,8 @@ by none. A ready replica that a serving replica left behind (its `adapter_loaded
 has said that it holds the version: the replicas decided without it. It rides out a Redis
 outage shorter than its timeout: once Redis answers again it reads on from where it was. A
 failure that left no event (a worker killed with no retries left) is caught in rq's record of
-the job.
+the job. A deletion of the run after the job was submitted ends the wait with TrainFailed: the
+version never serves, whether the job was queued, running or already published.
 """
 
 from __future__ import annotations
@@ -166,6 +167,11 @@ class TrainHandle:
     def _handle(self, event: Event) -> None:
         if event.run != self.run.name:
             return
+        if event.kind is EventKind.RUN_DELETED:  # after this job was submitted: its version never serves
+            when = (f"after its version {self._version} was published, before it served" if self._version is not None
+                    else "before its version was published")
+            raise TrainFailed(f"step {self.step} will not serve: run {self.run.name!r} was deleted {when}; create "
+                              "the run again (Client.create_run) to train under its name", field="run")
         if (
             event.kind is EventKind.TRAIN_FAILED
             and event.job_id == self.job_id

@@ -55,6 +55,8 @@ class Outcome(Enum):
     """Rejected (an `adapter_rejected` was appended); an older version may be tried."""
     PENDING = "pending"
     """The engine did not answer in time; the load may still complete there."""
+    GONE = "gone"
+    """The run was deleted while the engine loaded the version; it was taken back and serves nowhere."""
 
 
 @dataclass
@@ -161,6 +163,11 @@ class AdapterLoader:
             return Outcome.REFUSED
         manifest, verify_ms = checked
         t_both = time.monotonic()
+        if not self.table.has_run(run):  # deleted while the engine loaded it (its run_deleted was handled)
+            log.info("adapter_load gone run=%s version=%d adapter=%s: the run was deleted while it loaded; "
+                     "unloading it", run, version, name)
+            await self._unload_quietly(run, version, name)
+            return Outcome.GONE
         self.table.add_version(run, version, name, serve=hold is None)
         self.rejected.pop((run, version), None)
         self.retries.pop((run, version), None)

@@ -133,7 +133,7 @@ class Reconciler:
                 outcome = await self.loader.load(run, version, announce=False)
             except Overloaded:  # every slot serves a request: loaded on demand when asked
                 outcome = Outcome.REFUSED
-            if outcome is not Outcome.LOADED:
+            if outcome is not Outcome.LOADED and outcome is not Outcome.GONE:
                 self.table.retire(run, version)
         for name, path in held.items():
             await self._sort_held(name, path, runs, adopt=adopt)

@@ -357,6 +357,8 @@ class Controller:
                 raise Overloaded(f"the engine did not load {model} within {self.settings.engine.load_timeout_s:g} s "
                                  f"(engine.load_timeout_s); retry after {SLOT_RETRY_AFTER_S} s",
                                  reason="adapter_load", retry_after_s=SLOT_RETRY_AFTER_S)
+            if outcome is Outcome.GONE:
+                raise missing  # deleted while it loaded
             if outcome is Outcome.REFUSED:
                 raise ModelNotFound(f"{model} could not be loaded (see its adapter_rejected event); it serves "
                                     "nowhere", known=missing.known)
