@@ -8,6 +8,7 @@ messages and sampled ids (mask 1) for the turn, and answers as tandem's gateway 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
@@ -150,8 +151,10 @@ def test_episodes_of_one_start_make_a_group_and_close_deletes_them() -> None:
     with episodes[0] as ep:
         pass
     assert ("DELETE", f"/v1/episodes/{ep.id}", None) in gateway.requests
-    ep.close()  # idempotent
-    for use in (lambda: ep.trajectory(1.0), lambda: ep.sample(), lambda: run.group([ep], [1.0])):
+    ep.close()  # idempotent: nothing more is asked of the gateway
+    assert gateway.requests.count(("DELETE", f"/v1/episodes/{ep.id}", None)) == 1
+    for use in (lambda: ep.trajectory(1.0), lambda: ep.sample(), lambda: run.group([ep], [1.0]),
+                lambda: ep.add({"role": "user", "content": "more"})):
         with pytest.raises(ValidationFailed, match="was closed") as info:  # not the gateway's "unknown or expired"
             use()
         assert info.value.field == "episode"
@@ -187,6 +190,27 @@ def test_assistant_messages_come_only_from_sample() -> None:
         assert info.value.field == "messages"
     assert ep.messages == [{"role": "user", "content": "a"}]
     ep.add({"role": "tool", "content": "42"}, {"role": "developer", "content": "d"})  # the roles it takes
+
+
+@pytest.mark.parametrize(("message", "said"), [
+    ({"role": "user"}, "has content None"),
+    ({"role": "user", "content": None}, "has content None"),
+    ({"role": "user", "content": 5}, "has content 5"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "has content"),
+    ({"role": "user", "content": [{"type": "text"}]}, "has content"),
+    ({"role": "tool", "content": "r", "tool_call_id": 7}, "tool_call_id 7"),
+    ({"role": "user", "content": "u", "tool_calls": []}, "with tool_calls"),
+])
+def test_a_message_the_gateway_would_refuse_is_refused_by_add_and_not_kept(message: dict, said: str) -> None:
+    """Kept, it made every later sample() of the episode a 422, and only editing `messages` by hand
+    got the episode going again."""
+    ep = run_on(FakeGateway()).episode([{"role": "user", "content": "a"}])
+    with pytest.raises(ValidationFailed, match=re.escape(said)) as info:
+        ep.add({"role": "user", "content": "fine"}, message)
+    assert info.value.field == "messages"
+    assert ep.messages == [{"role": "user", "content": "a"}]  # not even the call's good message
+    ep.add({"role": "user", "content": [{"type": "text", "text": "parts"}]},
+           {"role": "tool", "content": "r", "tool_call_id": "call_1"})  # what the gateway takes
 
 
 def test_an_episode_without_a_turn_cannot_become_a_trajectory() -> None:

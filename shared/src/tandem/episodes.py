@@ -193,7 +193,9 @@ class Episode:
         return turn
 
     def add(self, *messages: dict[str, Any]) -> Episode:
-        """Append the environment's messages (tool results, user turns) for the next turn to read."""
+        """Append the environment's messages (tool results, user turns) for the next turn to read;
+        a message the gateway would refuse is refused here, and none of the call's is kept."""
+        self._check_open("take messages")
         _check_messages(messages, f"messages[{len(self.messages)}:]")
         self.messages += [dict(m) for m in messages]
         return self
@@ -216,7 +218,10 @@ class Episode:
     """So that `run.group(episodes, rewards)` takes episodes as it takes completions."""
 
     def close(self) -> None:
-        """Drop the episode from the gateway's store (it would expire on its own)."""
+        """Drop the episode from the gateway's store (it would expire on its own); closing it again
+        does nothing."""
+        if self._closed:
+            return
         self.run.client.delete(f"/v1/episodes/{self.id}")
         self._closed = True
 
@@ -240,6 +245,21 @@ def _check_messages(messages: Sequence[dict[str, Any]], where: str) -> None:
             raise ValidationFailed(
                 f"{where} #{i} has role {role[:40]!r}; an episode takes {', '.join(MESSAGE_ROLES)} messages (kept, it "
                 "would make every later turn of the episode fail)", field="messages")
+        # the gateway's rules for these roles: kept, a message it refuses would fail every later turn
+        content = message.get("content")
+        if not isinstance(content, str) and not (
+            isinstance(content, list)
+            and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
+        ):
+            raise ValidationFailed(
+                f"{where} #{i} ({role}) has content {content!r:.60}; give text, or a list of "
+                '{"type": "text", "text": ...} parts (the gateway takes no other content)', field="messages")
+        if "tool_calls" in message:
+            raise ValidationFailed(f"{where} #{i} is a {role} message with tool_calls; only the assistant turns "
+                                   "sample() makes carry them", field="messages")
+        if "tool_call_id" in message and not isinstance(message["tool_call_id"], str):
+            raise ValidationFailed(f"{where} #{i} has tool_call_id {message['tool_call_id']!r:.60}; give the id "
+                                   "of the call it answers, as text", field="messages")
 
 
 #: The roles of the messages an episode takes from the caller (the gateway's, less `assistant`).
