@@ -190,6 +190,17 @@ def test_the_client_and_the_cli_delete_through_the_gateway_with_its_key(
         assert "deleted run two: 0 versions" in capsys.readouterr().out
         assert cli.main(["delete", "two"]) == 1
         assert "unknown run 'two'" in capsys.readouterr().err
+
+        # --state-dir: the stack's client.env, as `tandem up` writes it, with the gateway's key
+        registry.create_run(RunSpec(name="three", base_model=str(tiny_model)))
+        for name in ("TANDEM_GATEWAY_URL", "TANDEM_REDIS__URL", "TANDEM_API_KEY"):
+            monkeypatch.delenv(name)
+        state = tmp_path / "state"
+        state.mkdir()
+        (state / "client.env").write_text(f"TANDEM_GATEWAY_URL={url}\nTANDEM_REDIS__URL={role_urls[Role.CLIENT]}\n"
+                                          "TANDEM_API_KEY=s3cret\n")
+        monkeypatch.chdir(tmp_path)  # no .env but the one named
+        assert cli.main(["delete", "three", "--state-dir", str(state)]) == 0, capsys.readouterr().err
     assert registry.list_runs() == []
 
 

@@ -82,6 +82,7 @@ def test_the_stacks_redis_has_a_password_that_stays_private(tmp_path: Path) -> N
             (str(p), oct(p.stat().st_mode)) for p in written]
         assert f"TANDEM_REDIS__URL={stack.redis_url}" in (state / "client.env").read_text()
         assert f"TANDEM_GATEWAY_URL={stack.gateway_url}" in (state / "client.env").read_text()
+        assert "TANDEM_API_KEY" not in (state / "client.env").read_text()  # the gateway has no key
     again = RedisOnly(StackConfig(state_dir=state, gateway_port=0))
     assert again.secrets == stack.secrets  # kept across runs: the URL only changes with the port
 
@@ -153,6 +154,17 @@ def test_a_second_stack_on_a_state_directory_in_use_is_refused_and_touches_nothi
         assert redis.Redis.from_url(first.redis_url).ping()
     with RedisOnly(StackConfig(state_dir=tmp_path, gateway_port=0)) as again:  # stopped: the directory is free
         assert redis.Redis.from_url(again.redis_url).ping()
+
+
+def test_client_env_carries_the_gateways_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tandem delete --state-dir` of a stack whose gateway has a key got a 401: client.env had the
+    URLs only (test_run_deletion: the CLI reads it)."""
+    monkeypatch.setenv("TANDEM_GATEWAY__API_KEY", "k-0123456789")
+    with RedisOnly(StackConfig(state_dir=tmp_path, gateway_port=0)):
+        env = (tmp_path / "client.env").read_text()
+        assert "TANDEM_API_KEY=k-0123456789\n" in env and (tmp_path / "client.env").stat().st_mode & 0o777 == 0o600
 
 
 def test_tandem_up_on_a_state_directory_in_use_is_refused_before_it_builds_the_model(

@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from tandem.dev.settings_reference import settings_markdown
 from tandem.errors import BackendUnavailable, ConfigError, TandemError, ValidationFailed
@@ -166,7 +167,8 @@ def cmd_settings(args: argparse.Namespace) -> int:
 def _client_settings(args: argparse.Namespace) -> ClientSettings:
     """The client's settings; with --state-dir DIR, the gateway and Redis URLs of DIR's client.env
     (what `tandem up --state-dir DIR` wrote), over the environment's: the flag names the stack,
-    even in a shell that exported another stack's URLs. The rest (an API key) is the environment's."""
+    even in a shell that exported another stack's URLs. Its gateway's API key, which client.env
+    has when the gateway has one, applies unless the environment gives one."""
     settings = load(ClientSettings)
     if args.state_dir is None:
         return settings
@@ -180,8 +182,11 @@ def _client_settings(args: argparse.Namespace) -> ClientSettings:
     if not gateway or not redis_url:
         raise ConfigError(f"--state-dir {args.state_dir}: {env} lacks TANDEM_GATEWAY_URL or TANDEM_REDIS__URL; "
                           "start the stack again with `tandem up --state-dir` (it writes both)")
-    return settings.model_copy(update={"gateway_url": gateway,
-                                       "redis": settings.redis.model_copy(update={"url": redis_url})})
+    update: dict[str, object] = {"gateway_url": gateway,
+                                 "redis": settings.redis.model_copy(update={"url": redis_url})}
+    if settings.api_key is None and values.get("TANDEM_API_KEY"):
+        update["api_key"] = SecretStr(values["TANDEM_API_KEY"])
+    return settings.model_copy(update=update)
 
 
 def _env_source(args: argparse.Namespace) -> str:
@@ -258,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
+    except BrokenPipeError:  # `tandem status | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
+        return 1
     except TandemError as exc:
         print(f"tandem {args.cmd}: {exc}", file=sys.stderr)
     except ValidationError as exc:  # settings from the environment that do not parse

@@ -292,13 +292,15 @@ class Composition:
 
     def write_client_env(self) -> Path:
         """The URLs of this stack for clients (tandem.Client(), `tandem status`): client.env, 0600,
-        Redis as the client's user."""
+        Redis as the client's user, and the gateway's API key when it has one."""
         path = self.state / "client.env"
+        key = self.env().get("TANDEM_GATEWAY__API_KEY")
         write_private(path, (
             "# Written by `tandem up`: where its stack listens. tandem.Client() and `tandem status` read\n"
             "# this file when run from the directory above .tandem/; a .env there and the environment override it.\n"
             f"TANDEM_GATEWAY_URL={self.gateway_url}\n"
             f"TANDEM_REDIS__URL={self.redis_url}\n"
+            + (f"# The gateway's API key (TANDEM_GATEWAY__API_KEY of `tandem up`):\nTANDEM_API_KEY={key}\n" if key else "")
             + (f"# The Tinker service (tinker.ServiceClient(base_url=...), or TINKER_BASE_URL):\n"
                f"TINKER_BASE_URL={self.tinker_url}\n" if self.tinker_url else "")
         ))
