@@ -20,12 +20,11 @@ episodes of one start make a GRPO group.
 
     python examples/agent.py                       # what `make agent` runs: the local stack, 60 steps
 
-With --gateway and --redis it starts nothing and trains against a running stack, e.g. the CPU
-containers (`docker compose -f compose.yaml -f compose.client.yaml up -d`):
+With --gateway (and --redis, or TANDEM_REDIS__URL) it starts nothing and trains against a
+running stack, e.g. the CPU containers (`docker compose -f compose.yaml -f compose.client.yaml up -d`):
 
-    python examples/agent.py --gateway http://127.0.0.1:8000 \
-        --redis "redis://tandem-client:$REDIS_CLIENT_PASSWORD@127.0.0.1:6379/0" \
-        --model /models/tiny --tokenizer .tandem/models/tiny
+    export TANDEM_REDIS__URL="redis://tandem-client:$REDIS_CLIENT_PASSWORD@127.0.0.1:6379/0"  # or --redis
+    python examples/agent.py --gateway http://127.0.0.1:8000 --model /models/tiny --tokenizer .tandem/models/tiny
 """
 
 from __future__ import annotations

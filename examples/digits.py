@@ -9,14 +9,14 @@ reward did not rise.
 
     python examples/digits.py --steps 40            # what `make demo` runs
 
-With --gateway and --redis it starts nothing and trains against a stack that is already
-running, e.g. the containers (`docker compose -f compose.yaml -f compose.client.yaml up -d`
+With --gateway (and --redis, or TANDEM_REDIS__URL) it starts nothing and trains against a
+stack that is already running, e.g. the containers (`docker compose -f compose.yaml -f compose.client.yaml up -d`
 publishes the gateway and Redis on loopback). --model is then the base model as the stack's
 services name it (TANDEM_MODEL); digit tokens come from its tokenizer.json (--tokenizer, or
 the hub when --model is a hub id):
 
-    python examples/digits.py --gateway http://127.0.0.1:8000 \
-        --redis "redis://tandem-client:$REDIS_CLIENT_PASSWORD@127.0.0.1:6379/0" --model Qwen/Qwen2.5-1.5B-Instruct
+    export TANDEM_REDIS__URL="redis://tandem-client:$REDIS_CLIENT_PASSWORD@127.0.0.1:6379/0"  # or --redis
+    python examples/digits.py --gateway http://127.0.0.1:8000 --model Qwen/Qwen2.5-1.5B-Instruct
     # the CPU containers: their tiny model is byte-identical to the one built here
     python examples/digits.py --gateway ... --redis ... --model /models/tiny --tokenizer .tandem/models/tiny
 """

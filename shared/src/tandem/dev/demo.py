@@ -8,6 +8,7 @@ trains against a stack that is already running (e.g. the containers). Either way
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -25,16 +26,21 @@ def add_stack_arguments(parser: argparse.ArgumentParser, *, out: str, run: str, 
     parser.add_argument("--min-rise", type=float, default=min_rise,
                         help="required rise of the reward (last 5 vs first 5 steps)")
     parser.add_argument("--gateway", help="URL of a running stack's gateway: start no stack, use that one")
-    parser.add_argument("--redis", help="that stack's Redis URL (with its password), for train(); needs --gateway")
+    parser.add_argument("--redis", help="that stack's Redis URL (with its password), for train(); needs --gateway "
+                        "(default: TANDEM_REDIS__URL, which keeps the password off the command line)")
     parser.add_argument("--tokenizer", help="directory with the model's tokenizer.json (default: the model's own)")
     parser.add_argument("--run", default=run, help="run name (a new name starts from the base model)")
 
 
 def parse_stack_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """Parse, refuse --gateway without --redis (or the reverse), and build the tiny model if it is used."""
+    """Parse, refuse --gateway without a Redis URL (--redis, or TANDEM_REDIS__URL) and --redis without
+    --gateway, and build the tiny model if it is used."""
     args = parser.parse_args()
+    if args.gateway and not args.redis:
+        args.redis = os.environ.get("TANDEM_REDIS__URL")
     if bool(args.gateway) != bool(args.redis):
-        parser.error("--gateway and --redis go together: a running stack's gateway and its Redis")
+        parser.error("--gateway and --redis go together: a running stack's gateway and its Redis (--redis, or "
+                     "TANDEM_REDIS__URL in the environment)")
     if TINY_MODEL in (args.model, args.tokenizer):
         print("building the tiny model (seeded, a few seconds) ...", flush=True)
         ensure_tiny_model(TINY_MODEL)
