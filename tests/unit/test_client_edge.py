@@ -110,22 +110,23 @@ def completion(n_tokens: int = 1) -> Completion:
                       version=0)
 
 
-BAD_GROUPS: dict[str, tuple[list[Completion], list[float], str | None]] = {
-    "more rewards than completions": ([completion(), completion()], [1.0, 0.0, 1.0], "rewards"),
-    "one completion": ([completion()], [1.0], None),
-    "reward not finite": ([completion(), completion()], [float("nan"), 1.0], None),
-    "reward a string": ([completion(), completion()], ["1", 0.0], None),  # pydantic took "1" and True for 1.0
-    "reward a bool": ([completion(), completion()], [True, 0.0], None),
+BAD_GROUPS: dict[str, tuple[list[Completion], list[Any], str, str]] = {
+    "more rewards than completions": ([completion(), completion()], [1.0, 0.0, 1.0], "rewards", "3 rewards"),
+    "one completion": ([completion()], [1.0], "completions", "at least 2"),
+    "reward not finite": ([completion(), completion()], [1.0, float("nan")], "rewards", "rewards[1] is nan"),
+    "reward infinite": ([completion(), completion()], [float("-inf"), 1.0], "rewards", "rewards[0] is -inf"),
+    # pydantic took "1" and True for 1.0
+    "reward a string": ([completion(), completion()], ["1", 0.0], "rewards", "rewards[0] is '1'"),
+    "reward a bool": ([completion(), completion()], [0.0, True], "rewards", "rewards[1] is True"),
 }
 
 
-@pytest.mark.parametrize(("completions", "rewards", "field"), BAD_GROUPS.values(), ids=BAD_GROUPS.keys())
-def test_a_bad_group_is_validation_failed(completions: list[Completion], rewards: list[float],
-                                          field: str | None) -> None:
+@pytest.mark.parametrize(("completions", "rewards", "field", "said"), BAD_GROUPS.values(), ids=BAD_GROUPS.keys())
+def test_a_bad_group_is_validation_failed_naming_the_field(completions: list[Completion], rewards: list[Any],
+                                                          field: str, said: str) -> None:
     with pytest.raises(ValidationFailed) as info:
         Run.group(completions, rewards)
-    if field:
-        assert info.value.field == field
+    assert info.value.field == field and said in str(info.value)
 
 
 def test_train_with_no_groups_is_validation_failed_before_redis_is_asked() -> None:

@@ -64,7 +64,14 @@ def test_run_spec_defaults_are_plain_lora() -> None:
         ({"optimizer": {"betas": (math.nan, 0.5)}}, "optimizer.betas.0"),
         ({"optimizer": {"betas": (0.9, 5.0)}}, "optimizer.betas.1"),
         ({"lora": {"alpha": math.inf}}, "lora.alpha"),
+        ({"lora": {"alpha": 1e30}}, "lora.alpha"),  # accepted, every step's gradient norm was inf
         ({"seed": 2**64}, "seed"),
+        # a bool or a string is no count: pydantic took True as 1 and "2" as 2
+        ({"max_staleness_steps": True}, "max_staleness_steps"),
+        ({"max_staleness_steps": "2"}, "max_staleness_steps"),
+        ({"lora": {"r": True}}, "lora.r"),
+        ({"loss": {"epochs": "3"}}, "loss.epochs"),
+        ({"loss": {"normalize_std": "no"}}, "loss.normalize_std"),
     ],
 )
 def test_run_specs_that_would_not_read_back_or_train_are_refused_naming_the_field(spec: dict, field: str) -> None:

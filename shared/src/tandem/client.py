@@ -165,7 +165,15 @@ class Run:
                 f"{len(completions)} completions but {len(rewards)} rewards; give one reward per completion",
                 field="rewards",
             )
+        for i, reward in enumerate(rewards):
+            if isinstance(reward, (bool, str, bytes)) or not isinstance(reward, (int, float)) \
+                    or not math.isfinite(reward):
+                raise ValidationFailed(f"rewards[{i}] is {reward!r:.60}; give each completion a finite number "
+                                       "(a float or an int)", field="rewards")
         trajectories = [c.to_trajectory(r) for c, r in zip(completions, rewards, strict=True)]
+        if len(trajectories) < 2:
+            raise ValidationFailed(f"{len(trajectories)} completion(s) to group; GRPO compares completions of one "
+                                   "start, so give each group at least 2", field="completions")
         try:
             return TrajectoryGroup(trajectories=trajectories)
         except ValidationError as exc:

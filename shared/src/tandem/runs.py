@@ -122,10 +122,10 @@ class _Strict(BaseModel):
 class LoraConfig(_Strict):
     """Shape of the LoRA adapter (plain LoRA, so SGLang loads it as it is)."""
 
-    r: int = Field(16, ge=1, le=1024)
+    r: int = Field(16, ge=1, le=1024, strict=True)
     """Rank."""
-    alpha: float = Field(32.0, gt=0)
-    """Scale numerator: the update is scaled by alpha / r (rslora is never used)."""
+    alpha: float = Field(32.0, gt=0, le=65536)
+    """Scale numerator: the update is scaled by alpha / r (rslora is never used); at most 65536."""
     dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the LoRA input during training."""
     target_modules: tuple[str, ...] = DEFAULT_TARGETS
@@ -163,9 +163,9 @@ class LossConfig(_Strict):
     """PPO clip: ratio is clipped above at 1 + clip_high."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL to the reference (the base model, adapter disabled); 0 skips it."""
-    normalize_std: bool = True
+    normalize_std: bool = Field(True, strict=True)
     """Divide group advantages by the group's reward std (GRPO); False keeps mean-centering only."""
-    epochs: int = Field(1, ge=1, le=16)
+    epochs: int = Field(1, ge=1, le=16, strict=True)
     """Passes over each job's trajectories."""
 
 
@@ -179,9 +179,9 @@ class RunSpec(_Strict):
     lora: LoraConfig = LoraConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     loss: LossConfig = LossConfig()
-    max_staleness_steps: int = Field(1, ge=0, le=64)
+    max_staleness_steps: int = Field(1, ge=0, le=64, strict=True)
     """How many versions older than the parent of the version being trained a rollout may be."""
-    seed: int = Field(0, ge=-(2**63), lt=2**63)
+    seed: int = Field(0, ge=-(2**63), lt=2**63, strict=True)
     """Seed of the LoRA initialisation (a 64-bit signed integer)."""
 
     @field_validator("name")

@@ -125,7 +125,14 @@ def _train_step(backend: Backend, order: StepOrder, group: Group | None, clock: 
                 group.all_reduce(backend.trainable_parameters())
         stats.add(local.sums)
         with clock.stage("optimizer"):
-            grad_norms.append(backend.step(spec.optimizer.max_grad_norm))
+            try:
+                grad_norms.append(backend.step(spec.optimizer.max_grad_norm))
+            except TrainStepFailed as exc:  # a gradient that overflowed: what of the run's spec to look at
+                raise TrainStepFailed(
+                    f"{exc}: the gradient overflowed (the adapter's scale lora.alpha / lora.r is "
+                    f"{spec.lora.alpha / spec.lora.r:g}, optimizer.lr {spec.optimizer.lr:g}); where every step "
+                    "does this, the run's spec is at fault: delete the run (`tandem delete`) and create it again "
+                    "with a smaller lora.alpha or lr") from exc
     backend.synchronize()  # the step is done when the device is, not when it was queued
     return StepOutcome(stats=stats, grad_norm=grad_norms[-1], tokens=sum(mb.tokens for mb in batches),
                        microbatches=len(batches), activate_s=activate_s)
