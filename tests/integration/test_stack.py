@@ -246,6 +246,11 @@ def test_status_without_a_stack_is_one_line_that_says_what_to_do(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert "does not answer" in err and "tandem up" in err and "sekrit" not in err
+    monkeypatch.setenv("TANDEM_GATEWAY_URL", f"http://127.0.0.1:{closed}")
+    assert tandem(["delete", "r"]) == 1  # as status says it
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "does not answer" in err and "`tandem up` writes its URLs to .tandem/stack/client.env" in err, err
 
 
 @pytest.mark.parametrize("args", [["--gateway-port", "99999"], ["--gateway-port", "-1"], ["--redis-port", "70000"],
@@ -376,3 +381,47 @@ def test_a_gateway_port_answered_by_another_process_is_a_stack_error_naming_it(t
         finally:
             inference.proc.kill()
             inference.proc.wait()
+
+
+def _gone(pid: int) -> bool:
+    """Whether `pid` no longer runs (a zombie nobody reaps counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard is Linux's PR_SET_PDEATHSIG")
+def test_services_die_with_a_supervisor_killed_outright(tmp_path: Path) -> None:
+    """`tandem up` SIGKILLed left every service running (each in a session of its own), and a new
+    `tandem up` on the directory started a second Redis over the same files."""
+    script = (
+        "import os, sys, time\n"
+        "from pathlib import Path\n"
+        "from tandem.dev.supervisor import Service, Supervisor\n"
+        f"sup = Supervisor(Path({str(tmp_path)!r}), ready_timeout_s=30, restart_backoff_s=1, "
+        "restart_backoff_max_s=1, restart_reset_s=1)\n"
+        "sup.open()\n"
+        "svc = Service('sleeper', [sys.executable, '-c', 'import time; time.sleep(600)'], ready=lambda: True)\n"
+        "sup.start(svc, dict(os.environ))\n"
+        "print(svc.proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    supervisor = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert supervisor.stdout is not None
+        child = int(supervisor.stdout.readline())
+        assert not _gone(child)
+        supervisor.kill()
+        supervisor.wait(10)
+        deadline = threading.Event()
+        for _ in range(200):
+            if _gone(child):
+                break
+            deadline.wait(0.05)
+        assert _gone(child), "the service outlived its supervisor"
+    finally:
+        supervisor.kill()
+        supervisor.wait(10)
+        if supervisor.stdout is not None:
+            supervisor.stdout.close()

@@ -63,6 +63,22 @@ def test_secrets_are_redacted(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "hunter2" not in str(dumped)
 
 
+def test_every_urls_password_is_redacted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis's and MLflow's were; the gateway's (client, Tinker) and the engine's were shown as given."""
+    from tandem.settings import ClientSettings, TinkerSettings, TrainerSettings
+
+    monkeypatch.setenv("TANDEM_GATEWAY_URL", "http://u:gw-pw@127.0.0.1:8000")
+    monkeypatch.setenv("TANDEM_TINKER__GATEWAY_URL", "http://u:tinker-pw@127.0.0.1:8000")
+    monkeypatch.setenv("TANDEM_ENGINE__URL", "http://u:engine-pw@127.0.0.1:31000")
+    monkeypatch.setenv("TANDEM_TRACKER__MLFLOW_URI", "http://u:mlflow-pw@mlflow:5000")
+    monkeypatch.setenv("TANDEM_REDIS__URL", "redis://u:redis-pw@127.0.0.1:6379/0")
+    for settings in (ClientSettings(), TinkerSettings(), InferenceSettings(), TrainerSettings()):
+        dumped = json.dumps(settings.redacted())
+        assert "-pw" not in dumped and "u:***@127.0.0.1:6379" in dumped, dumped
+    assert ClientSettings().redacted()["gateway_url"] == "http://u:***@127.0.0.1:8000"
+    assert InferenceSettings().redacted()["engine"]["url"] == "http://u:***@127.0.0.1:31000"
+
+
 def test_load_names_each_bad_variable_on_one_line_and_never_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     from tandem.errors import ConfigError
     from tandem.settings import InferenceSettings, TrainerSettings, load

@@ -11,7 +11,8 @@ restart fails to boot, the service stops itself so that whatever runs it starts 
 
 The engine never outlives the service: `stop()` ends its whole process group; if the service
 itself dies without stopping it (a crash, SIGKILL), the kernel kills the engine
-(PR_SET_PDEATHSIG, set by a small guard that then execs the engine); and anything of an engine
+(PR_SET_PDEATHSIG, set by tandem.child's guard, which then execs the engine; SGLang's scheduler
+and detokenizer ask the same of their parent, the engine, so they follow it); and anything of an engine
 that a previous run left behind (named by the pid file) is killed before a new one starts.
 """
 
@@ -25,7 +26,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -35,26 +35,12 @@ from urllib.parse import urlparse
 import httpx
 
 from tandem.acl import without_credentials
+from tandem.child import guarded
 from tandem.errors import ConfigError
 from tandem.settings import InferenceSettings
 from tandem_inference.errors import EngineBootError
 
 log = logging.getLogger(__name__)
-
-#: Runs before the engine's own command, in the engine's process: it asks the kernel to SIGKILL
-#: the engine when the thread that started it ends (the service crashed or was killed), checks
-#: that this thread is still there (it may have died before the request took effect), then
-#: execs the engine, which keeps the request (it survives exec). SGLang's scheduler and
-#: detokenizer ask the same of their parent, the engine, so they follow it. Linux only.
-_GUARD = (
-    "import ctypes, os, signal, sys\n"
-    "if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:\n"  # PR_SET_PDEATHSIG
-    "    sys.exit(f'engine guard: prctl failed (errno {ctypes.get_errno()})')\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit('engine guard: the service that started this engine is gone')\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
-)
-
 
 def loopback_host(url: str, engine: str, why: str) -> str:
     """The host an engine is to listen on, from engine.url; ConfigError unless it is a loopback address."""
@@ -78,13 +64,6 @@ def engine_env(settings: InferenceSettings, base: dict[str, str] | None = None) 
     if settings.gpus.mode != "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in settings.gpus.inference)
     return env
-
-
-def guarded(argv: list[str]) -> list[str]:
-    """`argv` run through the guard, so that the engine dies with the process that starts it."""
-    if not sys.platform.startswith("linux"):
-        return list(argv)
-    return [sys.executable, "-c", _GUARD, str(os.getpid()), *argv]
 
 
 #: Flags whose value is a key (SGLang's admin key; an API key passed in `engine.extra_args`).

@@ -193,6 +193,11 @@ def _env_source(args: argparse.Namespace) -> str:
     return str(Path(args.state_dir) / "client.env") if args.state_dir else LOCAL_STACK_ENV
 
 
+def _pointing_at_source(exc: TandemError, args: argparse.Namespace, what: str) -> TandemError:
+    """`exc` again, saying where the stack's `what` came from: a stack that is not up, or another one."""
+    return type(exc)(f"{exc} (`tandem up` writes its {what} to {_env_source(args)}; is that stack up?)")
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from tandem.registry import Registry
     from tandem.replicas import Replicas
@@ -201,7 +206,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         reg = Registry(settings.redis.connect())
     except (BackendUnavailable, ConfigError) as exc:  # Redis away, or a password from an older client.env
-        raise type(exc)(f"{exc} (`tandem up` writes its Redis URL to {_env_source(args)}; is that stack up?)") from exc
+        raise _pointing_at_source(exc, args, "Redis URL") from exc
     names = [args.run] if args.run else reg.list_runs()
     if not names:
         print(f"no runs yet in Redis at {redact_url(settings.redis.url)}")
@@ -224,8 +229,12 @@ def cmd_delete(args: argparse.Namespace) -> int:
     """Delete a run through the gateway (TANDEM_GATEWAY_URL, TANDEM_API_KEY), as `Client.delete_run` does."""
     from tandem.client import Client
 
-    with Client(settings=_client_settings(args)) as client:
-        deleted = client.delete_run(args.run)
+    settings = _client_settings(args)
+    try:
+        with Client(settings=settings) as client:
+            deleted = client.delete_run(args.run)
+    except BackendUnavailable as exc:  # the stack is not up, or elsewhere
+        raise _pointing_at_source(exc, args, "URLs") from exc
     print(f"deleted run {deleted.run}: {len(deleted.versions)} versions (the trainer removes their files from the "
           f"adapter store), {len(deleted.jobs)} queued jobs, {deleted.episodes} episodes; its events stay in the stream")
     return 0

@@ -14,11 +14,13 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.child import guarded
 from tandem.errors import ConfigError, StackError
 
 log = logging.getLogger("tandem.dev.stack")
@@ -120,8 +122,11 @@ class Supervisor:
         try:
             svc.log_path.touch(mode=0o600)
             with svc.log_path.open("ab") as out:
+                # started from the main thread (the stack's own), a service dies with the supervisor,
+                # SIGKILL included: one left running would hold the stack's ports and files
+                argv = guarded(svc.argv) if threading.current_thread() is threading.main_thread() else svc.argv
                 svc.proc = subprocess.Popen(
-                    svc.argv, env={**env, **svc.env}, stdout=out, stderr=subprocess.STDOUT,
+                    argv, env={**env, **svc.env}, stdout=out, stderr=subprocess.STDOUT,
                     start_new_session=True, umask=PRIVATE_UMASK,
                 )
         except OSError as exc:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -43,10 +43,9 @@ class _ServiceSettings(BaseSettings):
     store: StoreSettings = StoreSettings()
 
     def redacted(self) -> dict[str, Any]:
-        """The resolved settings as JSON-able data, secrets shown as '**********'."""
-        data: dict[str, Any] = json.loads(self.model_dump_json())
-        data["redis"]["url"] = redact_url(self.redis.url)
-        return data
+        """The resolved settings as JSON-able data, secrets shown as '**********' and the password
+        of every URL (Redis's, the gateway's, MLflow's, ...) as '***'."""
+        return cast(dict[str, Any], _urls_redacted(json.loads(self.model_dump_json())))
 
 
 class TrainerSettings(_ServiceSettings):
@@ -73,11 +72,6 @@ class TrainerSettings(_ServiceSettings):
     metrics: TrainerMetricsSettings = TrainerMetricsSettings()
     tracker: TrackerSettings = TrackerSettings()
     retention: RetentionSettings = RetentionSettings()
-
-    def redacted(self) -> dict[str, Any]:
-        data = super().redacted()
-        data["tracker"]["mlflow_uri"] = redact_url(self.tracker.mlflow_uri)
-        return data
 
     @model_validator(mode="after")
     def _ranks_fit_gpus(self) -> TrainerSettings:
@@ -174,3 +168,14 @@ SERVICES: dict[str, type[_ServiceSettings]] = {
     "client": ClientSettings,
     "tinker": TinkerSettings,
 }
+
+
+def _urls_redacted(value: Any) -> Any:
+    """`value` (JSON-able settings data) with the password of every URL in it as '***'."""
+    if isinstance(value, dict):
+        return {k: _urls_redacted(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_urls_redacted(v) for v in value]
+    if isinstance(value, str) and "://" in value:
+        return redact_url(value)
+    return value
