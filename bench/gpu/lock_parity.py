@@ -15,6 +15,20 @@ line). Three steps:
     # here: the wheels to stage, packed into folders of at most 58 MiB to copy over one at a time
     python bench/gpu/lock_parity.py pack --wheels DIR --stage-list stage.txt --prefix .lstage --first sglang,trainer,tandem,bench
 
+Without a new inventory, the last parity table plans the staging (what it found identical on the
+machine stays there; every small wheel is staged all the same, for a machine that lost one since):
+
+    # here: every locked wheel for CPython 3.12 on x86-64 Linux, hash-checked
+    python bench/gpu/lock_parity.py requirements --out-dir req      # req/<env>.txt, req/bench.txt
+    for f in req/*.txt; do   # one download a lock: two locks may pin one package at two versions
+      pip download --no-deps --require-hashes --only-binary :all: -d DIR -r "$f" \
+        --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
+        $(for i in $(seq 17 40); do printf -- "--platform manylinux_2_%s_x86_64 " $i; done) \
+        --platform manylinux2014_x86_64 --platform linux_x86_64 --platform any
+    done
+    python bench/gpu/lock_parity.py plan --wheels DIR --parity docs/results/<last>/parity.md --stage-list stage.txt
+    python bench/gpu/lock_parity.py pack --wheels DIR --stage-list stage.txt --prefix .lstage --first sglang,trainer,tandem,bench
+
 `bench/gpu/gpu_env.sh` installs the staged wheels into one folder per environment on the machine.
 A machine that has lost a package since its inventory would leave an environment short; there
 `fill` takes the pin from another environment's staged wheel of the same hash, or names what is
@@ -257,6 +271,75 @@ def compare(wheels: Path, inventory_path: Path, report: Path, stage_list: Path, 
     return 0 if not counts.get("missing-wheel") else 1
 
 
+#: What the bench driver adds to tandem's environment (gpu_env.sh's `bench`), pinned as dev.txt pins it.
+BENCH_DEPS = ROOT / "bench" / "gpu" / "gpu-deps.txt"
+
+
+def lock_blocks(path: Path) -> dict[str, str]:
+    """name -> the lock's whole entry for it (the pin and its hashes, comments left out)."""
+    blocks: dict[str, str] = {}
+    name = ""
+    for line in path.read_text().splitlines():
+        if m := PIN.match(line):
+            name = normalize(m.group(1))
+            blocks[name] = line + "\n"
+        elif name and line.strip().startswith("--hash="):
+            blocks[name] += line + "\n"
+        elif not line.startswith(" "):
+            name = ""
+    return blocks
+
+
+def requirements(envs: tuple[str, ...] = ENVS) -> dict[str, str]:
+    """One requirements file a lock (the lock's pins with their hashes, no comments), and `bench`:
+    the bench driver's pins (gpu-deps.txt) with dev.txt's hashes. One file each: two locks may pin
+    one package at two versions, which one `pip download` would refuse as a conflict."""
+    files = {env: "".join(lock_blocks(LOCKS / f"{env}.txt").values()) for env in envs}
+    dev = lock_blocks(LOCKS / "dev.txt")
+    bench = []
+    for line in BENCH_DEPS.read_text().splitlines():
+        if m := PIN.match(line):
+            name, version = normalize(m.group(1)), m.group(2)
+            pinned = PIN.match(dev.get(name, ""))
+            if pinned is None or pinned.group(2) != version:
+                raise SystemExit(f"lock_parity requirements: {line} is not pinned so in images/locks/dev.txt")
+            bench.append(dev[name])
+    files["bench"] = "".join(bench)
+    return files
+
+
+def plan(wheels: Path, parity: Path, small: int = 3 * 2**20) -> dict[str, set[str]]:
+    """wheel file -> the environments to stage it for, from the last parity table: every pin it did
+    not find identical on the machine, and every wheel smaller than `small` bytes (a machine that
+    lost a small package since is covered); the bench driver's pins always."""
+    labels: dict[tuple[str, str], str] = {}
+    for line in parity.read_text().splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) > 5 and cells[1] in ENVS:
+            labels[(cells[1], normalize(cells[2]))] = cells[4]
+    index = wheel_index(wheels)
+    stage: dict[str, set[str]] = {}
+    missing = []
+    for env in ENVS:
+        for name, (version, _) in read_lock(LOCKS / f"{env}.txt").items():
+            wheel = index.get((name, version))
+            if wheel is None:
+                missing.append(f"{env}: {name}=={version}")
+            elif labels.get((env, name)) != "identical to the machine's" or wheel.stat().st_size < small:
+                stage.setdefault(wheel.name, set()).add(env)
+    for line in BENCH_DEPS.read_text().splitlines():
+        if m := PIN.match(line):
+            wheel = index.get((normalize(m.group(1)), m.group(2)))
+            if wheel is None:
+                missing.append(f"bench: {m.group(0)}")
+            else:
+                stage.setdefault(wheel.name, set()).add("bench")
+    if missing:
+        raise SystemExit(f"lock_parity plan: no wheel in {wheels} for {len(missing)} pin(s): {', '.join(missing[:10])}; "
+                         "download them first (lock_parity.py requirements, then pip download)")
+    return stage
+
+
 def pack(wheels: Path, stage_list: Path, prefix: str, limit: int = LIMIT, first: frozenset[str] = frozenset()) -> None:
     """Pack the listed wheels (big ones split into parts) into prefix1, prefix2, ... of at most `limit` bytes.
 
@@ -325,6 +408,14 @@ def main() -> int:
     d = sub.add_parser("fill", help="on the GPU machine: the staged wheels an environment lacks beyond envs.txt")
     d.add_argument("--env", choices=ENVS, required=True)
     d.add_argument("--stage", type=Path, required=True, help="the folder the staged wheels were copied to")
+    r = sub.add_parser("requirements", help="each lock's pins and the bench driver's, with hashes, for pip download")
+    r.add_argument("--out-dir", type=Path, required=True, help="<env>.txt for each, and bench.txt")
+    r.add_argument("--envs", default=",".join(ENVS), help="the locks, comma-separated")
+    q = sub.add_parser("plan", help="the stage list from the last parity table, without a new inventory")
+    q.add_argument("--wheels", type=Path, required=True)
+    q.add_argument("--parity", type=Path, required=True, help="a parity.md that compare wrote on the same kind of machine")
+    q.add_argument("--stage-list", type=Path, required=True)
+    q.add_argument("--small-mib", type=float, default=3.0, help="wheels below this are staged even where identical")
     c = sub.add_parser("pack")
     c.add_argument("--wheels", type=Path, required=True)
     c.add_argument("--stage-list", type=Path, required=True)
@@ -347,6 +438,17 @@ def main() -> int:
                   f"machine: {', '.join(missing)}. The machine changed since its inventory: run PART=env's "
                   "inventory, lock_parity.py compare and pack again, and stage the new folders.", file=sys.stderr)
             return 1
+        return 0
+    if args.cmd == "requirements":
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in requirements(tuple(args.envs.split(","))).items():
+            (args.out_dir / f"{name}.txt").write_text(text)
+        return 0
+    if args.cmd == "plan":
+        stage = plan(args.wheels, args.parity, int(args.small_mib * 2**20))
+        args.stage_list.write_text("".join(f"{w} {','.join(sorted(e))}\n" for w, e in sorted(stage.items())))
+        mib = sum((args.wheels / w).stat().st_size for w in stage) / 2**20
+        print(f"{len(stage)} wheels to stage, {mib:.0f} MiB")
         return 0
     if args.cmd == "compare":
         envs = tuple(args.envs.split(","))

