@@ -308,6 +308,29 @@ def package_versions(names: Sequence[str] = ("tandem", "torch", "transformers", 
     return out
 
 
+def engine_patches(python: str, engine: str) -> dict[str, str]:
+    """Which of tandem's patches (images/patches/SHA256SUMS) an engine's environment has, by the
+    sha256 of each file they change: "applied", "not applied" (the locked file), or "other"."""
+    import hashlib
+
+    sums = Path(__file__).resolve().parents[1] / "images" / "patches" / "SHA256SUMS"
+    lines = [line.split() for line in sums.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    code = "import importlib.util, sys; print(importlib.util.find_spec(sys.argv[1]).submodule_search_locations[0])"
+    try:
+        res = subprocess.run([python, "-c", code, engine], capture_output=True, text=True, timeout=60)
+        package = Path(res.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return {}
+    out = {}
+    for eng, patch, target, before, after in lines:
+        if eng != engine:
+            continue
+        path = package.parent / target
+        have = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+        out[patch] = "applied" if have == after else "not applied" if have == before else "other"
+    return out
+
+
 def python_versions(python: str, names: Sequence[str]) -> dict[str, str]:
     """Package versions as another interpreter sees them (SGLang's, the trainer's)."""
     code = ("import importlib.metadata as m, json, sys\n"

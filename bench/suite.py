@@ -61,6 +61,7 @@ from bench.benchlib import (
     BenchStack,
     Ctx,
     bench_run,
+    engine_patches,
     machine,
     md_table,
     package_versions,
@@ -117,6 +118,9 @@ def parse() -> argparse.Namespace:
                    help="SGLang's kernels: those tandem's command line gets (shipped: fa3 attention, flashinfer "
                         "sampling on H100/H200), or the pinned triton attention and PyTorch sampling of the first "
                         "GPU runs (bench), a lever to measure beside them")
+    p.add_argument("--eager-adapter-slot", action="store_true",
+                   help="SGLang: engine.eager_adapter_slot, each adapter copied into a free GPU slot when it loads "
+                        "(tandem's patch, images/patches/; the report's meta says whether the engine has it)")
     p.add_argument("--engine-slots", type=int, default=MAX_LOADED_ADAPTERS,
                    help=f"engine.max_loaded_adapters of the suite's stack (default {MAX_LOADED_ADAPTERS}; "
                         "8, the shipped default, makes the density scenario's runs share 8 slots)")
@@ -195,6 +199,8 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
         "TANDEM_GATEWAY__MAX_IN_FLIGHT_SEQUENCES": "4096",
         "TANDEM_GATEWAY__QUEUE_TIMEOUT_S": str(QUEUE_TIMEOUT_S),
     }
+    if args.eager_adapter_slot:
+        env["TANDEM_ENGINE__EAGER_ADAPTER_SLOT"] = "true"
     if args.loras_per_batch is not None:
         env["TANDEM_ENGINE__MAX_LORAS_PER_BATCH"] = str(args.loras_per_batch)
     if args.release_tags is not None:  # shared mode: what the engine frees for the trainer
@@ -293,6 +299,7 @@ def main() -> int:
     }
     if args.engine == "sglang":
         meta["sglang_env"] = python_versions(args.sglang_python, ["sglang", "torch", "transformers"])
+        meta["sglang_patches"] = engine_patches(args.sglang_python, "sglang")
     if args.engine == "vllm":
         meta["vllm_env"] = python_versions(args.vllm_python, ["vllm", "torch", "transformers"])
     if gpu:
@@ -388,6 +395,8 @@ def report(meta: dict[str, Any], results: dict[str, Any]) -> str:
     for key, name in (("sglang_env", "SGLang"), ("vllm_env", "vLLM"), ("trainer_env", "trainer")):
         if meta.get(key):
             lines.append(f"- **{name} environment**: {meta[key]}")
+    if meta.get("sglang_patches"):
+        lines.append(f"- **tandem's SGLang patches**: {meta['sglang_patches']}")
     if (meta.get("engine_log") or {}).get("engine_command"):
         lines.append(f"- **engine command**: `{meta['engine_log']['engine_command']}`")
     lines += [f"- **settings**: `{json.dumps(meta['settings'])}`", f"- **wall time**: {meta['elapsed_s']:.0f} s", ""]

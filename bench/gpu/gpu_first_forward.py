@@ -11,14 +11,17 @@ flags plus each variant's), for `--rounds` fresh adapter names per variant:
 - warmed: with a one-token request on another prompt first (a pre-warmed slot), then the probe;
 - again: the probe once more on that adapter, its prompt now in the adapter's prefix cache;
 - base: the probe without an adapter (its prompt cached too, from the rounds before);
-- with `--profile` (SGLang): the engine's own torch profile of the first request after one load
-  (`/start_profile`, CPU and GPU activities), its busiest operations and kernels summed.
+- with `--profile` (SGLang): the engine's own torch profile (`/start_profile`, CPU and GPU
+  activities, Python stacks) of one load and of the first request after it, its busiest
+  kernels, operations and Python functions summed (a function's time includes its callees').
 
 Variants: `plain` (tandem's flags), `overlap` (`--enable-lora-overlap-loading`: SGLang copies an
 adapter's weights to the GPU beside compute), `small-prefill` (prefill CUDA graphs captured from
 1 token: SGLang 0.5.23's smallest is 4, and it runs a prefill eagerly where the graph would pad it
 more than twice, so a prompt whose prefix is cached but for its last token, as `second`, `again`
-and `base` are, runs all layers eagerly). The adapter is saved in bfloat16, as the trainer
+and `base` are, runs all layers eagerly), `eager` (`engine.eager_adapter_slot`: with tandem's patch,
+images/patches/, SGLang copies an adapter into a free GPU slot when it loads, not in its first
+batch; an engine without the patch ignores it, and the report says which it ran). The adapter is saved in bfloat16, as the trainer
 publishes it for a bfloat16 model. Results: OUT/results.json and OUT/report.md.
 
     python bench/gpu/gpu_first_forward.py --out OUT --sglang-python /tmp/sgpython --shape 0.5b --profile
@@ -31,10 +34,12 @@ import argparse
 import asyncio
 import gzip
 import json
+import os
 import statistics
 import sys
 import time
-from collections import Counter
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,14 +49,17 @@ from tandem_inference.engines.base import Engine, Sampling
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench` when run as a script
 
-from bench.benchlib import SHAPES
+from bench.benchlib import SHAPES, engine_patches
 from bench.gpu import one_engine
 
 VARIANTS = {
     "plain": [],
     "overlap": ["--enable-lora-overlap-loading"],
     "small-prefill": ["--cuda-graph-bs-prefill", *map(str, [1, 2, 3, 4, 8, 12, 16, 20, 24, 28, 32])],
+    "eager": [],
 }
+#: tandem settings of a variant, beside its engine flags
+VARIANT_SETTINGS = {"eager": {"TANDEM_ENGINE__EAGER_ADAPTER_SLOT": "true"}}
 ONE = Sampling(max_tokens=1)
 PROBE = [3, 17, 9]  # the sync probe's size: a prompt of a few tokens, one new token
 WARM = [5, 11]
@@ -82,24 +90,34 @@ async def rounds(engine: Engine, adapter_path: Path, n: int, tag: str) -> list[d
     return rows
 
 
-async def profile_first(http: httpx.AsyncClient, url: str, engine: Engine, adapter_path: Path,
-                        trace_dir: Path) -> dict[str, Any]:
-    """SGLang's own profile of the first request after a load: its busiest names, summed."""
-    await engine.load_adapter("profiled", str(adapter_path))
+async def profiled(http: httpx.AsyncClient, url: str, trace_dir: Path, what: Callable[[], Awaitable[float]]
+                   ) -> dict[str, Any]:
+    """SGLang's own profile of `what` (which returns its ms): its busiest names, summed."""
     trace_dir.mkdir(parents=True, exist_ok=True)
     before = set(trace_dir.rglob("*.json*"))
-    await http.post(f"{url}/start_profile", json={"output_dir": str(trace_dir), "activities": ["CPU", "GPU"]},
-                    timeout=60)
-    ms = await timed(engine, PROBE, "profiled")
+    await http.post(f"{url}/start_profile", json={"output_dir": str(trace_dir), "activities": ["CPU", "GPU"],
+                                                  "with_stack": True}, timeout=60)
+    ms = await what()
     await http.post(f"{url}/stop_profile", timeout=300)
     traces = sorted(set(trace_dir.rglob("*.json*")) - before)
-    return {"first_ms": ms, "traces": [p.name for p in traces], **summarize(traces)}
+    return {"ms": ms, "traces": [p.name for p in traces], **summarize(traces)}
+
+
+async def profile_load_and_first(http: httpx.AsyncClient, url: str, engine: Engine, adapter_path: Path,
+                                 trace_dir: Path) -> dict[str, Any]:
+    """The engine's profiles of one load and of the first request after it, each on its own."""
+    load = await profiled(http, url, trace_dir / "load",
+                          lambda: engine.load_adapter("profiled", str(adapter_path)))
+    first = await profiled(http, url, trace_dir / "first", lambda: timed(engine, PROBE, "profiled"))
+    return {"load": load, "first": first}
 
 
 def summarize(traces: list[Path], top: int = 15) -> dict[str, Any]:
-    """Microseconds by event name, for GPU kernels and copies and for CPU operations, over `traces`."""
-    gpu: Counter[str] = Counter()
-    cpu: Counter[str] = Counter()
+    """Microseconds by event name, for GPU kernels and copies, CPU operations and Python functions
+    (each with its callees), over `traces`."""
+    gpu: defaultdict[str, float] = defaultdict(float)
+    cpu: defaultdict[str, float] = defaultdict(float)
+    python: defaultdict[str, float] = defaultdict(float)
     for path in traces:
         opener = gzip.open if path.suffix == ".gz" else open
         with opener(path, "rt") as f:
@@ -108,10 +126,14 @@ def summarize(traces: list[Path], top: int = 15) -> dict[str, Any]:
             if ev.get("ph") != "X" or "dur" not in ev:
                 continue
             cat = str(ev.get("cat", ""))
-            bucket = gpu if cat in ("kernel", "gpu_memcpy", "gpu_memset") else cpu if cat == "cpu_op" else None
+            buckets = {"kernel": gpu, "gpu_memcpy": gpu, "gpu_memset": gpu, "cpu_op": cpu, "python_function": python}
+            bucket = buckets.get(cat)
             if bucket is not None:
                 bucket[str(ev.get("name", ""))[:120]] += float(ev["dur"])
-    return {"gpu_us": gpu.most_common(top), "cpu_op_us": cpu.most_common(top),
+    def busiest(us: dict[str, float], n: int) -> list[tuple[str, float]]:
+        return sorted(us.items(), key=lambda kv: -kv[1])[:n]
+
+    return {"gpu_us": busiest(gpu, top), "cpu_op_us": busiest(cpu, top), "python_us": busiest(python, 2 * top),
             "gpu_total_us": sum(gpu.values()), "cpu_op_total_us": sum(cpu.values())}
 
 
@@ -123,7 +145,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     adapter = build_random_adapter(model, work / "adapter", rank=16, seed=1, scale=0.02, dtype="bfloat16")
     out: dict[str, Any] = {"shape": args.shape, "engine": args.engine, "variants": {}}
     variants = args.variants.split(",") if args.engine == "sglang" else ["plain"]
+    if args.engine == "sglang":
+        out["patches"] = engine_patches(args.sglang_python, "sglang")
     for variant in variants:
+        for key in {k for v in VARIANT_SETTINGS.values() for k in v}:
+            os.environ.pop(key, None)
+        os.environ.update(VARIANT_SETTINGS.get(variant, {}))
         inference = one_engine.settings(args.engine, model, work, port=args.port, sglang_python=args.sglang_python,
                                         extra_args=tuple(VARIANTS[variant]))
         log = args.out / f"{args.engine}-{variant}.log"
@@ -133,8 +160,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             res: dict[str, Any] = {"boot_s": boot_s, "rows": rows,
                                    "p50": {k: statistics.median(r[k] for r in rows) for k in rows[0]}}
             if args.profile and args.engine == "sglang":
-                res["profile"] = await profile_first(http, inference.engine.url, engine, adapter,
-                                                     work / f"trace-{variant}")
+                res["profile"] = await profile_load_and_first(http, inference.engine.url, engine, adapter,
+                                                              work / f"trace-{variant}")
         out["variants"][variant] = res
         print(f"{variant}: " + ", ".join(f"{k} {v:.1f}" for k, v in res["p50"].items()), flush=True)
     return out
@@ -142,25 +169,29 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(res: dict[str, Any]) -> str:
     keys = ["load_ms", "first_ms", "second_ms", "warm_up_ms", "warmed_first_ms", "again_ms", "base_ms"]
-    lines = [f"# First response after a load ({res['engine']}, {res['shape']}), p50 ms", "",
-             "| variant | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    lines = [f"# First response after a load ({res['engine']}, {res['shape']}), p50 ms", ""]
+    if res.get("patches"):
+        lines += [f"tandem's SGLang patches: {res['patches']}", ""]
+    lines += ["| variant | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
     for name, v in res["variants"].items():
         lines.append(f"| {name} | " + " | ".join(f"{v['p50'][k]:.1f}" for k in keys) + " |")
     for name, v in res["variants"].items():
-        if "profile" in v:
-            p = v["profile"]
-            lines += ["", f"## {name}: the engine's profile of one first request ({p['first_ms']:.1f} ms)", "",
+        for what, p in (v.get("profile") or {}).items():
+            lines += ["", f"## {name}: the engine's profile of one {'load' if what == 'load' else 'first request'} "
+                          f"({p['ms']:.1f} ms)", "",
                       f"GPU {p['gpu_total_us'] / 1000:.1f} ms, CPU operations {p['cpu_op_total_us'] / 1000:.1f} ms", "",
                       "| GPU kernel or copy | µs |", "|---|---|"]
             lines += [f"| `{n}` | {us:.0f} |" for n, us in p["gpu_us"]]
             lines += ["", "| CPU operation | µs |", "|---|---|"] + [f"| `{n}` | {us:.0f} |" for n, us in p["cpu_op_us"]]
+            lines += ["", "| Python function (with its callees) | µs |", "|---|---|"]
+            lines += [f"| `{n}` | {us:.0f} |" for n, us in p.get("python_us", [])]
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     one_engine.add_arguments(p, port=30191)
-    p.add_argument("--variants", default="plain,overlap,small-prefill", help=f"comma-separated, of {sorted(VARIANTS)}")
+    p.add_argument("--variants", default="plain,eager,small-prefill", help=f"comma-separated, of {sorted(VARIANTS)}")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--profile", action="store_true", help="SGLang's torch profile of one first request")
     args = p.parse_args()

@@ -47,6 +47,9 @@
 # A part whose check fails exits non-zero (its files still come back). Each step has a time limit
 # (TEST_LIMIT per engine test, CHECK_LIMIT for gpu_check beside them) so that the part ends, and
 # leaves its files, inside a host's limit per command.
+# PATCHES=off takes tandem's SGLang patches (images/patches/) back for this call, so that an unpatched
+# engine is a lever's "before" (bench/gpu/gpu_env.sh applies them; each later call without PATCHES=off
+# applies them again); EAGER=1 (suite) switches engine.eager_adapter_slot on, which needs them.
 # KERNELS=bench (check, suite) pins SGLang's triton attention and PyTorch sampling instead of the shipped
 # kernels (a lever to measure beside them).
 # ENGINE=sglang (default) or vllm; ENVS, as bench/gpu/gpu_env.sh reads it, adds vLLM's environment;
@@ -64,6 +67,9 @@ model=/tmp/gc/model-0.5b
 model_cmp=/tmp/gc/model-0.5b-0.02
 # engines an earlier run left behind; KILL=0 when another part runs beside this one (GPU=1 below)
 [ "${KILL:-1}" = 1 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill 2>/dev/null
+if [ "$part" != env ] && [ -d /tmp/lk-sglang ] && command -v patch >/dev/null 2>&1; then
+  images/patches/apply.sh $([ "${PATCHES:-on}" = off ] && echo --reverse) sglang /tmp/lk-sglang || exit 1
+fi
 gpu=${GPU:-0}  # the GPU of the one-GPU parts (engines' tests, correct, first)
 case $mode in
   split) placement=(--inference-gpus '[0]' --trainer-gpus "${TRAINER_GPUS:-[1]}" --mem-fraction 0.7) ;;
@@ -178,7 +184,7 @@ suite)
     "${built[@]}" "${common[@]}" ${MEM:+--mem-fraction "$MEM"} ${RELEASE:+--release-tags "$RELEASE"} \
     ${SERVE:+--serve-while-training} ${ENGINE_ARGS:+--engine-args "$ENGINE_ARGS"} ${DENSITY:+--density-runs "$DENSITY"} \
     ${SLOTS:+--engine-slots "$SLOTS"} ${LORAS:+--loras-per-batch "$LORAS"} ${KEEP:+--keep-versions "$KEEP"} \
-    --out /tmp/suite --state /tmp/suite-state \
+    ${EAGER:+--eager-adapter-slot} --out /tmp/suite --state /tmp/suite-state \
     >/tmp/suite.log 2>&1
   echo "suite: exit $? after $((SECONDS - t0)) s"
   tail -50 /tmp/suite.log

@@ -3,29 +3,41 @@
 # (SHA256SUMS), applied with GNU patch and no fuzz:
 #   images/patches/apply.sh sglang /opt/sglang/lib/python3.12/site-packages
 # A file already patched is left as it is; a file of another release (its sha256 neither the
-# locked one nor the patched one) stops the script before anything changes.
+# locked one nor the patched one) stops the script before anything changes. --reverse takes the
+# patches back, to the locked files (a benchmark's "before"), by the same checks:
+#   images/patches/apply.sh --reverse sglang /opt/sglang/lib/python3.12/site-packages
 set -euo pipefail
+reverse=0
+[ "${1:-}" = --reverse ] && { reverse=1; shift; }
 engine=${1:?engine (sglang)} site=${2:?site-packages of the environment}
 here=$(cd "$(dirname "$0")" && pwd)
 command -v patch >/dev/null 2>&1 || { echo "apply.sh: GNU patch is needed (apt-get install patch)" >&2; exit 1; }
-applied=0
+applied=0 verb=applied flags=()
+[ "$reverse" = 1 ] && verb="taken back" flags=(-R)
 while read -r eng file target before after; do
   [ "$eng" = "$engine" ] || continue
   path="$site/$target"
   [ -f "$path" ] || { echo "apply.sh: $path not found: is $site $engine's site-packages?" >&2; exit 1; }
+  # reversing: the patched file is the "from" and the locked one the "to"
+  from=$before to=$after
+  [ "$reverse" = 1 ] && from=$after to=$before
   have=$(sha256sum "$path" | cut -d' ' -f1)
-  if [ "$have" = "$after" ]; then
-    echo "apply.sh: $file: already applied to $path"
+  if [ "$have" = "$to" ]; then
+    echo "apply.sh: $file: already $verb: $path"
     continue
   fi
-  [ "$have" = "$before" ] || {
-    echo "apply.sh: $path has sha256 $have, not the $before that $file was made for (another $engine release?)" >&2
+  [ "$have" = "$from" ] || {
+    if [ "$reverse" = 1 ]; then
+      echo "apply.sh: $path has sha256 $have, not the $from that $file leaves: not patched by it, nothing to take back" >&2
+    else
+      echo "apply.sh: $path has sha256 $have, not the $from that $file was made for (another $engine release?)" >&2
+    fi
     exit 1
   }
-  patch -p1 --fuzz=0 --no-backup-if-mismatch --quiet -d "$site" <"$here/$file"
+  patch -p1 --fuzz=0 --no-backup-if-mismatch --quiet "${flags[@]}" -d "$site" <"$here/$file"
   have=$(sha256sum "$path" | cut -d' ' -f1)
-  [ "$have" = "$after" ] || { echo "apply.sh: $path after $file has sha256 $have, not $after" >&2; exit 1; }
-  echo "apply.sh: $file: applied to $path"
+  [ "$have" = "$to" ] || { echo "apply.sh: $path after $file ($verb) has sha256 $have, not $to" >&2; exit 1; }
+  echo "apply.sh: $file: $verb: $path"
   applied=$((applied + 1))
 done < <(grep -v '^#' "$here/SHA256SUMS")
-echo "apply.sh: $engine: $applied patch(es) applied"
+echo "apply.sh: $engine: $applied patch(es) $verb"

@@ -44,8 +44,9 @@ def site_with(tmp_path: Path, text: str) -> Path:
     return site
 
 
-def apply(patches: Path, site: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(patches / "apply.sh"), "engine", str(site)], capture_output=True, text=True, timeout=30)
+def apply(patches: Path, site: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(patches / "apply.sh"), *flags, "engine", str(site)], capture_output=True, text=True,
+                          timeout=30)
 
 
 def test_a_patch_applies_to_the_file_it_was_made_for_and_only_once(patches: Path, tmp_path: Path) -> None:
@@ -57,6 +58,28 @@ def test_a_patch_applies_to_the_file_it_was_made_for_and_only_once(patches: Path
     again = apply(patches, site)
     assert again.returncode == 0 and "already applied" in again.stdout
     assert (site / TARGET).read_text() == AFTER
+
+
+def test_reverse_takes_a_patch_back_to_the_locked_file_by_the_same_checks(patches: Path, tmp_path: Path) -> None:
+    site = site_with(tmp_path, BEFORE)
+    assert apply(patches, site).returncode == 0
+    back = apply(patches, site, "--reverse")
+    assert back.returncode == 0, back.stderr
+    assert (site / TARGET).read_text() == BEFORE
+    assert "mod.patch: taken back" in back.stdout and "1 patch(es) taken back" in back.stdout
+    again = apply(patches, site, "--reverse")
+    assert again.returncode == 0 and "already taken back" in again.stdout
+    assert apply(patches, site).returncode == 0  # and on again
+    assert (site / TARGET).read_text() == AFTER
+
+
+def test_reverse_refuses_a_file_the_patch_did_not_leave(patches: Path, tmp_path: Path) -> None:
+    other = "def load(x):\n    return x  # another release\n"
+    site = site_with(tmp_path, other)
+    result = apply(patches, site, "--reverse")
+    assert result.returncode == 1
+    assert f"has sha256 {sha256(other)}, not the {sha256(AFTER)} that mod.patch leaves" in result.stderr
+    assert (site / TARGET).read_text() == other
 
 
 def test_a_file_of_another_release_is_refused_and_left_as_it_is(patches: Path, tmp_path: Path) -> None:
@@ -84,3 +107,23 @@ def test_each_listed_patch_changes_the_file_its_line_names() -> None:
         # made for the release the lock pins (check-patches proves it against that wheel's file)
         locked = re.search(rf"^{engine}==(\S+)", (PATCHES.parent / "locks" / f"{engine}.txt").read_text(), re.M)
         assert locked is not None and patch.startswith(f"{engine}-{locked.group(1)}-"), patch
+
+
+def test_a_benchmark_report_says_which_patches_the_engine_it_ran_had(tmp_path: Path) -> None:
+    """bench.benchlib.engine_patches: each patch of SHA256SUMS by the sha256 of the file it changes,
+    in the package that the engine's interpreter imports."""
+    import sys
+
+    from bench.benchlib import engine_patches
+
+    lines = [line.split() for line in (PATCHES / "SHA256SUMS").read_text().splitlines() if not line.startswith("#")]
+    patch, target = next((p, t) for e, p, t, _, _ in lines if e == "sglang")
+    site = tmp_path / "site"
+    (site / target).parent.mkdir(parents=True)
+    (site / "sglang" / "__init__.py").write_text("")
+    (site / target).write_text("# a file of another release\n")
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    assert engine_patches(str(python), "sglang") == {patch: "other"}
+    assert engine_patches(str(tmp_path / "no-python"), "sglang") == {}
