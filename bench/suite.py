@@ -118,9 +118,13 @@ def parse() -> argparse.Namespace:
                    help="SGLang's kernels: those tandem's command line gets (shipped: fa3 attention, flashinfer "
                         "sampling on H100/H200), or the pinned triton attention and PyTorch sampling of the first "
                         "GPU runs (bench), a lever to measure beside them")
-    p.add_argument("--eager-adapter-slot", action="store_true",
-                   help="SGLang: engine.eager_adapter_slot, each adapter copied into a free GPU slot when it loads "
-                        "(tandem's patch, images/patches/; the report's meta says whether the engine has it)")
+    p.add_argument("--eager-adapter-slot", choices=["on", "off"], default="on",
+                   help="SGLang: engine.eager_adapter_slot (default on, as shipped), each adapter copied into a free "
+                        "GPU slot when it loads (tandem's patch, images/patches/; the report's meta says whether the "
+                        "engine has it); off: in the first batch that uses it")
+    p.add_argument("--prefill-graphs-from-one-token", choices=["on", "off"], default="off",
+                   help="SGLang: engine.prefill_graphs_from_one_token (default off, as shipped): prefill CUDA graphs "
+                        "of 1-3 tokens beside SGLang's own (tandem's patch, images/patches/)")
     p.add_argument("--engine-slots", type=int, default=MAX_LOADED_ADAPTERS,
                    help=f"engine.max_loaded_adapters of the suite's stack (default {MAX_LOADED_ADAPTERS}; "
                         "8, the shipped default, makes the density scenario's runs share 8 slots)")
@@ -199,8 +203,10 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
         "TANDEM_GATEWAY__MAX_IN_FLIGHT_SEQUENCES": "4096",
         "TANDEM_GATEWAY__QUEUE_TIMEOUT_S": str(QUEUE_TIMEOUT_S),
     }
-    if args.eager_adapter_slot:
-        env["TANDEM_ENGINE__EAGER_ADAPTER_SLOT"] = "true"
+    if args.engine == "sglang":
+        env["TANDEM_ENGINE__EAGER_ADAPTER_SLOT"] = "true" if args.eager_adapter_slot == "on" else "false"
+        env["TANDEM_ENGINE__PREFILL_GRAPHS_FROM_ONE_TOKEN"] = (
+            "true" if args.prefill_graphs_from_one_token == "on" else "false")
     if args.loras_per_batch is not None:
         env["TANDEM_ENGINE__MAX_LORAS_PER_BATCH"] = str(args.loras_per_batch)
     if args.release_tags is not None:  # shared mode: what the engine frees for the trainer

@@ -42,7 +42,8 @@ COPY images/locks/sglang.txt /opt/locks/sglang.txt
 RUN python3 -m venv /opt/sglang \
  && /opt/sglang/bin/pip install -q --no-deps --require-hashes --only-binary :all: -r /opt/locks/sglang.txt
 # tandem's patches to SGLang (images/patches/: an adapter copied into its GPU slot at load time,
-# switched on by engine.eager_adapter_slot), each file checked by sha256 before and after.
+# engine.eager_adapter_slot; prefill graphs from one token, engine.prefill_graphs_from_one_token),
+# each file checked by sha256 before and after.
 COPY images/patches /opt/patches
 RUN /opt/patches/apply.sh sglang /opt/sglang/lib/python3.12/site-packages
 

@@ -6,7 +6,7 @@ slower than the engine's load itself (0.5B split, SGLang 0.5.23: load 53 ms, fir
 the candidates, on one engine started the way tandem starts it (`engines.own_engine`, shipped
 flags plus each variant's), for `--rounds` fresh adapter names per variant:
 
-- load: the engine's load call, as the controller times it;
+- load: the engine's load call, as the controller times it (no request in flight);
 - first / second: the same one-token request (the sync probe's) right after the load, then again;
 - warmed: with a one-token request on another prompt first (a pre-warmed slot), then the probe;
 - again: the probe once more on that adapter, its prompt now in the adapter's prefix cache;
@@ -15,13 +15,15 @@ flags plus each variant's), for `--rounds` fresh adapter names per variant:
   activities, Python stacks) of one load and of the first request after it, its busiest
   kernels, operations and Python functions summed (a function's time includes its callees').
 
-Variants: `plain` (tandem's flags), `overlap` (`--enable-lora-overlap-loading`: SGLang copies an
-adapter's weights to the GPU beside compute), `small-prefill` (prefill CUDA graphs captured from
-1 token: SGLang 0.5.23's smallest is 4, and it runs a prefill eagerly where the graph would pad it
-more than twice, so a prompt whose prefix is cached but for its last token, as `second`, `again`
-and `base` are, runs all layers eagerly), `eager` (`engine.eager_adapter_slot`: with tandem's patch,
-images/patches/, SGLang copies an adapter into a free GPU slot when it loads, not in its first
-batch; an engine without the patch ignores it, and the report says which it ran). The adapter is saved in bfloat16, as the trainer
+Variants: `plain` (tandem's settings as shipped), `overlap` (`--enable-lora-overlap-loading`:
+SGLang copies an adapter's weights to the GPU beside compute), `small-prefill`
+(`engine.prefill_graphs_from_one_token`: prefill CUDA graphs from 1 token besides SGLang's own
+sizes, tandem's patch; SGLang 0.5.23's smallest is 4, and it runs a prefill eagerly where the graph
+would pad it more than twice, so a prompt whose prefix is cached but for its last token, as
+`second`, `again` and `base` are, runs all layers eagerly), `lazy` (`engine.eager_adapter_slot`
+off: the adapter goes into its GPU slot in its first batch, not at its load, as SGLang does
+without tandem's patch). The report says which patches the engine had. SGLang's kernels are those
+it picks itself unless `--kernels bench`. The adapter is saved in bfloat16, as the trainer
 publishes it for a bfloat16 model. Results: OUT/results.json and OUT/report.md.
 
     python bench/gpu/gpu_first_forward.py --out OUT --sglang-python /tmp/sgpython --shape 0.5b --profile
@@ -34,7 +36,6 @@ import argparse
 import asyncio
 import gzip
 import json
-import os
 import statistics
 import sys
 import time
@@ -49,17 +50,18 @@ from tandem_inference.engines.base import Engine, Sampling
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench` when run as a script
 
-from bench.benchlib import SHAPES, engine_patches
+from bench.benchlib import KERNELS, SHAPES, engine_patches
 from bench.gpu import one_engine
 
 VARIANTS = {
     "plain": [],
     "overlap": ["--enable-lora-overlap-loading"],
-    "small-prefill": ["--cuda-graph-bs-prefill", *map(str, [1, 2, 3, 4, 8, 12, 16, 20, 24, 28, 32])],
-    "eager": [],
+    "small-prefill": [],
+    "lazy": [],
 }
-#: tandem settings of a variant, beside its engine flags
-VARIANT_SETTINGS = {"eager": {"TANDEM_ENGINE__EAGER_ADAPTER_SLOT": "true"}}
+#: EngineSettings of a variant, beside its engine flags
+VARIANT_SETTINGS: dict[str, dict[str, Any]] = {"lazy": {"eager_adapter_slot": False},
+                                              "small-prefill": {"prefill_graphs_from_one_token": True}}
 ONE = Sampling(max_tokens=1)
 PROBE = [3, 17, 9]  # the sync probe's size: a prompt of a few tokens, one new token
 WARM = [5, 11]
@@ -148,16 +150,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.engine == "sglang":
         out["patches"] = engine_patches(args.sglang_python, "sglang")
     for variant in variants:
-        for key in {k for v in VARIANT_SETTINGS.values() for k in v}:
-            os.environ.pop(key, None)
-        os.environ.update(VARIANT_SETTINGS.get(variant, {}))
         inference = one_engine.settings(args.engine, model, work, port=args.port, sglang_python=args.sglang_python,
-                                        extra_args=tuple(VARIANTS[variant]))
+                                        extra_args=tuple(VARIANTS[variant]), kernels=args.kernels,
+                                        **VARIANT_SETTINGS.get(variant, {}) if args.engine == "sglang" else {})
         log = args.out / f"{args.engine}-{variant}.log"
-        async with httpx.AsyncClient() as http, one_engine.serving(inference, http, log) as (engine, boot_s, _):
+        async with httpx.AsyncClient() as http, one_engine.serving(inference, http, log) as (engine, boot_s, argv):
             await rounds(engine, adapter, 1, f"{variant}-settle")  # the base model's one-off LoRA wrap
             rows = await rounds(engine, adapter, args.rounds, variant)
-            res: dict[str, Any] = {"boot_s": boot_s, "rows": rows,
+            res: dict[str, Any] = {"boot_s": boot_s, "argv": argv, "rows": rows,
+                                   "eager_adapter_slot": inference.engine.eager_adapter_slot,
                                    "p50": {k: statistics.median(r[k] for r in rows) for k in rows[0]}}
             if args.profile and args.engine == "sglang":
                 res["profile"] = await profile_load_and_first(http, inference.engine.url, engine, adapter,
@@ -191,7 +192,10 @@ def report(res: dict[str, Any]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     one_engine.add_arguments(p, port=30191)
-    p.add_argument("--variants", default="plain,eager,small-prefill", help=f"comma-separated, of {sorted(VARIANTS)}")
+    p.add_argument("--kernels", choices=KERNELS, default="shipped",
+                   help="SGLang's kernels: those it picks with tandem's command line (shipped), or the pinned ones "
+                        "of the first GPU runs (bench)")
+    p.add_argument("--variants", default="plain,lazy,small-prefill", help=f"comma-separated, of {sorted(VARIANTS)}")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--profile", action="store_true", help="SGLang's torch profile of one first request")
     args = p.parse_args()

@@ -49,7 +49,8 @@
 # leaves its files, inside a host's limit per command.
 # PATCHES=off takes tandem's SGLang patches (images/patches/) back for this call, so that an unpatched
 # engine is a lever's "before" (bench/gpu/gpu_env.sh applies them; each later call without PATCHES=off
-# applies them again); EAGER=1 (suite) switches engine.eager_adapter_slot on, which needs them.
+# applies them again); EAGER=0 (suite) switches engine.eager_adapter_slot off (on by default) and
+# SMALL_PREFILL=1 (suite) engine.prefill_graphs_from_one_token on (off by default); both need them.
 # KERNELS=bench (check, suite) pins SGLang's triton attention and PyTorch sampling instead of the shipped
 # kernels (a lever to measure beside them).
 # ENGINE=sglang (default) or vllm; ENVS, as bench/gpu/gpu_env.sh reads it, adds vLLM's environment;
@@ -184,7 +185,8 @@ suite)
     "${built[@]}" "${common[@]}" ${MEM:+--mem-fraction "$MEM"} ${RELEASE:+--release-tags "$RELEASE"} \
     ${SERVE:+--serve-while-training} ${ENGINE_ARGS:+--engine-args "$ENGINE_ARGS"} ${DENSITY:+--density-runs "$DENSITY"} \
     ${SLOTS:+--engine-slots "$SLOTS"} ${LORAS:+--loras-per-batch "$LORAS"} ${KEEP:+--keep-versions "$KEEP"} \
-    ${EAGER:+--eager-adapter-slot} --out /tmp/suite --state /tmp/suite-state \
+    $([ "${EAGER:-1}" = 0 ] && echo --eager-adapter-slot off) \
+    $([ "${SMALL_PREFILL:-0}" = 1 ] && echo --prefill-graphs-from-one-token on) --out /tmp/suite --state /tmp/suite-state \
     >/tmp/suite.log 2>&1
   echo "suite: exit $? after $((SECONDS - t0)) s"
   tail -50 /tmp/suite.log

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from bench.benchlib import SGLANG_FLAGS, SHAPES
+from bench.benchlib import SHAPES, sglang_flags
 from tandem.settings import EngineSettings, InferenceSettings
 from tandem_inference.engines import connect, own_engine
 from tandem_inference.engines.base import Engine
@@ -36,13 +36,16 @@ def add_arguments(parser: argparse.ArgumentParser, *, port: int) -> None:
 
 
 def settings(kind: str, model: Path, adapters: Path, *, port: int, sglang_python: str = "python3",
-             extra_args: tuple[str, ...] = (), **engine: Any) -> InferenceSettings:
-    """SGLang (`kind` "sglang") on GPU 0 at half its memory, or the transformers engine on the CPU
-    serving adapters under `adapters`; `engine` holds more EngineSettings fields."""
+             extra_args: tuple[str, ...] = (), kernels: str = "bench", **engine: Any) -> InferenceSettings:
+    """SGLang (`kind` "sglang") on GPU 0 at half its memory, with the pinned kernels of
+    `bench.benchlib.SGLANG_KERNELS` or, `kernels` "shipped", those SGLang picks itself; or the
+    transformers engine on the CPU serving adapters under `adapters`. `engine` holds more
+    EngineSettings fields."""
     url = f"http://127.0.0.1:{port}"
     if kind == "sglang":
         eng = EngineSettings(kind="sglang", model=str(model), url=url, sglang_python=sglang_python, max_lora_rank=16,
-                             extra_args=[*SGLANG_FLAGS, *extra_args], mem_fraction_static=0.5, **engine)
+                             extra_args=[*sglang_flags(kernels), *extra_args], mem_fraction_static=0.5,
+                             **engine)
         return InferenceSettings(engine=eng, gpus={"mode": "split", "inference": [0], "trainer": [1]})
     os.environ.update({"TANDEM_ENGINE__MODEL": str(model), "TANDEM_ENGINE__PORT": str(port),
                        "TANDEM_ENGINE__DEVICE": "cpu", "TANDEM_ENGINE__MAX_LORA_RANK": "16",

@@ -16,7 +16,10 @@ gateway. The trainer reads its clocks after synchronising CUDA:
     written -> ready   -> registered and `adapter_ready` appended
     ready -> loaded    -> the controller checked it, the engine loaded it while the checksums
                           were verified, the alias switched
-      check, verify    the controller's checks before the load; the checksums beside it (inside)
+      check            the controller's checks of the files before the load (inside)
+      attempt          the load attempt's number, from Redis (inside)
+      room             making room in the engine: its list of adapters, unloads if it is full (inside)
+      verify           the checksums, beside the engine's load (inside)
     loaded -> served   -> a response by the new version came back
     step -> served     the whole path
 
@@ -161,7 +164,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
         published_stages, loaded_stages = r.data.get("stages_ms") or {}, ld.data.get("stages_ms") or {}
         for key in ("stage", "copy", "prepare", "write", "rename"):
             row[f"{key}_ms"] = published_stages.get(key)
-        for key in ("check", "verify"):
+        for key in ("check", "attempt", "room", "verify"):
             row[f"{key}_ms"] = loaded_stages.get(key)
         if row["step_to_served_ms"] is not None:
             row["probe_wait_ms"] = max(0.0, row["loaded_to_served_ms"] - row["first_forward_ms"])
@@ -175,8 +178,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     # the first version pays one-off costs (the engine wraps the base model on its first load)
     steady = rows[1:] if len(rows) > 2 else rows
     keys = ["step_to_written_ms", "stage_ms", "copy_ms", "prepare_ms", "write_ms", "rename_ms", "written_to_ready_ms",
-            "ready_to_loaded_ms",
-            "check_ms", "engine_load_ms", "verify_ms", "loaded_to_served_ms", "probe_wait_ms", "first_forward_ms",
+            "ready_to_loaded_ms", "check_ms", "attempt_ms", "room_ms", "engine_load_ms", "verify_ms",
+            "loaded_to_served_ms", "probe_wait_ms", "first_forward_ms",
             "step_to_served_ms", "publish_to_served_ms", "overhead_ms", "floor_ms"]
     stages = {k: summary([r[k] for r in steady if r.get(k) is not None]) for k in keys
               if any(r.get(k) is not None for r in steady)}

@@ -147,6 +147,10 @@ async def test_ready_event_loads_switches_alias_and_announces(
     assert loaded.version == 1 and loaded.job_id == manifest.job_id
     assert loaded.data["adapter"] == f"{run}-v1" and loaded.data["step"] == 1
     assert loaded.data["load_ms"] > 0 and loaded.data["ready_to_loaded_ms"] >= loaded.data["load_ms"]
+    stages = loaded.data["stages_ms"]  # the sync path's stages, each timed on its own
+    assert all(stages[k] > 0 for k in ("check", "attempt", "verify")) and stages["room"] >= 0
+    assert stages["load_and_verify"] >= max(loaded.data["load_ms"], stages["verify"])
+    assert stages["check"] + stages["attempt"] + stages["load_and_verify"] <= loaded.data["ready_to_loaded_ms"]
     assert controller.table.resolve(run).adapter == f"{run}-v1"
     assert registry.serving(run) == 1
     assert json.loads(redis_conn.get(keys.run_loaded(run))) == [1]

@@ -73,9 +73,15 @@ def test_engine_sees_only_its_gpus() -> None:
     assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
 
 
-def test_eager_adapter_slot_is_the_patched_sglangs_variable_and_off_unless_asked() -> None:
-    assert sglang_env(settings(eager_adapter_slot=True), base={})["SGLANG_LORA_EAGER_SLOT"] == "1"
-    assert "SGLANG_LORA_EAGER_SLOT" not in sglang_env(settings(), base={})
+def test_eager_adapter_slot_is_the_patched_sglangs_variable_on_unless_switched_off() -> None:
+    assert sglang_env(settings(), base={})["SGLANG_LORA_EAGER_SLOT"] == "1"
+    off = sglang_env(settings(eager_adapter_slot=False), base={"SGLANG_LORA_EAGER_SLOT": "1"})
+    assert off["SGLANG_LORA_EAGER_SLOT"] == "0"  # the setting, not what the environment had
+
+
+def test_prefill_graphs_from_one_token_are_the_patched_sglangs_variable_off_unless_asked() -> None:
+    assert sglang_env(settings(), base={"SGLANG_PREFILL_GRAPHS_FROM_ONE": "1"})["SGLANG_PREFILL_GRAPHS_FROM_ONE"] == "0"
+    assert sglang_env(settings(prefill_graphs_from_one_token=True), base={})["SGLANG_PREFILL_GRAPHS_FROM_ONE"] == "1"
 
 
 @pytest.mark.parametrize("url", ["http://0.0.0.0:31000", "http://10.0.0.5:31000", "http://sglang:31000"])

@@ -129,6 +129,7 @@ class AdapterLoader:
         except AdapterRejected as exc:
             await self.reject(run, version, str(exc), job_id, transient=isinstance(exc, AdapterNotVisible))
             return Outcome.REFUSED
+        t_files = time.monotonic()
         attempt = await asyncio.to_thread(self.announcer.next_attempt, run, version)
         name = adapter_name(run, version, attempt)
         t_checked = time.monotonic()
@@ -136,8 +137,10 @@ class AdapterLoader:
         # the checksums run while the engine loads; the alias switches only when both succeeded
         checksums = asyncio.create_task(asyncio.to_thread(self._timed_verify, run, version))
         refused: AdapterLoadRefused | None = None
+        room_ms = 0.0
         try:
-            load_ms = await self._load_making_room(run, name, adapter_dir)
+            room_ms = await self._make_room(name)
+            load_ms = await self.engine.load_adapter(name, str(adapter_dir))
         except AdapterLoadRefused as exc:
             load_ms, refused = 0.0, exc
         except EngineTimeout as exc:
@@ -174,8 +177,8 @@ class AdapterLoader:
         self.metrics.loads.labels(run).inc()
         self.metrics.load_seconds.observe(load_ms / 1000.0)
         ready_to_loaded_ms = (time.time() - ready_ts) * 1000.0 if ready_ts is not None else None
-        stages = {"check": (t_checked - t0) * 1000, "verify": verify_ms,
-                  "load_and_verify": (t_both - t_checked) * 1000}
+        stages = {"check": (t_files - t0) * 1000, "attempt": (t_checked - t_files) * 1000, "room": room_ms,
+                  "verify": verify_ms, "load_and_verify": (t_both - t_checked) * 1000}
         if hold is not None:
             hold(Held(run, version, manifest, name, load_ms, ready_ts, stages))
         elif announce:
@@ -297,16 +300,17 @@ class AdapterLoader:
         except Exception as exc:  # noqa: BLE001 - unverified files must never serve
             raise AdapterRejected(f"{run} v{version}: its checksums could not be checked: {exc!r}") from exc
 
-    async def _load_making_room(self, run: str, name: str, adapter_dir: Path) -> float:
-        """The engine's load, after room was made for it (tandem_inference.controller.slots:
-        retired versions, then the least recently used adapters no request holds, are unloaded;
-        while every slot serves a request it waits, up to `controller.slot_wait_s`, then raises
-        Overloaded)."""
+    async def _make_room(self, name: str) -> float:
+        """Room in the engine for one more adapter (tandem_inference.controller.slots: retired
+        versions, then the least recently used adapters no request holds, are unloaded; while
+        every slot serves a request it waits, up to `controller.slot_wait_s`, then raises
+        Overloaded). Returns the ms it took."""
+        t0 = time.monotonic()
         if self.slots is not None:
             for touched in await self.slots.make_room(name):
                 if self.table.has_run(touched):
                     await asyncio.to_thread(self.announcer.write_status, touched)
-        return await self.engine.load_adapter(name, str(adapter_dir))
+        return (time.monotonic() - t0) * 1000
 
     async def _max_lora_rank(self) -> int:
         """The engine's own limit where it says, else settings.engine.max_lora_rank."""

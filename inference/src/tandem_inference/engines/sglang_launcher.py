@@ -55,7 +55,9 @@ def sglang_env(settings: InferenceSettings, base: dict[str, str] | None = None) 
     # tandem's logprob convention (tandem.logprobs): the temperature-scaled distribution, which is
     # SGLang's default; "true" would return the unscaled one and break every ratio at T != 1.
     env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "false"
-    # tandem's patch (images/patches/): each adapter copied into a free GPU slot at its load
-    if settings.engine.eager_adapter_slot:
-        env["SGLANG_LORA_EAGER_SLOT"] = "1"
+    # tandem's patch (images/patches/): each adapter copied into a free GPU slot at its load; the
+    # setting decides, whatever the environment says
+    env["SGLANG_LORA_EAGER_SLOT"] = "1" if settings.engine.eager_adapter_slot else "0"
+    # and prefill CUDA graphs of 1-3 tokens beside SGLang's own sizes
+    env["SGLANG_PREFILL_GRAPHS_FROM_ONE"] = "1" if settings.engine.prefill_graphs_from_one_token else "0"
     return env

@@ -83,13 +83,24 @@ class EngineSettings(BaseModel):
     x 2 bytes: 8 GiB holds ~700k tokens of Qwen2.5-0.5B, ~65k of an 8B of 32 layers and 8 KV heads;
     vLLM's log gives the count at start-up ("GPU KV cache size"). Ignored by SGLang, whose
     resume takes 10-18 ms at any size."""
-    eager_adapter_slot: bool = False
+    eager_adapter_slot: bool = True
     """SGLang: copy each adapter into a free slot of the GPU memory pool when it loads
     (`SGLANG_LORA_EAGER_SLOT=1`), instead of in the first batch that uses it, which is on the path
-    of a new version's first response (~35 ms at 0.5B on an H200). It needs tandem's patch to SGLang
-    (images/patches/), which the inference image applies; an unpatched SGLang ignores the variable.
-    Off until its effect is measured on a GPU (docs/benchmarks.md). Ignored by vLLM, whose load
-    does that copy itself."""
+    of a new version's first response. Measured on 2 x H200 at 0.5B (split, SGLang's own kernels,
+    2026-11-30): that response came 76.6 ms p50 after the load instead of 104.8, the load took 78.1
+    instead of 72.1, optimizer step -> first response 201.5 instead of 222.5; mixed batches and
+    trainer agreement passed with it (docs/benchmarks.md). Only a free slot is taken; with none free
+    the copy stays in the first batch. It needs tandem's patch to SGLang (images/patches/), which
+    the inference image applies; an unpatched SGLang ignores the variable. Ignored by vLLM, whose
+    load does that copy itself."""
+    prefill_graphs_from_one_token: bool = False
+    """SGLang: capture prefill CUDA graphs of 1, 2 and 3 tokens besides SGLang's own sizes, which
+    start at 4 (`SGLANG_PREFILL_GRAPHS_FROM_ONE=1`, tandem's patch, images/patches/). SGLang replays
+    a prefill's graph only where padding at most doubles it, so a prefill of one token -- a prompt
+    cached but for its last token, or a one-token prompt -- runs every layer eagerly: 61-70 ms p50
+    against 17 ms with these graphs at 0.5B on an H200, with the first GPU runs' pinned kernels
+    (docs/benchmarks.md). Off until measured with SGLang's own kernels. An unpatched SGLang ignores
+    the variable; so do vLLM and `disable_cuda_graph`."""
     batch_invariant: bool = False
     """vLLM: its batch-invariant mode (`VLLM_BATCH_INVARIANT=1`), for rollouts that decode the same
     whatever else is in the batch. With tandem's flags vLLM's batched greedy outputs left their solo
