@@ -1,12 +1,12 @@
 """The adapter on its way out: device tensors -> reusable host buffers -> the version's files.
 
 Publishing is on the path to serving, so the bytes are touched as few times as the format
-allows. `HostBuffers.fill` copies each LoRA tensor, already cast to the adapter's dtype on
-the device, into a host buffer kept from the previous version (pinned on CUDA, so the copies
-are asynchronous and the one synchronise at the end waits for all of them); the trainer can
-give the GPU back right after. `StagedAdapter.write` then writes `adapter_model.safetensors`
-straight from those buffers and hashes the same bytes as they go out: no serialised copy of
-the adapter is ever built, and nothing reads the file back to checksum it.
+allows. `HostBuffers.fill` gathers the LoRA tensors, cast to the adapter's dtype on the
+device, into one device buffer and copies it into a host buffer kept from the previous version
+(pinned on CUDA) in one transfer; the trainer can give the GPU back right after.
+`StagedAdapter.write` then writes `adapter_model.safetensors` straight from those buffers and
+hashes the same bytes as they go out: no serialised copy of the adapter is ever built, and
+nothing reads the file back to checksum it.
 
 The safetensors layout (an 8-byte little-endian header length, a JSON header naming each
 tensor's dtype, shape and byte range, then the tensors' bytes back to back) is written here
@@ -43,21 +43,56 @@ SAFETENSORS_DTYPES = {
 class HostBuffers:
     """Host tensors that hold the adapter between the device and the file, kept across versions.
 
-    A buffer is made again only when its tensor's shape or dtype changes (another run or
-    rank); one whose tensor is gone is dropped. On CUDA the buffers are pinned.
+    When every tensor is on one device and has one dtype once cast (an adapter's LoRA matrices),
+    they share one flat host buffer, each a view of its slice in the file's order: on CUDA they
+    are gathered and cast into one device buffer by one fused copy, which crosses the bus in one
+    transfer, instead of one cast and one transfer a tensor (336 at 0.5B). Otherwise each tensor
+    has a buffer of its own. A buffer is made again only when the tensors' names, shapes or dtype
+    change (another run or rank). On CUDA the buffers are pinned.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pinned = device.type == "cuda"
         self._buffers: dict[str, torch.Tensor] = {}
+        self._flat: torch.Tensor | None = None
+        self._layout: tuple[Any, ...] = ()
 
     def fill(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Copy `tensors` (floating ones cast to `dtype` on their device) into the buffers and
         wait for the copies; returns the filled buffers, by name, in `tensors`' order."""
+        sources = {name: tensor.detach() for name, tensor in tensors.items()}
+        dtypes = {dtype if s.is_floating_point() else s.dtype for s in sources.values()}
+        if sources and len(dtypes) == 1 and len({s.device for s in sources.values()}) == 1:
+            return self._fill_flat(sources, dtypes.pop())
+        return self._fill_each(sources, dtype)
+
+    def _fill_flat(self, sources: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        self._buffers.clear()
+        layout = (dtype, *((name, tuple(s.shape)) for name, s in sources.items()))
+        sizes = [s.numel() for s in sources.values()]
+        if self._flat is None or layout != self._layout:
+            self._flat = torch.empty(sum(sizes), dtype=dtype, pin_memory=self.pinned)
+            self._layout = layout
+        flat = self._flat
+        slices = list(torch.split(flat, sizes))
+        flat_sources = [s.reshape(-1) for s in sources.values()]
+        device = next(iter(sources.values())).device
+        if device.type == "cpu":
+            for piece, source in zip(slices, flat_sources, strict=True):
+                piece.copy_(source)  # PyTorch's fused copy is slower than this on a CPU
+        else:
+            gathered = torch.empty(flat.numel(), dtype=dtype, device=device)
+            _copy_all(list(torch.split(gathered, sizes)), flat_sources)  # cast and gather on the device
+            flat.copy_(gathered, non_blocking=self.pinned)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return {name: piece.view(source.shape) for (name, source), piece in zip(sources.items(), slices, strict=True)}
+
+    def _fill_each(self, sources: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        self._flat, self._layout = None, ()
         filled: dict[str, torch.Tensor] = {}
-        for name, tensor in tensors.items():
-            source = tensor.detach()
+        for name, source in sources.items():
             if source.is_floating_point() and source.dtype != dtype:
                 source = source.to(dtype)  # on the device: half the bytes cross the bus
             buffer = self._buffers.get(name)
@@ -80,6 +115,18 @@ class HostBuffers:
 
     def clear(self) -> None:
         self._buffers.clear()
+        self._flat, self._layout = None, ()
+
+
+def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """targets[i].copy_(sources[i]) for each i, casting as it copies: one fused multi-tensor
+    kernel a device and dtype where PyTorch has it (`_foreach_copy_`), one copy each otherwise."""
+    foreach_copy = getattr(torch, "_foreach_copy_", None)
+    if foreach_copy is not None:
+        foreach_copy(targets, sources)
+        return
+    for target, source in zip(targets, sources, strict=True):
+        target.copy_(source)
 
 
 @dataclass
