@@ -6,8 +6,8 @@ shapes (LoRA rank 16 on all seven projections), with the LoRA matrices on the GP
 
 - `each`: one cast and one device -> host copy a tensor, into a pinned buffer a tensor (336
   tensors at 0.5B, 448 at 8B), then one synchronise;
-- `gathered`: one fused copy gathers and casts them into one device buffer, which crosses into
-  one pinned host buffer in one transfer (what `HostBuffers.fill` does).
+- `gathered`: concatenated and cast on the device, then one transfer into one pinned host buffer
+  (what `HostBuffers.fill` does).
 
 Each timed fill ends with `torch.cuda.synchronize`; the host buffers are warm (kept across
 versions, as in the trainer). Both ways' bytes are compared. Results: OUT/stage-copy.json and
