@@ -6,8 +6,10 @@ shapes (LoRA rank 16 on all seven projections), with the LoRA matrices on the GP
 
 - `each`: one cast and one device -> host copy a tensor, into a pinned buffer a tensor (336
   tensors at 0.5B, 448 at 8B), then one synchronise;
-- `gathered`: concatenated and cast on the device, then one transfer into one pinned host buffer
-  (what `HostBuffers.fill` does).
+- `gathered`: concatenated and cast on the device, then one transfer into one pinned host buffer.
+
+`HostBuffers.fill` gathers where it casts (float32 matrices, bfloat16 files) and copies one a
+tensor otherwise, as these two measured (docs/benchmarks.md).
 
 Each timed fill ends with `torch.cuda.synchronize`; the host buffers are warm (kept across
 versions, as in the trainer). Both ways' bytes are compared. Results: OUT/stage-copy.json and
@@ -77,13 +79,13 @@ def main() -> int:
             tensors = lora_tensors(shape, source_dtype, device)
             each, gathered = HostBuffers(device), HostBuffers(device)
             a = each._fill_each({k: v.detach() for k, v in tensors.items()}, torch.bfloat16)
-            b = gathered.fill(tensors, torch.bfloat16)
+            b = gathered._fill_flat({k: v.detach() for k, v in tensors.items()}, torch.bfloat16)
             same = all(torch.equal(a[k], b[k]) for k in tensors)
             row: dict[str, Any] = {
                    "shape": shape, "source_dtype": str(source_dtype).removeprefix("torch."), "tensors": len(tensors),
                    "bytes": sum(t.numel() * 2 for t in tensors.values()), "identical": same,
                    "each_ms": timed(partial(each._fill_each, dict(tensors), torch.bfloat16), args.reps),
-                   "gathered_ms": timed(partial(gathered.fill, tensors, torch.bfloat16), args.reps)}
+                   "gathered_ms": timed(partial(gathered._fill_flat, dict(tensors), torch.bfloat16), args.reps)}
             row["each_p50"] = statistics.median(row["each_ms"])
             row["gathered_p50"] = statistics.median(row["gathered_ms"])
             rows.append(row)
