@@ -125,6 +125,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--prefill-graphs-from-one-token", choices=["on", "off"], default="off",
                    help="SGLang: engine.prefill_graphs_from_one_token (default off, as shipped): prefill CUDA graphs "
                         "of 1-3 tokens beside SGLang's own (tandem's patch, images/patches/)")
+    p.add_argument("--gather-adapter-copy", choices=["on", "off"], default="off",
+                   help="backend.gather_adapter_copy (default off, as shipped): the trainer copies the adapter to "
+                        "host memory in one transfer, concatenated and cast on the device first")
     p.add_argument("--engine-slots", type=int, default=MAX_LOADED_ADAPTERS,
                    help=f"engine.max_loaded_adapters of the suite's stack (default {MAX_LOADED_ADAPTERS}; "
                         "8, the shipped default, makes the density scenario's runs share 8 slots)")
@@ -203,6 +206,7 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
         "TANDEM_GATEWAY__MAX_IN_FLIGHT_SEQUENCES": "4096",
         "TANDEM_GATEWAY__QUEUE_TIMEOUT_S": str(QUEUE_TIMEOUT_S),
     }
+    env["TANDEM_BACKEND__GATHER_ADAPTER_COPY"] = "true" if args.gather_adapter_copy == "on" else "false"
     if args.engine == "sglang":
         env["TANDEM_ENGINE__EAGER_ADAPTER_SLOT"] = "true" if args.eager_adapter_slot == "on" else "false"
         env["TANDEM_ENGINE__PREFILL_GRAPHS_FROM_ONE_TOKEN"] = (

@@ -185,12 +185,14 @@ def agreement(model: Path, adapter_dir: Path, samples: list[dict[str, Any]], wor
 
 def serve_and_check(model: Path, adapters: dict[str, Path], prompts: list[list[int]], *, backend: str | None,
                     sglang_python: str = "python3", port: int, out: Path, engine_kind: str = "sglang",
-                    vllm_python: str = "python3") -> dict[str, Any]:
+                    vllm_python: str = "python3", engine_fields: dict[str, Any] | None = None) -> dict[str, Any]:
     """One engine server as tandem launches it (SGLang: `backend` None is the shipped `engine.lora_backend`):
-    the mixed batches against solo outputs, and samples of adapter A for the agreement check."""
+    the mixed batches against solo outputs, and samples of adapter A for the agreement check.
+    `engine_fields`: more EngineSettings fields (a lever to check, e.g. prefill_graphs_from_one_token)."""
     engine = EngineSettings(kind=engine_kind, model=str(model), url=f"http://127.0.0.1:{port}",  # type: ignore[arg-type]
                             sglang_python=sglang_python, vllm_python=vllm_python, max_lora_rank=16,
-                            extra_args=SGLANG_FLAGS if engine_kind == "sglang" else [], mem_fraction_static=0.5)
+                            extra_args=SGLANG_FLAGS if engine_kind == "sglang" else [], mem_fraction_static=0.5,
+                            **(engine_fields or {}))
     if backend is not None:
         engine = engine.model_copy(update={"lora_backend": backend})
     settings = InferenceSettings(engine=engine, gpus={"mode": "split", "inference": [0], "trainer": [1]})

@@ -12,7 +12,8 @@
 #                 GPU 1 meanwhile, in shared mode (CHECK=0 leaves it out)
 #   PART=engines  the gpu-marked batch-invariance and agreement test (tests/integration/
 #                 test_engine_batches.py) on GPU 0 for each engine in ENGINES (default "sglang vllm"),
-#                 its output in engines.log; with two GPUs gpu_check --engine $ENGINE --mode shared runs
+#                 its output in engines.log (ENGINE_SETTINGS, a JSON object of engine settings, checks a
+#                 lever's configuration: '{"prefill_graphs_from_one_token": true}'); with two GPUs gpu_check --engine $ENGINE --mode shared runs
 #                 on GPU 1 meanwhile, then bench/gpu/record_engine.py records that engine's answers
 #   PART=check    bench/gpu/gpu_check.py --engine $ENGINE --steps $STEPS (gpu_check.json/.md)
 #   PART=suite    bench/suite.py --engine $ENGINE --only $ONLY (default sync,swaps; suite.json/.md, plots),
@@ -51,6 +52,7 @@
 # engine is a lever's "before" (bench/gpu/gpu_env.sh applies them; each later call without PATCHES=off
 # applies them again); EAGER=0 (suite) switches engine.eager_adapter_slot off (on by default) and
 # SMALL_PREFILL=1 (suite) engine.prefill_graphs_from_one_token on (off by default); both need them.
+# GATHER=1 (suite) switches backend.gather_adapter_copy on (the trainer's copy in one transfer).
 # KERNELS=bench (check, suite) pins SGLang's triton attention and PyTorch sampling instead of the shipped
 # kernels (a lever to measure beside them).
 # ENGINE=sglang (default) or vllm; ENVS, as bench/gpu/gpu_env.sh reads it, adds vLLM's environment;
@@ -69,7 +71,8 @@ model_cmp=/tmp/gc/model-0.5b-0.02
 # engines an earlier run left behind; KILL=0 when another part runs beside this one (GPU=1 below)
 [ "${KILL:-1}" = 1 ] && nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill 2>/dev/null
 if [ "$part" != env ] && [ -d /tmp/lk-sglang ] && command -v patch >/dev/null 2>&1; then
-  images/patches/apply.sh $([ "${PATCHES:-on}" = off ] && echo --reverse) sglang /tmp/lk-sglang || exit 1
+  # one call at a time: two parts of one call (PART=engines & PART=first) share the environment
+  flock /tmp/lk-sglang.lock images/patches/apply.sh $([ "${PATCHES:-on}" = off ] && echo --reverse) sglang /tmp/lk-sglang || exit 1
 fi
 gpu=${GPU:-0}  # the GPU of the one-GPU parts (engines' tests, correct, first)
 case $mode in
@@ -129,7 +132,7 @@ engines)
   fi
   for e in ${ENGINES:-sglang vllm}; do
     var=TANDEM_TEST_${e^^}_PYTHON
-    env "$var=/tmp/${e:0:2}python" CUDA_VISIBLE_DEVICES="$gpu" timeout "${TEST_LIMIT:-280}" /tmp/trpython -m pytest -p no:cacheprovider \
+    env "$var=/tmp/${e:0:2}python" TANDEM_TEST_ENGINE_SETTINGS="${ENGINE_SETTINGS:-}" CUDA_VISIBLE_DEVICES="$gpu" timeout "${TEST_LIMIT:-280}" /tmp/trpython -m pytest -p no:cacheprovider \
       -W ignore::pytest.PytestConfigWarning -rA -v --basetemp "/tmp/bt-$e" tests/integration/test_engine_batches.py \
       -k "$e" >>"$out/engines.log" 2>&1
     rc=$?
@@ -186,7 +189,8 @@ suite)
     ${SERVE:+--serve-while-training} ${ENGINE_ARGS:+--engine-args "$ENGINE_ARGS"} ${DENSITY:+--density-runs "$DENSITY"} \
     ${SLOTS:+--engine-slots "$SLOTS"} ${LORAS:+--loras-per-batch "$LORAS"} ${KEEP:+--keep-versions "$KEEP"} \
     $([ "${EAGER:-1}" = 0 ] && echo --eager-adapter-slot off) \
-    $([ "${SMALL_PREFILL:-0}" = 1 ] && echo --prefill-graphs-from-one-token on) --out /tmp/suite --state /tmp/suite-state \
+    $([ "${SMALL_PREFILL:-0}" = 1 ] && echo --prefill-graphs-from-one-token on) \
+    $([ "${GATHER:-0}" = 1 ] && echo --gather-adapter-copy on) --out /tmp/suite --state /tmp/suite-state \
     >/tmp/suite.log 2>&1
   echo "suite: exit $? after $((SECONDS - t0)) s"
   tail -50 /tmp/suite.log
@@ -232,7 +236,7 @@ compare)
 first)
   t0=$SECONDS
   CUDA_VISIBLE_DEVICES="$gpu" /tmp/tdpython bench/gpu/gpu_first_forward.py --out /tmp/first --sglang-python /tmp/sgpython \
-    --shape "${SHAPE:-0.5b}" --profile >/tmp/first.log 2>&1
+    --shape "${SHAPE:-0.5b}" --profile ${KERNELS:+--kernels "$KERNELS"} >/tmp/first.log 2>&1
   echo "gpu_first_forward: exit $? after $((SECONDS - t0)) s"
   tail -40 /tmp/first.log
   cp /tmp/first/results.json /tmp/first/report.md "$out/" 2>/dev/null

@@ -8,8 +8,8 @@ shapes (LoRA rank 16 on all seven projections), with the LoRA matrices on the GP
   tensors at 0.5B, 448 at 8B), then one synchronise;
 - `gathered`: concatenated and cast on the device, then one transfer into one pinned host buffer.
 
-`HostBuffers.fill` gathers where it casts (float32 matrices, bfloat16 files) and copies one a
-tensor otherwise, as these two measured (docs/benchmarks.md).
+With `backend.gather_adapter_copy` `HostBuffers.fill` gathers where it casts (float32 matrices,
+bfloat16 files) and copies one a tensor otherwise, as these two measured (docs/benchmarks.md).
 
 Each timed fill ends with `torch.cuda.synchronize`; the host buffers are warm (kept across
 versions, as in the trainer). Both ways' bytes are compared. Results: OUT/stage-copy.json and

@@ -12,15 +12,18 @@ reverse=0
 engine=${1:?engine (sglang)} site=${2:?site-packages of the environment}
 here=$(cd "$(dirname "$0")" && pwd)
 command -v patch >/dev/null 2>&1 || { echo "apply.sh: GNU patch is needed (apt-get install patch)" >&2; exit 1; }
-applied=0 verb=applied flags=()
+verb=applied flags=()
 [ "$reverse" = 1 ] && verb="taken back" flags=(-R)
-while read -r eng file target before after; do
-  [ "$eng" = "$engine" ] || continue
+# reversing: the patched file is the "from" and the locked one the "to"
+col_from=4 col_to=5
+[ "$reverse" = 1 ] && col_from=5 col_to=4
+lines=$(grep -v '^#' "$here/SHA256SUMS" | awk -v e="$engine" -v f="$col_from" -v t="$col_to" '$1 == e { print $2, $3, $f, $t }')
+# every file checked before any is changed
+todo=()
+while read -r file target from to; do
+  [ -n "$file" ] || continue
   path="$site/$target"
   [ -f "$path" ] || { echo "apply.sh: $path not found: is $site $engine's site-packages?" >&2; exit 1; }
-  # reversing: the patched file is the "from" and the locked one the "to"
-  from=$before to=$after
-  [ "$reverse" = 1 ] && from=$after to=$before
   have=$(sha256sum "$path" | cut -d' ' -f1)
   if [ "$have" = "$to" ]; then
     echo "apply.sh: $file: already $verb: $path"
@@ -34,10 +37,14 @@ while read -r eng file target before after; do
     fi
     exit 1
   }
+  todo+=("$file $target $to")
+done <<<"$lines"
+for item in "${todo[@]}"; do
+  read -r file target to <<<"$item"
+  path="$site/$target"
   patch -p1 --fuzz=0 --no-backup-if-mismatch --quiet "${flags[@]}" -d "$site" <"$here/$file"
   have=$(sha256sum "$path" | cut -d' ' -f1)
   [ "$have" = "$to" ] || { echo "apply.sh: $path after $file ($verb) has sha256 $have, not $to" >&2; exit 1; }
   echo "apply.sh: $file: $verb: $path"
-  applied=$((applied + 1))
-done < <(grep -v '^#' "$here/SHA256SUMS")
-echo "apply.sh: $engine: $applied patch(es) $verb"
+done
+echo "apply.sh: $engine: ${#todo[@]} patch(es) $verb"

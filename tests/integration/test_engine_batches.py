@@ -15,11 +15,13 @@ engines/vllm_launcher.py: those rows are reported by the bench, not held to the 
 
 Needs TANDEM_TEST_SGLANG_PYTHON / TANDEM_TEST_VLLM_PYTHON: an interpreter whose environment has
 the engine (the images' /opt/sglang/bin/python, /opt/vllm/bin/python, or a wrapper that puts
-the engine's folder on PYTHONPATH).
+the engine's folder on PYTHONPATH). TANDEM_TEST_ENGINE_SETTINGS, a JSON object of engine
+settings, checks a lever's configuration: '{"prefill_graphs_from_one_token": true}'.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -57,8 +59,10 @@ def test_mixed_batches_and_logprobs_agree_with_solo_and_the_trainer(engine: str,
                 for i, name in enumerate(mixed.ADAPTERS)}
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(8, 24))] for _ in range(4)]
+    fields = json.loads(os.environ.get("TANDEM_TEST_ENGINE_SETTINGS") or "{}")
     result = mixed.serve_and_check(model, adapters, prompts, backend=None, engine_kind=engine,
-                                   **{f"{engine}_python": python}, port=PORTS[engine], out=tmp_path)
+                                   **{f"{engine}_python": python}, port=PORTS[engine], out=tmp_path,
+                                   engine_fields=fields)
     for r in result["mixed"]["rows"]:  # shown by `pytest -rP`: the table of docs/benchmarks.md
         print(f"{engine} | {r['batch']} | {r['attempt']} | {r['exact']}/{r['requests']} | "
               f"wrong from step 1: {r['wrong_from_first_decode_step']} | beyond a tie: {r['departed_beyond_ties']}")

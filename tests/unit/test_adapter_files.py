@@ -72,24 +72,26 @@ def test_buffers_follow_a_change_of_rank_and_drop_tensors_that_are_gone() -> Non
     wider = lora_tensors(1, rank=8)
     del wider["base_model.model.layers.1.mlp.down_proj.lora_A.weight"]
     filled = host.fill(wider, torch.float32)
-    assert list(filled) == list(wider)
+    assert list(filled) == list(wider) and host._buffers.keys() == wider.keys()  # the gone one dropped
     assert all(torch.equal(filled[k], wider[k]) for k in wider)
 
 
 def test_an_adapters_tensors_share_one_host_buffer_in_the_files_order() -> None:
-    """One flat buffer, each tensor a view of its slice, back to back as the file lays them out:
-    one transfer from the device instead of one a tensor."""
+    """With gather (backend.gather_adapter_copy), one flat buffer, each tensor a view of its slice,
+    back to back as the file lays them out: one transfer from the device instead of one a tensor."""
     tensors = lora_tensors(4)
-    filled = HostBuffers(torch.device("cpu")).fill(tensors, torch.bfloat16)
+    alone = HostBuffers(torch.device("cpu")).fill(tensors, torch.bfloat16)  # without gather: a buffer each
+    assert len({t.untyped_storage().data_ptr() for t in alone.values()}) == len(tensors)
+    filled = HostBuffers(torch.device("cpu"), gather=True).fill(tensors, torch.bfloat16)
     ptrs = [(t.data_ptr(), t.numel() * t.element_size()) for t in filled.values()]
     assert all(start + size == nxt for (start, size), (nxt, _) in zip(ptrs, ptrs[1:], strict=False))
     assert len({t.untyped_storage().data_ptr() for t in filled.values()}) == 1
     assert all(filled[k].shape == v.shape and torch.equal(filled[k], v.to(torch.bfloat16)) for k, v in tensors.items())
 
 
-def test_tensors_of_two_dtypes_each_keep_a_buffer_of_their_own() -> None:
+def test_with_gather_tensors_of_two_dtypes_each_keep_a_buffer_of_their_own() -> None:
     tensors = {**lora_tensors(5), "steps": torch.arange(3)}  # an integer tensor is not cast
-    host = HostBuffers(torch.device("cpu"))
+    host = HostBuffers(torch.device("cpu"), gather=True)
     filled = host.fill(tensors, torch.bfloat16)
     assert filled["steps"].dtype == torch.int64 and torch.equal(filled["steps"], torch.arange(3))
     assert all(filled[k].dtype == torch.bfloat16 for k in lora_tensors(5))
@@ -133,10 +135,10 @@ def test_short_writes_go_on_where_they_stopped(tmp_path: Path, monkeypatch: pyte
 
 
 @pytest.mark.gpu
-def test_on_cuda_the_adapter_is_gathered_on_the_device_and_crosses_once_into_pinned_memory() -> None:
+def test_with_gather_on_cuda_the_adapter_crosses_once_into_pinned_memory() -> None:
     device = torch.device("cuda")
     tensors = {k: v.to(device) for k, v in lora_tensors(7).items()}
-    host = HostBuffers(device)
+    host = HostBuffers(device, gather=True)
     filled = host.fill(tensors, torch.bfloat16)
     assert all(t.device.type == "cpu" and t.is_pinned() for t in filled.values())
     assert len({t.untyped_storage().data_ptr() for t in filled.values()}) == 1

@@ -21,6 +21,9 @@ def test_auto_picks_peft_on_cpu() -> None:
     backend = select_backend(TrainerBackendSettings(kind="auto", device="auto"))
     assert isinstance(backend, PeftBackend) and backend.device.type == "cpu"
     assert backend.active is None
+    assert not backend._host.gather  # one copy a tensor unless asked
+    gathering = select_backend(TrainerBackendSettings(kind="auto", device="auto", gather_adapter_copy=True))
+    assert isinstance(gathering, PeftBackend) and gathering._host.gather
 
 
 @needs_no_gpu

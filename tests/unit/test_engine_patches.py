@@ -129,3 +129,22 @@ def test_a_benchmark_report_says_which_patches_the_engine_it_ran_had(tmp_path: P
     # one file of another release, the others absent: none of the patches is there
     assert engine_patches(str(python), "sglang") == dict.fromkeys(sglang, "other")
     assert engine_patches(str(tmp_path / "no-python"), "sglang") == {}
+
+
+def test_with_two_patches_a_file_of_another_release_stops_both_before_either_changes(
+    patches: Path, tmp_path: Path,
+) -> None:
+    other_target, other_before = "pkg/other.py", "x = 1\n"
+    diff = difflib.unified_diff(other_before.splitlines(True), ["x = 2\n"], f"a/{other_target}", f"b/{other_target}")
+    (patches / "other.patch").write_text("".join(diff))
+    with (patches / "SHA256SUMS").open("a") as f:
+        f.write(f"engine other.patch {other_target} {sha256(other_before)} {sha256('x = 2' + chr(10))}\n")
+    site = site_with(tmp_path, BEFORE)
+    (site / other_target).write_text("x = 3  # another release\n")
+    result = apply(patches, site)
+    assert result.returncode == 1 and "other.patch was made for" in result.stderr
+    assert (site / TARGET).read_text() == BEFORE  # the first patch was not applied either
+    (site / other_target).write_text(other_before)
+    both = apply(patches, site)
+    assert both.returncode == 0 and "2 patch(es) applied" in both.stdout
+    assert (site / TARGET).read_text() == AFTER and (site / other_target).read_text() == "x = 2\n"

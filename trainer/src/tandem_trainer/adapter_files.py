@@ -2,8 +2,9 @@
 
 Publishing is on the path to serving, so the bytes are touched as few times as the format
 allows. `HostBuffers.fill` casts the LoRA tensors to the adapter's dtype on the device
-(concatenated first, so that they cross in one transfer) and copies them into host buffers
-kept from the previous version (pinned on CUDA); the trainer can give the GPU back right after.
+(concatenated first with `backend.gather_adapter_copy`, so that they cross in one transfer) and
+copies them into host buffers kept from the previous version (pinned on CUDA); the trainer can
+give the GPU back right after.
 `StagedAdapter.write` then writes `adapter_model.safetensors` straight from those buffers and
 hashes the same bytes as they go out: no serialised copy of the adapter is ever built, and
 nothing reads the file back to checksum it.
@@ -43,19 +44,22 @@ SAFETENSORS_DTYPES = {
 class HostBuffers:
     """Host tensors that hold the adapter between the device and the file, kept across versions.
 
-    When the tensors are cast (an adapter's float32 LoRA matrices published in bfloat16) and all
-    are on one device, they share one flat host buffer, each a view of its slice in the file's
-    order: on CUDA they are concatenated and cast on the device and cross the bus in one
-    transfer, instead of one cast and one transfer a tensor. On an H200 that took the copy from
-    8.3 to 5.2 ms p50 at 0.5B (336 tensors) and from 10.6 to 7.8 at 8B (448). Tensors already in
-    the adapter's dtype copied faster one by one there (3.1 against 4.8 ms at 0.5B), so they keep
-    a buffer each (docs/benchmarks.md). A buffer is made again only when the tensors' names,
-    shapes or dtype change (another run or rank). On CUDA the buffers are pinned.
+    With `gather` (`backend.gather_adapter_copy`), tensors that are cast (float32 LoRA matrices
+    published in bfloat16), all on one device, share one flat host buffer, each a view of its
+    slice in the file's order: on CUDA they are concatenated and cast on the device and cross the
+    bus in one transfer, instead of one cast and one transfer a tensor. With plain tensors on an
+    H200 that took the copy from 8.3 to 5.2 ms p50 at 0.5B (336 tensors) and from 10.6 to 7.8 at
+    8B (448); tensors already in the adapter's dtype copied faster one by one (3.1 against 4.8 ms
+    at 0.5B), so they keep a buffer each (docs/benchmarks.md). Otherwise every tensor has a
+    buffer of its own. A buffer is made again only when the tensors' names, shapes or dtype
+    change (another run or rank). On CUDA the buffers are pinned.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, gather: bool = False) -> None:
         self.device = device
         self.pinned = device.type == "cuda"
+        self.gather = gather
+        """Whether tensors that are cast share one buffer (`backend.gather_adapter_copy`)."""
         self._buffers: dict[str, torch.Tensor] = {}
         self._flat: torch.Tensor | None = None
         self._layout: tuple[Any, ...] = ()
@@ -66,7 +70,7 @@ class HostBuffers:
         sources = {name: tensor.detach() for name, tensor in tensors.items()}
         dtypes = {dtype if s.is_floating_point() else s.dtype for s in sources.values()}
         cast = any(s.is_floating_point() and s.dtype != dtype for s in sources.values())
-        if cast and len(dtypes) == 1 and len({s.device for s in sources.values()}) == 1:
+        if self.gather and cast and len(dtypes) == 1 and len({s.device for s in sources.values()}) == 1:
             return self._fill_flat(sources, dtypes.pop())
         return self._fill_each(sources, dtype)
 

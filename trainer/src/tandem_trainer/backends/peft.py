@@ -52,7 +52,8 @@ class PeftBackend(Backend):
     name = "peft"
 
     def __init__(self, device: str = "cpu", *, gradient_checkpointing: bool = False,
-                 adapter_dtype: AdapterDtype = "float32", resident: ResidentBudget | None = None) -> None:
+                 adapter_dtype: AdapterDtype = "float32", resident: ResidentBudget | None = None,
+                 gather_copy: bool = False) -> None:
         self.device = torch.device(device)
         self.gradient_checkpointing = gradient_checkpointing and self.device.type == "cuda"
         self.dtype = torch.float32
@@ -73,7 +74,7 @@ class PeftBackend(Backend):
         self._gradient_jobs: list[str] = []
         """The jobs whose gradients the active adapter's parameters hold (`hold_gradients`)."""
         self._resident = ResidentRuns(self.device, resident or ResidentBudget())
-        self._host = HostBuffers(self.device)
+        self._host = HostBuffers(self.device, gather=gather_copy)
         self._file_keys: tuple[list[tuple[str, torch.nn.Parameter]], dict[str, torch.nn.Parameter]] | None = None
         """(the `_params` it was made for, the adapter file's key -> the parameter it holds)."""
 
@@ -321,9 +322,9 @@ class PeftBackend(Backend):
         config.base_model_name_or_path = spec.base_model
         if not isinstance(config.target_modules, str | None):  # a set in memory; stable bytes on disk
             config.target_modules = sorted(config.target_modules)
-        # one copy per tensor into buffers kept from the last version: gathering them on the
-        # device first (torch.cat, one copy) measured 630 ms a version with Unsloth against 74
-        # ms (docs/benchmarks.md)
+        # one copy per tensor into buffers kept from the last version unless
+        # backend.gather_adapter_copy: gathering them on the device first (torch.cat, one copy)
+        # measured 630 ms a version with Unsloth against 74 ms on 2026-11-23 (docs/benchmarks.md)
         tensors = {key: p.detach() for key, p in self._adapter_parameters(model).items()}
         return self._host.stage(tensors, self.adapter_dtype, config)
 

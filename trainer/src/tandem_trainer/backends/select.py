@@ -61,7 +61,8 @@ def select_backend(settings: TrainerBackendSettings, *, device_index: int | None
             from tandem_trainer.backends.unsloth import UnslothBackend
 
             log.info("backend %s: using unsloth", settings.kind)
-            return UnslothBackend(device=place, adapter_dtype=settings.adapter_dtype, resident=resident)
+            return UnslothBackend(device=place, adapter_dtype=settings.adapter_dtype, resident=resident,
+                                  gather_copy=settings.gather_adapter_copy)
         if settings.kind == "unsloth":
             raise TrainingBackendMissing(
                 f"backend.kind='unsloth' cannot be used: {problem}; "
@@ -71,4 +72,5 @@ def select_backend(settings: TrainerBackendSettings, *, device_index: int | None
     from tandem_trainer.backends.peft import PeftBackend
 
     return PeftBackend(device=place, gradient_checkpointing=settings.gradient_checkpointing,
-                       adapter_dtype=settings.adapter_dtype, resident=resident)
+                       adapter_dtype=settings.adapter_dtype, resident=resident,
+                       gather_copy=settings.gather_adapter_copy)

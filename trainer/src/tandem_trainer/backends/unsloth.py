@@ -38,9 +38,10 @@ class UnslothBackend(PeftBackend):
     name = "unsloth"
 
     def __init__(self, device: str = "cuda", *, max_seq_length: int = 4096,
-                 adapter_dtype: AdapterDtype = "float32", resident: ResidentBudget | None = None) -> None:
+                 adapter_dtype: AdapterDtype = "float32", resident: ResidentBudget | None = None,
+                 gather_copy: bool = False) -> None:
         super().__init__(device=device, gradient_checkpointing=False, adapter_dtype=adapter_dtype,
-                         resident=resident)
+                         resident=resident, gather_copy=gather_copy)
         self.max_seq_length = max_seq_length
         self._wrapped: PeftModel | None = None
         self._wrapped_shape: tuple[int, float, float, tuple[str, ...]] | None = None
