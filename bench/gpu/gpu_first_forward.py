@@ -53,15 +53,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 from bench.benchlib import KERNELS, SHAPES, engine_patches
 from bench.gpu import one_engine
 
-VARIANTS = {
-    "plain": [],
-    "overlap": ["--enable-lora-overlap-loading"],
-    "small-prefill": [],
-    "lazy": [],
+#: What each variant changes of tandem's engine settings (`extra_args`: flags after tandem's own)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "overlap": {"extra_args": ("--enable-lora-overlap-loading",)},
+    "small-prefill": {"prefill_graphs_from_one_token": True},
+    "lazy": {"eager_adapter_slot": False},
 }
-#: EngineSettings of a variant, beside its engine flags
-VARIANT_SETTINGS: dict[str, dict[str, Any]] = {"lazy": {"eager_adapter_slot": False},
-                                              "small-prefill": {"prefill_graphs_from_one_token": True}}
 ONE = Sampling(max_tokens=1)
 PROBE = [3, 17, 9]  # the sync probe's size: a prompt of a few tokens, one new token
 WARM = [5, 11]
@@ -151,8 +149,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         out["patches"] = engine_patches(args.sglang_python, "sglang")
     for variant in variants:
         inference = one_engine.settings(args.engine, model, work, port=args.port, sglang_python=args.sglang_python,
-                                        extra_args=tuple(VARIANTS[variant]), kernels=args.kernels,
-                                        **VARIANT_SETTINGS.get(variant, {}) if args.engine == "sglang" else {})
+                                        kernels=args.kernels, **VARIANTS[variant])
         log = args.out / f"{args.engine}-{variant}.log"
         async with httpx.AsyncClient() as http, one_engine.serving(inference, http, log) as (engine, boot_s, argv):
             await rounds(engine, adapter, 1, f"{variant}-settle")  # the base model's one-off LoRA wrap

@@ -126,13 +126,10 @@ class HostBuffers:
 def _gathered(sources: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """`sources` (flat, on one device) back to back in one new tensor of `dtype` on that device:
     one concatenation (a few kernels for hundreds of tensors) and one cast of the whole, where
-    they share a dtype; one copy each otherwise."""
+    they share a dtype; each cast first otherwise."""
     if len({s.dtype for s in sources}) == 1:
         return torch.cat(sources).to(dtype)
-    gathered = torch.empty(sum(s.numel() for s in sources), dtype=dtype, device=sources[0].device)
-    for piece, source in zip(torch.split(gathered, [s.numel() for s in sources]), sources, strict=True):
-        piece.copy_(source)
-    return gathered
+    return torch.cat([s.to(dtype) for s in sources])
 
 
 @dataclass
