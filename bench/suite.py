@@ -122,12 +122,12 @@ def parse() -> argparse.Namespace:
                    help="SGLang: engine.eager_adapter_slot (default on, as shipped), each adapter copied into a free "
                         "GPU slot when it loads (tandem's patch, images/patches/; the report's meta says whether the "
                         "engine has it); off: in the first batch that uses it")
-    p.add_argument("--prefill-graphs-from-one-token", choices=["on", "off"], default="off",
-                   help="SGLang: engine.prefill_graphs_from_one_token (default off, as shipped): prefill CUDA graphs "
+    p.add_argument("--prefill-graphs-from-one-token", choices=["on", "off"], default="on",
+                   help="SGLang: engine.prefill_graphs_from_one_token (default on, as shipped): prefill CUDA graphs "
                         "of 1-3 tokens beside SGLang's own (tandem's patch, images/patches/)")
-    p.add_argument("--gather-adapter-copy", choices=["on", "off"], default="off",
-                   help="backend.gather_adapter_copy (default off, as shipped): the trainer copies the adapter to "
-                        "host memory in one transfer, concatenated and cast on the device first")
+    p.add_argument("--gather-adapter-copy", choices=["on", "off"], default="on",
+                   help="backend.gather_adapter_copy (default on, as shipped): the trainer copies the adapter to "
+                        "host memory in one transfer where it casts, concatenated and cast on the device first")
     p.add_argument("--engine-slots", type=int, default=MAX_LOADED_ADAPTERS,
                    help=f"engine.max_loaded_adapters of the suite's stack (default {MAX_LOADED_ADAPTERS}; "
                         "8, the shipped default, makes the density scenario's runs share 8 slots)")

@@ -51,8 +51,8 @@
 # PATCHES=off takes tandem's SGLang patches (images/patches/) back for this call, so that an unpatched
 # engine is a lever's "before" (bench/gpu/gpu_env.sh applies them; each later call without PATCHES=off
 # applies them again); EAGER=0 (suite) switches engine.eager_adapter_slot off (on by default) and
-# SMALL_PREFILL=1 (suite) engine.prefill_graphs_from_one_token on (off by default); both need them.
-# GATHER=1 (suite) switches backend.gather_adapter_copy on (the trainer's copy in one transfer).
+# SMALL_PREFILL=0 (suite) engine.prefill_graphs_from_one_token off (on by default); both need them.
+# GATHER=0 (suite) switches backend.gather_adapter_copy off (on by default: the trainer's copy in one transfer).
 # KERNELS=bench (check, suite) pins SGLang's triton attention and PyTorch sampling instead of the shipped
 # kernels (a lever to measure beside them).
 # ENGINE=sglang (default) or vllm; ENVS, as bench/gpu/gpu_env.sh reads it, adds vLLM's environment;
@@ -189,8 +189,8 @@ suite)
     ${SERVE:+--serve-while-training} ${ENGINE_ARGS:+--engine-args "$ENGINE_ARGS"} ${DENSITY:+--density-runs "$DENSITY"} \
     ${SLOTS:+--engine-slots "$SLOTS"} ${LORAS:+--loras-per-batch "$LORAS"} ${KEEP:+--keep-versions "$KEEP"} \
     $([ "${EAGER:-1}" = 0 ] && echo --eager-adapter-slot off) \
-    $([ "${SMALL_PREFILL:-0}" = 1 ] && echo --prefill-graphs-from-one-token on) \
-    $([ "${GATHER:-0}" = 1 ] && echo --gather-adapter-copy on) --out /tmp/suite --state /tmp/suite-state \
+    $([ "${SMALL_PREFILL:-1}" = 0 ] && echo --prefill-graphs-from-one-token off) \
+    $([ "${GATHER:-1}" = 0 ] && echo --gather-adapter-copy off) --out /tmp/suite --state /tmp/suite-state \
     >/tmp/suite.log 2>&1
   echo "suite: exit $? after $((SECONDS - t0)) s"
   tail -50 /tmp/suite.log

@@ -79,9 +79,10 @@ def test_eager_adapter_slot_is_the_patched_sglangs_variable_on_unless_switched_o
     assert off["SGLANG_LORA_EAGER_SLOT"] == "0"  # the setting, not what the environment had
 
 
-def test_prefill_graphs_from_one_token_are_the_patched_sglangs_variable_off_unless_asked() -> None:
-    assert sglang_env(settings(), base={"SGLANG_PREFILL_GRAPHS_FROM_ONE": "1"})["SGLANG_PREFILL_GRAPHS_FROM_ONE"] == "0"
-    assert sglang_env(settings(prefill_graphs_from_one_token=True), base={})["SGLANG_PREFILL_GRAPHS_FROM_ONE"] == "1"
+def test_prefill_graphs_from_one_token_are_the_patched_sglangs_variable_on_unless_switched_off() -> None:
+    assert sglang_env(settings(), base={})["SGLANG_PREFILL_GRAPHS_FROM_ONE"] == "1"
+    off = sglang_env(settings(prefill_graphs_from_one_token=False), base={"SGLANG_PREFILL_GRAPHS_FROM_ONE": "1"})
+    assert off["SGLANG_PREFILL_GRAPHS_FROM_ONE"] == "0"  # the setting, not what the environment had
 
 
 @pytest.mark.parametrize("url", ["http://0.0.0.0:31000", "http://10.0.0.5:31000", "http://sglang:31000"])

@@ -123,14 +123,26 @@ class AdapterLoader:
         it; PENDING if the engine did not answer in time.
         """
         t0 = time.monotonic()
+        # the attempt's number and the engine's list of adapters (for room) are asked for while
+        # the files are checked: each is on the path only for as long as it outlasts the checks
+        attempt_task = asyncio.create_task(asyncio.to_thread(self.announcer.next_attempt, run, version))
+        look = asyncio.create_task(self.engine.loaded_adapters()) if self.slots is not None else None
         try:
             max_rank = await self._max_lora_rank()
             adapter_dir = await asyncio.to_thread(self._check, run, version, path, max_rank)
         except AdapterRejected as exc:
+            await _settled(attempt_task, look)
             await self.reject(run, version, str(exc), job_id, transient=isinstance(exc, AdapterNotVisible))
             return Outcome.REFUSED
+        except BaseException:
+            await _settled(attempt_task, look)
+            raise
         t_files = time.monotonic()
-        attempt = await asyncio.to_thread(self.announcer.next_attempt, run, version)
+        try:
+            attempt = await attempt_task
+        except BaseException:
+            await _settled(look)
+            raise
         name = adapter_name(run, version, attempt)
         t_checked = time.monotonic()
         log.info("adapter_load start run=%s version=%d adapter=%s", run, version, name)
@@ -139,7 +151,7 @@ class AdapterLoader:
         refused: AdapterLoadRefused | None = None
         room_ms = 0.0
         try:
-            room_ms = await self._make_room(name)
+            room_ms = await self._make_room(name, look)
             load_ms = await self.engine.load_adapter(name, str(adapter_dir))
         except AdapterLoadRefused as exc:
             load_ms, refused = 0.0, exc
@@ -300,14 +312,17 @@ class AdapterLoader:
         except Exception as exc:  # noqa: BLE001 - unverified files must never serve
             raise AdapterRejected(f"{run} v{version}: its checksums could not be checked: {exc!r}") from exc
 
-    async def _make_room(self, name: str) -> float:
+    async def _make_room(self, name: str, look: asyncio.Task[dict[str, str]] | None) -> float:
         """Room in the engine for one more adapter (tandem_inference.controller.slots: retired
         versions, then the least recently used adapters no request holds, are unloaded; while
         every slot serves a request it waits, up to `controller.slot_wait_s`, then raises
-        Overloaded). Returns the ms it took."""
+        Overloaded). `look`: the engine's adapters, asked for beside the checks (when it failed,
+        the slots ask again). Returns the ms it took."""
         t0 = time.monotonic()
         if self.slots is not None:
-            for touched in await self.slots.make_room(name):
+            (seen,) = await asyncio.gather(look, return_exceptions=True) if look is not None else (None,)
+            names = None if isinstance(seen, BaseException) else seen
+            for touched in await self.slots.make_room(name, names):
                 if self.table.has_run(touched):
                     await asyncio.to_thread(self.announcer.write_status, touched)
         return (time.monotonic() - t0) * 1000
@@ -338,3 +353,8 @@ class AdapterLoader:
         except EngineClientError as exc:
             log.warning("unloading %s after failed checksums failed too (%s); retrying later", name, exc)
             self.unloader.add(name, run, version, routed=False)
+
+
+async def _settled(*tasks: asyncio.Task[object] | None) -> None:
+    """Wait for tasks whose results are no longer wanted; their errors are dropped."""
+    await asyncio.gather(*(t for t in tasks if t is not None), return_exceptions=True)

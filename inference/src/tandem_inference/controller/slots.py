@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from prometheus_client import Counter
 
@@ -77,34 +77,42 @@ class Slots:
         """Serves the held versions the replicas agree on (set by the controller): a held version
         is never evicted, so when only held ones are left, serving them frees the older ones."""
 
-    async def make_room(self, for_adapter: str) -> set[str]:
+    async def make_room(self, for_adapter: str, seen: Mapping[str, str] | None = None) -> set[str]:
         """Return once the engine holds fewer than `limit` adapters (and the adapter's run fewer than
         `run_limit`); returns the runs that lost one (their status is to be written). Overloaded
-        when no slot came free within `wait_s`."""
+        when no slot came free within `wait_s`. `seen`: the engine's adapters as it listed them
+        just before (beside the load's checks), the first count's; the engine is asked again
+        after anything is unloaded or waited for."""
         deadline = time.monotonic() + self.wait_s
         drain_at = time.monotonic() + DRAIN_AFTER_S
         touched: set[str] = set()
         parsed = parse_adapter_name(for_adapter)
         if parsed is not None and self.run_limit < self.limit:
-            touched |= await self._room(for_adapter, parsed[0], deadline, drain_at)
-        return touched | await self._room(for_adapter, None, deadline, drain_at)
+            if seen is None or _held(seen, parsed[0]) >= self.run_limit:
+                touched |= await self._room(for_adapter, parsed[0], deadline, drain_at, seen)
+                seen = None
+        return touched | await self._room(for_adapter, None, deadline, drain_at, seen)
 
-    async def _room(self, for_adapter: str, run: str | None, deadline: float, drain_at: float) -> set[str]:
+    async def _room(self, for_adapter: str, run: str | None, deadline: float, drain_at: float,
+                    seen: Mapping[str, str] | None = None) -> set[str]:
         """Return once the engine holds fewer adapters than its slots, or, with `run`, the run fewer
         than its quota of them: retired versions no request holds are unloaded first, then the least
         recently used idle adapter (the run's own, with `run`) is evicted, then one is drained; past
-        `deadline`, Overloaded. Returns the runs that lost an adapter."""
+        `deadline`, Overloaded. Returns the runs that lost an adapter. `seen`: the engine's list
+        for the first count."""
         limit = self.limit if run is None else self.run_limit
         touched: set[str] = set()
         waited = drained = False
         while True:
-            held = await self._count(run)
+            held = _held(seen, run) if seen is not None else await self._count(run)
+            seen = None
             if held < limit:
                 if waited:
                     log.info("a slot came free for %s", for_adapter)
                 return touched
-            touched |= await self.unloader.unload_idle()  # retired versions no request holds go first
-            if await self._count(run) < limit:
+            unloaded = await self.unloader.unload_idle()  # retired versions no request holds go first
+            touched |= unloaded
+            if unloaded and await self._count(run) < limit:
                 continue
             victim = self.table.evict_idle(run=run)
             if victim is None and self.advance is not None and self._any_held(run):
@@ -148,10 +156,7 @@ class Slots:
     async def _count(self, run: str | None) -> int:
         """Adapters the engine holds (its own list: strays and retired ones take slots too), or,
         with `run`, those of that run."""
-        names = await self.engine.loaded_adapters()
-        if run is None:
-            return len(names)
-        return sum(1 for name in names if (parsed := parse_adapter_name(name)) is not None and parsed[0] == run)
+        return _held(await self.engine.loaded_adapters(), run)
 
     def _drain(self, for_adapter: str, *, run: str | None = None) -> bool:
         """Drain the least recently used adapter (of `run` only, when given) for `for_adapter`:
@@ -189,3 +194,9 @@ class Slots:
         """Whether a version newer than its run serves is held (of `run` only, when given)."""
         return any(self.table.held(r) for r in ([run] if run is not None else self.table.runs()))
 
+
+def _held(names: Mapping[str, str], run: str | None) -> int:
+    """How many of the engine's adapters `names` take a slot: all, or, with `run`, that run's."""
+    if run is None:
+        return len(names)
+    return sum(1 for name in names if (parsed := parse_adapter_name(name)) is not None and parsed[0] == run)

@@ -93,14 +93,16 @@ class EngineSettings(BaseModel):
     the copy stays in the first batch. It needs tandem's patch to SGLang (images/patches/), which
     the inference image applies; an unpatched SGLang ignores the variable. Ignored by vLLM, whose
     load does that copy itself."""
-    prefill_graphs_from_one_token: bool = False
+    prefill_graphs_from_one_token: bool = True
     """SGLang: capture prefill CUDA graphs of 1, 2 and 3 tokens besides SGLang's own sizes, which
     start at 4 (`SGLANG_PREFILL_GRAPHS_FROM_ONE=1`, tandem's patch, images/patches/). SGLang replays
-    a prefill's graph only where padding at most doubles it, so a prefill of one token -- a prompt
-    cached but for its last token, or a one-token prompt -- runs every layer eagerly: 61-70 ms p50
-    against 17 ms with these graphs at 0.5B on an H200, with the first GPU runs' pinned kernels
-    (docs/benchmarks.md). Off until measured with SGLang's own kernels. An unpatched SGLang ignores
-    the variable; so do vLLM and `disable_cuda_graph`."""
+    a prefill's graph only where padding at most doubles it, so without these a prefill of one
+    token -- a prompt cached but for its last token, or a one-token prompt -- runs every layer
+    eagerly. Measured on 2 x H200 with SGLang's own kernels (2026-11-30, docs/benchmarks.md): such
+    a prefill took 20.9 ms p50 at 0.5B instead of 46.7; optimizer step -> first response of a new
+    version 99.2 ms instead of 201.5 at 0.5B (split), 175.1 instead of 227.4 at 8B; mixed batches
+    and trainer agreement passed with it. An unpatched SGLang ignores the variable; so do vLLM and
+    `disable_cuda_graph`."""
     batch_invariant: bool = False
     """vLLM: its batch-invariant mode (`VLLM_BATCH_INVARIANT=1`), for rollouts that decode the same
     whatever else is in the batch. With tandem's flags vLLM's batched greedy outputs left their solo

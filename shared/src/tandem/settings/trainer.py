@@ -35,12 +35,13 @@ class TrainerBackendSettings(BaseModel):
     trainer's compute dtype: bfloat16 on GPUs that have it (engines serve in it anyway), float32
     on the CPU. A narrower adapter halves the bytes to copy, write, check and load; the float32
     master weights then go into the version's trainer state, so resuming loses no precision."""
-    gather_adapter_copy: bool = False
+    gather_adapter_copy: bool = True
     """Copy the adapter to host memory in one transfer where it is cast: its matrices concatenated
-    and cast on the device first, instead of one cast and one copy a matrix. With plain PyTorch
-    tensors on an H200 it took 0.62-0.80 x the time of the copy (float32 matrices, 0.5B and 8B
-    shapes; docs/benchmarks.md). Off until measured in the Unsloth trainer: on 2026-11-23 a gather
-    on the device made Unsloth's save 630 ms a version against 74 ms."""
+    and cast on the device first, instead of one cast and one copy a matrix (matrices already in
+    the adapter's dtype are copied one a tensor either way). With plain PyTorch tensors on an H200
+    it took 0.62-0.80 x the time of the copy (float32 matrices, 0.5B and 8B shapes); in the Unsloth
+    trainer at 0.5B the suite's copy stage read 4.5 ms p50 against 5.4 without it, and optimizer
+    step -> first response 95.0 against 99.2 (2 x H200, 2026-11-30; docs/benchmarks.md)."""
     resident_runs: int | None = Field(None, ge=1, le=4096)
     """Runs whose LoRA weights (in the dtype they train in) and optimizer state the trainer keeps in
     memory, the run training now included, so that a job of one of them starts without reading its
