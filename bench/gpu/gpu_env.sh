@@ -61,11 +61,12 @@ write() {  # name, PYTHONPATH
 }
 has() { case " $envs " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 if has sglang; then
-  # tandem's patches, as the inference image applies them (engine.eager_adapter_slot switches them on)
+  # tandem's patches, as the inference image applies them (engine.eager_adapter_slot and
+  # engine.prefill_graphs_from_one_token, both on by default, switch them on)
   if command -v patch >/dev/null 2>&1; then
     images/patches/apply.sh sglang /tmp/lk-sglang
   else
-    echo "gpu_env: no GNU patch on this machine: SGLang runs unpatched (engine.eager_adapter_slot does nothing)" >&2
+    echo "gpu_env: no GNU patch on this machine: SGLang runs unpatched (engine.eager_adapter_slot and prefill_graphs_from_one_token do nothing)" >&2
   fi
   write /tmp/sgpython /tmp/lk-sglang
   /tmp/sgpython -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"

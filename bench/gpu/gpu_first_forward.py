@@ -16,15 +16,15 @@ flags plus each variant's), for `--rounds` fresh adapter names per variant:
   kernels, operations and Python functions summed (a function's time includes its callees').
 
 Variants: `plain` (tandem's settings as shipped), `overlap` (`--enable-lora-overlap-loading`:
-SGLang copies an adapter's weights to the GPU beside compute), `small-prefill`
-(`engine.prefill_graphs_from_one_token`: prefill CUDA graphs from 1 token besides SGLang's own
-sizes, tandem's patch; SGLang 0.5.23's smallest is 4, and it runs a prefill eagerly where the graph
-would pad it more than twice, so a prompt whose prefix is cached but for its last token, as
-`second`, `again` and `base` are, runs all layers eagerly), `lazy` (`engine.eager_adapter_slot`
-off: the adapter goes into its GPU slot in its first batch, not at its load, as SGLang does
-without tandem's patch). The report says which patches the engine had. SGLang's kernels are those
-it picks itself unless `--kernels bench`. The adapter is saved in bfloat16, as the trainer
-publishes it for a bfloat16 model. Results: OUT/results.json and OUT/report.md.
+SGLang copies an adapter's weights to the GPU beside compute), `no-small-prefill`
+(`engine.prefill_graphs_from_one_token` off: prefill CUDA graphs only of SGLang's own sizes, the
+smallest 4 in 0.5.23; SGLang runs a prefill eagerly where the graph would pad it more than twice,
+so a prompt whose prefix is cached but for its last token, as `second`, `again` and `base` are,
+then runs all layers eagerly), `lazy` (`engine.eager_adapter_slot` off: the adapter goes into its
+GPU slot in its first batch, not at its load, as SGLang does without tandem's patch). The report
+says which patches the engine had. SGLang's kernels are those it picks itself unless `--kernels
+bench`. The adapter is saved in bfloat16, as the trainer publishes it for a bfloat16 model.
+Results: OUT/results.json and OUT/report.md.
 
     python bench/gpu/gpu_first_forward.py --out OUT --sglang-python /tmp/sgpython --shape 0.5b --profile
     python bench/gpu/gpu_first_forward.py --out /tmp/ff --engine transformers --shape tiny --rounds 3   # CPU dry run
@@ -57,7 +57,7 @@ from bench.gpu import one_engine
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {},
     "overlap": {"extra_args": ("--enable-lora-overlap-loading",)},
-    "small-prefill": {"prefill_graphs_from_one_token": True},
+    "no-small-prefill": {"prefill_graphs_from_one_token": False},
     "lazy": {"eager_adapter_slot": False},
 }
 ONE = Sampling(max_tokens=1)
@@ -192,7 +192,7 @@ def main() -> int:
     p.add_argument("--kernels", choices=KERNELS, default="shipped",
                    help="SGLang's kernels: those it picks with tandem's command line (shipped), or the pinned ones "
                         "of the first GPU runs (bench)")
-    p.add_argument("--variants", default="plain,lazy,small-prefill", help=f"comma-separated, of {sorted(VARIANTS)}")
+    p.add_argument("--variants", default="plain,lazy,no-small-prefill", help=f"comma-separated, of {sorted(VARIANTS)}")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--profile", action="store_true", help="SGLang's torch profile of one first request")
     args = p.parse_args()

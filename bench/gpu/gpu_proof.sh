@@ -13,7 +13,7 @@
 #   PART=engines  the gpu-marked batch-invariance and agreement test (tests/integration/
 #                 test_engine_batches.py) on GPU 0 for each engine in ENGINES (default "sglang vllm"),
 #                 its output in engines.log (ENGINE_SETTINGS, a JSON object of engine settings, checks a
-#                 lever's configuration: '{"prefill_graphs_from_one_token": true}'); with two GPUs gpu_check --engine $ENGINE --mode shared runs
+#                 lever's configuration: '{"prefill_graphs_from_one_token": false}'); with two GPUs gpu_check --engine $ENGINE --mode shared runs
 #                 on GPU 1 meanwhile, then bench/gpu/record_engine.py records that engine's answers
 #   PART=check    bench/gpu/gpu_check.py --engine $ENGINE --steps $STEPS (gpu_check.json/.md)
 #   PART=suite    bench/suite.py --engine $ENGINE --only $ONLY (default sync,swaps; suite.json/.md, plots),

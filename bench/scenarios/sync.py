@@ -17,8 +17,10 @@ gateway. The trainer reads its clocks after synchronising CUDA:
     ready -> loaded    -> the controller checked it, the engine loaded it while the checksums
                           were verified, the alias switched
       check            the controller's checks of the files before the load (inside)
-      attempt          the load attempt's number, from Redis (inside)
-      room             making room in the engine: its list of adapters, unloads if it is full (inside)
+      attempt          the load attempt's number, from Redis, after the checks (inside)
+      room             making room in the engine (inside): its list of adapters is asked for
+                       beside the checks, so this is the wait past them, and any unloads if it
+                       is full (before 2026-11-30 the list was asked for here)
       verify           the checksums, beside the engine's load (inside)
     loaded -> served   -> a response by the new version came back
     step -> served     the whole path

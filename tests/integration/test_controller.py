@@ -42,7 +42,7 @@ from tandem_inference.engines.base import Sampling
 from tandem_inference.engines.calls import CallKind
 from tandem_inference.engines.transformers.client import TransformersEngine
 from tandem_inference.engines.transformers.server import create_engine_app
-from tandem_inference.errors import EngineTimeout, ModelNotFound, Overloaded
+from tandem_inference.errors import EngineResponseError, EngineTimeout, ModelNotFound, Overloaded
 from tandem_inference.routing import RoutingTable
 
 pytestmark = pytest.mark.integration
@@ -167,6 +167,50 @@ async def test_ready_event_loads_switches_alias_and_announces(
     assert f'tandem_adapter_loads_total{{run="{run}"}} 1.0' in metrics
     assert f'tandem_serving_version{{run="{run}"}} 1.0' in metrics
     assert "tandem_adapter_load_seconds_count 1.0" in metrics
+
+
+async def test_a_failed_look_at_the_engines_adapters_beside_the_checks_costs_only_a_second_look(
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: TransformersEngine, tiny_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loader asks for the engine's adapters while it checks the files; when that call fails,
+    the slots ask again and the version loads. A version that fails its checks cancels its look
+    (a hung engine holds up no rejection), and the next version's first attempt keeps the plain
+    name."""
+    controller = await start()
+    registry, events = Registry(redis_conn), EventStream(redis_conn)
+    real, calls, cancelled = engine.loaded_adapters, [0], [0]
+    hang = asyncio.Event()  # set: the engine hangs on this call (never answers)
+
+    async def flaky() -> dict[str, str]:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise EngineResponseError("engine busy", status_code=503)
+        if hang.is_set():
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled[0] += 1
+                raise
+        return await real()
+
+    monkeypatch.setattr(engine, "loaded_adapters", flaky)
+    manifest = publish(store, registry, tiny_model, run, 1)
+    announce(events, store, manifest)
+    await wait_until(lambda: events_of(events, EventKind.ADAPTER_LOADED, run), what="adapter_loaded")
+    assert calls[0] >= 2 and controller.table.resolve(run).adapter == f"{run}-v1"
+
+    bad = publish(store, registry, tiny_model, run, 2)
+    (store.adapter_dir(run, 2) / "adapter_config.json").write_text("{not json")
+    hang.set()
+    announce(events, store, bad)
+    await wait_until(lambda: events_of(events, EventKind.ADAPTER_REJECTED, run), what="adapter_rejected")
+    await wait_until(lambda: cancelled[0] >= 1, timeout_s=5, what="the rejected version's look cancelled")
+    hang.clear()
+    good = publish(store, registry, tiny_model, run, 3)
+    announce(events, store, good)
+    await wait_until(lambda: controller.table.serving(run) == 3, what="v3 serving")
+    assert controller.table.resolve(run).adapter == f"{run}-v3"
 
 
 async def test_restart_resumes_from_cursor_and_reconciles(

@@ -16,7 +16,7 @@ engines/vllm_launcher.py: those rows are reported by the bench, not held to the 
 Needs TANDEM_TEST_SGLANG_PYTHON / TANDEM_TEST_VLLM_PYTHON: an interpreter whose environment has
 the engine (the images' /opt/sglang/bin/python, /opt/vllm/bin/python, or a wrapper that puts
 the engine's folder on PYTHONPATH). TANDEM_TEST_ENGINE_SETTINGS, a JSON object of engine
-settings, checks a lever's configuration: '{"prefill_graphs_from_one_token": true}'.
+settings, checks another configuration than the shipped one: '{"prefill_graphs_from_one_token": false}'.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The loader asks the engine for its adapters while it checks the files, and hands that list to
 `Slots.make_room`: with room in it, the engine is not asked again (the `room` stage is off the
-path); without, the least recently used idle adapter is evicted and the engine is asked again,
-never trusting a list from before the eviction. The engine here is a dict behind the methods
+path); a full list is not trusted (a slot may have come free since): the engine is asked again
+before the least recently used idle adapter is evicted, and after. The engine here is a dict behind the methods
 Slots calls (a unit test's network edge).
 """
 
@@ -65,17 +65,26 @@ def test_without_a_list_the_engine_is_asked() -> None:
     assert engine.asked == 1
 
 
-def test_a_full_list_evicts_the_least_recently_used_and_asks_the_engine_again() -> None:
+def test_a_full_list_is_asked_for_afresh_before_the_least_recently_used_is_evicted() -> None:
     engine = ListedEngine(["a-v1", "b-v1"])
     room = slots(engine, table_of(("a", 1), ("b", 1)), limit=2)
     touched = asyncio.run(room.make_room("c-v1", seen=dict(engine.held)))
     assert touched == {"a"} and engine.unloaded == ["a-v1"]
-    assert engine.asked == 1  # after the eviction the count is the engine's own, not the old list's
+    assert engine.asked == 2  # before the eviction and after it: never the old list's count
 
 
-def test_a_run_at_its_quota_in_the_list_evicts_its_own_and_then_counts_the_engine_afresh() -> None:
+def test_a_slot_that_came_free_since_the_list_costs_no_eviction() -> None:
+    engine = ListedEngine(["a-v1", "b-v1"])
+    seen = dict(engine.held)  # full when the loader looked
+    del engine.held["b-v1"]  # unloaded since (a retired version, outside the load)
+    room = slots(engine, table_of(("a", 1), ("b", 1)), limit=2)
+    assert asyncio.run(room.make_room("c-v1", seen=seen)) == set()
+    assert engine.unloaded == [] and engine.asked == 1
+
+
+def test_a_run_at_its_quota_in_the_list_evicts_its_own_counted_afresh() -> None:
     engine = ListedEngine(["a-v1", "a-v2", "b-v1"])
     room = slots(engine, table_of(("b", 1), ("a", 1), ("a", 2)), limit=4, run_limit=2)
     touched = asyncio.run(room.make_room("a-v3", seen=dict(engine.held)))
     assert touched == {"a"} and engine.unloaded == ["a-v1"]  # its own oldest, not b's older one
-    assert engine.asked == 2  # the run's count after its eviction, then the engine's slots
+    assert engine.asked == 3  # the run's count before and after its eviction, then the engine's slots

@@ -123,25 +123,21 @@ class AdapterLoader:
         it; PENDING if the engine did not answer in time.
         """
         t0 = time.monotonic()
-        # the attempt's number and the engine's list of adapters (for room) are asked for while
-        # the files are checked: each is on the path only for as long as it outlasts the checks
-        attempt_task = asyncio.create_task(asyncio.to_thread(self.announcer.next_attempt, run, version))
+        # the engine's list of adapters (for room) is asked for while the files are checked: it
+        # is on the path only for as long as it outlasts the checks and the attempt's number
         look = asyncio.create_task(self.engine.loaded_adapters()) if self.slots is not None else None
         try:
             max_rank = await self._max_lora_rank()
             adapter_dir = await asyncio.to_thread(self._check, run, version, path, max_rank)
+            t_files = time.monotonic()
+            # counted only for a version that passed its checks: its first attempt is `<run>-v<N>`
+            attempt = await asyncio.to_thread(self.announcer.next_attempt, run, version)
         except AdapterRejected as exc:
-            await _settled(attempt_task, look)
+            await _dropped(look)
             await self.reject(run, version, str(exc), job_id, transient=isinstance(exc, AdapterNotVisible))
             return Outcome.REFUSED
         except BaseException:
-            await _settled(attempt_task, look)
-            raise
-        t_files = time.monotonic()
-        try:
-            attempt = await attempt_task
-        except BaseException:
-            await _settled(look)
+            await _dropped(look)
             raise
         name = adapter_name(run, version, attempt)
         t_checked = time.monotonic()
@@ -355,6 +351,9 @@ class AdapterLoader:
             self.unloader.add(name, run, version, routed=False)
 
 
-async def _settled(*tasks: asyncio.Task[object] | None) -> None:
-    """Wait for tasks whose results are no longer wanted; their errors are dropped."""
-    await asyncio.gather(*(t for t in tasks if t is not None), return_exceptions=True)
+async def _dropped(task: asyncio.Task[dict[str, str]] | None) -> None:
+    """Cancel a look at the engine that is no longer wanted (a hung engine holds up nothing);
+    its error, if any, is dropped."""
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

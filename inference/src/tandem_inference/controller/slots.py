@@ -81,16 +81,23 @@ class Slots:
         """Return once the engine holds fewer than `limit` adapters (and the adapter's run fewer than
         `run_limit`); returns the runs that lost one (their status is to be written). Overloaded
         when no slot came free within `wait_s`. `seen`: the engine's adapters as it listed them
-        just before (beside the load's checks), the first count's; the engine is asked again
-        after anything is unloaded or waited for."""
+        just before (beside the load's checks). A list with room for the adapter is enough; a
+        full one is not trusted (a slot may have come free since), so the engine is asked again
+        before anything is unloaded, and after anything is unloaded or waited for.
+
+        Between that list and the load only a load that timed out earlier and completes late in
+        the engine can take a slot (every other load and unload goes through the controller);
+        the engine then refuses the load, as it would had the late one completed just after a
+        fresh count."""
         deadline = time.monotonic() + self.wait_s
         drain_at = time.monotonic() + DRAIN_AFTER_S
         touched: set[str] = set()
         parsed = parse_adapter_name(for_adapter)
-        if parsed is not None and self.run_limit < self.limit:
-            if seen is None or _held(seen, parsed[0]) >= self.run_limit:
-                touched |= await self._room(for_adapter, parsed[0], deadline, drain_at, seen)
-                seen = None
+        if seen is not None and (_held(seen, None) >= self.limit or (
+                parsed is not None and _held(seen, parsed[0]) >= self.run_limit)):
+            seen = None  # only a list with room is trusted: a full one is asked for afresh before anything goes
+        if parsed is not None and self.run_limit < self.limit and seen is None:
+            touched |= await self._room(for_adapter, parsed[0], deadline, drain_at)
         return touched | await self._room(for_adapter, None, deadline, drain_at, seen)
 
     async def _room(self, for_adapter: str, run: str | None, deadline: float, drain_at: float,
@@ -99,7 +106,7 @@ class Slots:
         than its quota of them: retired versions no request holds are unloaded first, then the least
         recently used idle adapter (the run's own, with `run`) is evicted, then one is drained; past
         `deadline`, Overloaded. Returns the runs that lost an adapter. `seen`: the engine's list
-        for the first count."""
+        for the first count, when it has room."""
         limit = self.limit if run is None else self.run_limit
         touched: set[str] = set()
         waited = drained = False

@@ -99,10 +99,11 @@ class EngineSettings(BaseModel):
     a prefill's graph only where padding at most doubles it, so without these a prefill of one
     token -- a prompt cached but for its last token, or a one-token prompt -- runs every layer
     eagerly. Measured on 2 x H200 with SGLang's own kernels (2026-11-30, docs/benchmarks.md): such
-    a prefill took 20.9 ms p50 at 0.5B instead of 46.7; optimizer step -> first response of a new
-    version 99.2 ms instead of 201.5 at 0.5B (split), 175.1 instead of 227.4 at 8B; mixed batches
-    and trainer agreement passed with it. An unpatched SGLang ignores the variable; so do vLLM and
-    `disable_cuda_graph`."""
+    a prefill took 20.9 ms p50 at 0.5B instead of 46.7, and a new version's first forward in the
+    sync path 29.6 ms instead of 76.6 (0.5B split, two leases of the machine kind); with
+    `eager_adapter_slot` too, against the unpatched engine, optimizer step -> first response took
+    175.1 ms instead of 227.4 at 8B (split). Mixed batches and trainer agreement passed with it. An
+    unpatched SGLang ignores the variable; so do vLLM and `disable_cuda_graph`."""
     batch_invariant: bool = False
     """vLLM: its batch-invariant mode (`VLLM_BATCH_INVARIANT=1`), for rollouts that decode the same
     whatever else is in the batch. With tandem's flags vLLM's batched greedy outputs left their solo
