@@ -89,30 +89,27 @@ class Slots:
         the engine can take a slot (every other load and unload goes through the controller);
         the engine then refuses the load, as it would had the late one completed just after a
         fresh count."""
+        parsed = parse_adapter_name(for_adapter)
+        if seen is not None and _held(seen, None) < self.limit and (
+                parsed is None or _held(seen, parsed[0]) < self.run_limit):
+            return set()  # room in the list: nothing to unload (a full list is asked for afresh below)
         deadline = time.monotonic() + self.wait_s
         drain_at = time.monotonic() + DRAIN_AFTER_S
         touched: set[str] = set()
-        parsed = parse_adapter_name(for_adapter)
-        if seen is not None and (_held(seen, None) >= self.limit or (
-                parsed is not None and _held(seen, parsed[0]) >= self.run_limit)):
-            seen = None  # only a list with room is trusted: a full one is asked for afresh before anything goes
-        if parsed is not None and self.run_limit < self.limit and seen is None:
+        if parsed is not None and self.run_limit < self.limit:
             touched |= await self._room(for_adapter, parsed[0], deadline, drain_at)
-        return touched | await self._room(for_adapter, None, deadline, drain_at, seen)
+        return touched | await self._room(for_adapter, None, deadline, drain_at)
 
-    async def _room(self, for_adapter: str, run: str | None, deadline: float, drain_at: float,
-                    seen: Mapping[str, str] | None = None) -> set[str]:
+    async def _room(self, for_adapter: str, run: str | None, deadline: float, drain_at: float) -> set[str]:
         """Return once the engine holds fewer adapters than its slots, or, with `run`, the run fewer
         than its quota of them: retired versions no request holds are unloaded first, then the least
         recently used idle adapter (the run's own, with `run`) is evicted, then one is drained; past
-        `deadline`, Overloaded. Returns the runs that lost an adapter. `seen`: the engine's list
-        for the first count, when it has room."""
+        `deadline`, Overloaded. Returns the runs that lost an adapter."""
         limit = self.limit if run is None else self.run_limit
         touched: set[str] = set()
         waited = drained = False
         while True:
-            held = _held(seen, run) if seen is not None else await self._count(run)
-            seen = None
+            held = await self._count(run)
             if held < limit:
                 if waited:
                     log.info("a slot came free for %s", for_adapter)
