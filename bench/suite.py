@@ -128,6 +128,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--gather-adapter-copy", choices=["on", "off"], default="on",
                    help="backend.gather_adapter_copy (default on, as shipped): the trainer copies the adapter to "
                         "host memory in one transfer where it casts, concatenated and cast on the device first")
+    p.add_argument("--blank-adapter-file", choices=["on", "off"], default="on",
+                   help="backend.blank_adapter_file (default on, as shipped): each version's weights are written over "
+                        "a file of zeros the trainer wrote after the last version, off the path; off: into a new file")
     p.add_argument("--engine-slots", type=int, default=MAX_LOADED_ADAPTERS,
                    help=f"engine.max_loaded_adapters of the suite's stack (default {MAX_LOADED_ADAPTERS}; "
                         "8, the shipped default, makes the density scenario's runs share 8 slots)")
@@ -207,6 +210,7 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
         "TANDEM_GATEWAY__QUEUE_TIMEOUT_S": str(QUEUE_TIMEOUT_S),
     }
     env["TANDEM_BACKEND__GATHER_ADAPTER_COPY"] = "true" if args.gather_adapter_copy == "on" else "false"
+    env["TANDEM_BACKEND__BLANK_ADAPTER_FILE"] = "true" if args.blank_adapter_file == "on" else "false"
     if args.engine == "sglang":
         env["TANDEM_ENGINE__EAGER_ADAPTER_SLOT"] = "true" if args.eager_adapter_slot == "on" else "false"
         env["TANDEM_ENGINE__PREFILL_GRAPHS_FROM_ONE_TOKEN"] = (

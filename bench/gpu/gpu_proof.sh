@@ -53,6 +53,8 @@
 # applies them again); EAGER=0 (suite) switches engine.eager_adapter_slot off (on by default) and
 # SMALL_PREFILL=0 (suite) engine.prefill_graphs_from_one_token off (on by default); both need them.
 # GATHER=0 (suite) switches backend.gather_adapter_copy off (on by default: the trainer's copy in one transfer).
+# BLANK=0 (suite) switches backend.blank_adapter_file off (on by default: each version's weights written over
+# a file of zeros the trainer wrote before, off the path).
 # KERNELS=bench (check, suite) pins SGLang's triton attention and PyTorch sampling instead of the shipped
 # kernels (a lever to measure beside them).
 # ENGINE=sglang (default) or vllm; ENVS, as bench/gpu/gpu_env.sh reads it, adds vLLM's environment;
@@ -190,7 +192,8 @@ suite)
     ${SLOTS:+--engine-slots "$SLOTS"} ${LORAS:+--loras-per-batch "$LORAS"} ${KEEP:+--keep-versions "$KEEP"} \
     $([ "${EAGER:-1}" = 0 ] && echo --eager-adapter-slot off) \
     $([ "${SMALL_PREFILL:-1}" = 0 ] && echo --prefill-graphs-from-one-token off) \
-    $([ "${GATHER:-1}" = 0 ] && echo --gather-adapter-copy off) --out /tmp/suite --state /tmp/suite-state \
+    $([ "${GATHER:-1}" = 0 ] && echo --gather-adapter-copy off) \
+    $([ "${BLANK:-1}" = 0 ] && echo --blank-adapter-file off) --out /tmp/suite --state /tmp/suite-state \
     >/tmp/suite.log 2>&1
   echo "suite: exit $? after $((SECONDS - t0)) s"
   tail -50 /tmp/suite.log

@@ -10,14 +10,19 @@ stages them:
   they go;
 - `mmap-N`: the file sized first, mapped, and its byte ranges filled by N threads at once
   (PyTorch's copy lets go of the GIL), hashed from the same tensors by the calling thread
-  meanwhile.
+  meanwhile;
+- `blank`: tandem's write over a blank (`backend.blank_adapter_file`, on by default): the same
+  `writev` into an unnamed file of zeros written before the clock starts, as the trainer
+  writes one between versions (trainer/src/tandem_trainer/blanks.py).
 
 Each write makes a new file (new pages, as a new version does) in each folder of `--dirs`
-(default: one under /tmp, the store's file system in the suite, and one under /dev/shm); the
-files are removed outside the timing. Every method's bytes and checksum are compared with
+(default: one under /tmp, the store's file system in the suite, and one under /dev/shm). With
+`--keep 0` each file is removed right after its write, so the next one finds its pages free; with
+20 the last 20 stay, as a store keeps recent versions (`retention.keep_versions`), and new pages
+come from further away. Files are removed outside the timing. Every method's bytes and checksum are compared with
 `writev`'s. Results: OUT/write.json and OUT/write.md.
 
-    python bench/gpu/gpu_write.py --out OUT [--reps 20] [--threads 2,4,8] [--dirs /tmp,/dev/shm]
+    python bench/gpu/gpu_write.py --out OUT [--reps 20] [--threads 2,4,8] [--dirs /tmp,/dev/shm] [--keep 0,20]
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 from bench.gpu.gpu_stage_copy import SHAPES, lora_tensors
 from tandem.adapters import CHECKSUM, new_hasher
 from tandem_trainer.adapter_files import safetensors_header, write_safetensors
+from tandem_trainer.blanks import write_blank
 
 METADATA = {"format": "pt"}
 
@@ -84,37 +90,50 @@ def _fill(target: torch.Tensor, group: list[tuple[int, torch.Tensor]]) -> None:
         target[start:start + source.numel()].copy_(source)
 
 
-def timed(write: Callable[[Path], str], folder: Path, reps: int) -> tuple[list[float], str]:
-    """`write` into `reps` new files (after 2 warm-ups), each removed once timed; ms and a checksum."""
-    times, digest = [], ""
+def timed(write: Callable[..., str], folder: Path, reps: int, keep: int,
+          before: Callable[[], dict[str, Any]] | None = None) -> tuple[list[float], str]:
+    """`write` into `reps` new files (after 2 warm-ups); ms and a checksum. The last `keep` files
+    stay (as the store keeps recent versions), older ones are removed outside the timing.
+    `before` makes the write's keyword arguments before the clock starts."""
+    times, digest, kept = [], "", []
     for i in range(reps + 2):
         path = folder / f"adapter-{i}.safetensors"
+        given = before() if before is not None else {}
         t0 = time.perf_counter()
-        digest = write(path)
+        digest = write(path, **given)
         elapsed = (time.perf_counter() - t0) * 1000
-        path.unlink()
+        kept.append(path)
+        while len(kept) > keep:
+            kept.pop(0).unlink()
         if i >= 2:
             times.append(elapsed)
+    for path in kept:
+        path.unlink()
     return times, digest
 
 
-def measure(shape: str, parent: str, counts: list[int], pool: ThreadPoolExecutor, reps: int) -> list[dict[str, Any]]:
+def measure(shape: str, parent: str, counts: list[int], pool: ThreadPoolExecutor, reps: int,
+            keep: int) -> list[dict[str, Any]]:
     """Every method at one shape in a new folder under `parent`: a row each."""
     tensors = lora_tensors(shape, torch.bfloat16, torch.device("cpu"))
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     methods: dict[str, Callable[[Path], str]] = {"writev": partial(write_safetensors, tensors=tensors, metadata=METADATA)}
     methods |= {f"mmap-{n}": partial(mmap_write, tensors=tensors, pool=pool, threads=n) for n in counts}
+    methods["blank"] = methods["writev"]
     rows = []
     with tempfile.TemporaryDirectory(dir=parent) as tmp:
         folder = Path(tmp)
         reference = folder / "reference.safetensors"
         expected = write_safetensors(reference, tensors, METADATA)
+        size = reference.stat().st_size
         for method, write in methods.items():
+            before = (lambda: {"blank": write_blank(folder, size)}) if method == "blank" else None
             check = folder / "check.safetensors"
-            identical = write(check) == expected and check.read_bytes() == reference.read_bytes()
+            identical = (write(check, **(before() if before else {})) == expected
+                         and check.read_bytes() == reference.read_bytes())
             check.unlink()
-            times, digest = timed(write, folder, reps)
-            rows.append({"shape": shape, "dir": parent, "method": method, "bytes": nbytes,
+            times, digest = timed(write, folder, reps, keep, before)
+            rows.append({"shape": shape, "dir": parent, "method": method, "bytes": nbytes, "keep": keep,
                          "identical": identical and digest == expected, "ms": times, "p50": statistics.median(times),
                          "p95": sorted(times)[int(0.95 * (len(times) - 1))]})
             print(f"{shape} {parent} {method}: {rows[-1]['p50']:.1f} ms p50 ({nbytes / 1e6:.1f} MB, "
@@ -128,19 +147,22 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--threads", default="2,4,8", help="comma-separated thread counts of the mapped write")
     p.add_argument("--dirs", default=f"{tempfile.gettempdir()},/dev/shm", help="comma-separated folders to write in")
+    p.add_argument("--keep", default="0,20", help="comma-separated counts of recent files left in place while "
+                   "writing (0: each removed at once, its pages free for the next; 20: as a store keeps versions)")
     args = p.parse_args()
     counts = [int(n) for n in args.threads.split(",")]
     with ThreadPoolExecutor(max(counts)) as pool:
-        rows = [row for shape in SHAPES for parent in args.dirs.split(",")
-                for row in measure(shape, parent, counts, pool, args.reps)]
+        rows = [row for shape in SHAPES for parent in args.dirs.split(",") for keep in map(int, args.keep.split(","))
+                for row in measure(shape, parent, counts, pool, args.reps, keep)]
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"cpus": os.cpu_count(), "torch": torch.__version__, "reps": args.reps}
     (args.out / "write.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    table = [f"| {r['shape']} | {r['bytes'] / 1e6:.1f} | {r['dir']} | {r['method']} | {r['p50']:.1f} | {r['p95']:.1f} | "
+    table = [f"| {r['shape']} | {r['bytes'] / 1e6:.1f} | {r['dir']} | {r['keep']} | {r['method']} | {r['p50']:.1f} | "
+             f"{r['p95']:.1f} | "
              f"{r['identical']} |" for r in rows]
     report = "\n".join([f"# The adapter's write ({meta['cpus']} CPUs, torch {meta['torch']}), ms of {args.reps} new "
-                        "files", "", "| shape | MB | folder | method | p50 | p95 | bytes and checksum identical |",
-                        "|---|---|---|---|---|---|---|", *table])
+                        "files", "", "| shape | MB | folder | files kept | method | p50 | p95 | bytes and checksum identical |",
+                        "|---|---|---|---|---|---|---|---|", *table])
     (args.out / "write.md").write_text(report + "\n")
     print(report)
     return 0 if all(r["identical"] for r in rows) else 1

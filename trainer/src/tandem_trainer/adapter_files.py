@@ -7,7 +7,9 @@ copies them into host buffers kept from the previous version (pinned on CUDA); t
 give the GPU back right after.
 `StagedAdapter.write` then writes `adapter_model.safetensors` straight from those buffers and
 hashes the same bytes as they go out: no serialised copy of the adapter is ever built, and
-nothing reads the file back to checksum it.
+nothing reads the file back to checksum it. Given a blank (blanks.py: a file of zeros written
+after the last version, off the path), it writes over the blank's pages instead of into a new
+file's.
 
 The safetensors layout (an 8-byte little-endian header length, a JSON header naming each
 tensor's dtype, shape and byte range, then the tensors' bytes back to back) is written here
@@ -32,6 +34,7 @@ from peft import LoraConfig
 
 from tandem.adapters import ADAPTER_DIR, CHECKSUM, file_checksum, new_hasher
 from tandem_trainer.backends.base import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from tandem_trainer.blanks import Blank
 from tandem_trainer.errors import CheckpointError
 
 #: safetensors' names of the dtypes an adapter may hold.
@@ -149,12 +152,12 @@ class StagedAdapter:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def write(self, adapter_dir: Path) -> dict[str, str]:
-        """Write adapter_model.safetensors and adapter_config.json into `adapter_dir`; returns
-        their checksums (`CHECKSUM`) by path relative to the version directory. Raises
-        CheckpointError naming the directory when it cannot be written."""
+    def write(self, adapter_dir: Path, *, blank: Blank | None = None) -> dict[str, str]:
+        """Write adapter_model.safetensors (over `blank`, when given) and adapter_config.json into
+        `adapter_dir`; returns their checksums (`CHECKSUM`) by path relative to the version
+        directory. Raises CheckpointError naming the directory when it cannot be written."""
         try:
-            digest = write_safetensors(adapter_dir / ADAPTER_WEIGHTS, self.tensors, self.metadata)
+            digest = write_safetensors(adapter_dir / ADAPTER_WEIGHTS, self.tensors, self.metadata, blank=blank)
             copy.deepcopy(self.config).save_pretrained(str(adapter_dir))
         except OSError as exc:
             raise CheckpointError(f"cannot write the adapter to {adapter_dir}: {exc}") from exc
@@ -181,9 +184,11 @@ def safetensors_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[st
 
 
 def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor],
-                      metadata: Mapping[str, str] | None = None) -> str:
+                      metadata: Mapping[str, str] | None = None, *, blank: Blank | None = None) -> str:
     """Write `tensors` (contiguous, on the CPU) as a safetensors file; returns the file's
-    checksum (`CHECKSUM`), computed from the bytes as they are written. Raises OSError."""
+    checksum (`CHECKSUM`), computed from the bytes as they are written. With `blank` the file
+    is the blank, linked at `path` and written over (cut to size when the blank was longer); a
+    blank that cannot be linked there is closed and a new file written. Raises OSError."""
     for name, tensor in tensors.items():
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise CheckpointError(f"tensor {name!r} must be contiguous on the CPU to be written (it is on "
@@ -194,9 +199,15 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor],
     hasher = new_hasher(CHECKSUM)
     for data in views:
         hasher.update(data)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    size = sum(len(v) for v in views)
+    fd = blank.claim(path) if blank is not None else None
+    longer = fd is not None and blank is not None and blank.size > size
+    if fd is None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         _write_all(fd, views)
+        if longer:
+            os.ftruncate(fd, size)
     finally:
         os.close(fd)
     return str(hasher.hexdigest())

@@ -31,6 +31,8 @@ from tandem.registry import Registry
 from tandem.tinker_jobs import LoadStateJob, OptimStepJob
 from tandem_trainer import failpoints
 from tandem_trainer.adapter_files import StagedAdapter
+from tandem_trainer.backends.base import ADAPTER_WEIGHTS
+from tandem_trainer.blanks import Blanks
 from tandem_trainer.errors import CheckpointError, JobRejected
 
 log = logging.getLogger(__name__)
@@ -66,14 +68,17 @@ def result_of(manifest: Manifest, *, reused: bool, train_s: float = 0.0,
 class Publisher:
     """Publishes versions to one store, registry and event stream."""
 
-    def __init__(self, conn: redis.Redis, store: AdapterStore) -> None:
+    def __init__(self, conn: redis.Redis, store: AdapterStore, *, blanks: bool = True) -> None:
         self.conn, self.store = conn, store
         self.registry, self.events = Registry(conn), EventStream(conn)
+        self.blanks = Blanks(store.root, enabled=blanks)
+        """The file of zeros each version's weights are written over (`backend.blank_adapter_file`)."""
 
     # publishing ---------------------------------------------------------------
     def publish(self, job: NamedJob, manifest: Manifest, adapter: StagedAdapter, *,
                 train_s: float, stepped_at: float, stage_ms: float) -> TrainResult:
-        """Write the staged adapter into a new version, rename it into place, announce it, fsync it.
+        """Write the staged adapter into a new version, rename it into place, announce it, fsync it;
+        then start the blank the next version is written over (blanks.py).
 
         The announcement's stages: `stage` (the adapter into host memory, `stage_ms`; `copy` is its
         device copy), `prepare` (the rest between the optimizer step and the first byte written:
@@ -84,9 +89,14 @@ class Publisher:
             log.info("store.staging.cleaned run=%s removed=%d", job.run, removed)
         before_ms = (time.time() - stepped_at) * 1000
         t0 = time.perf_counter()
+        blank = self.blanks.take()
         with self.store.staging(job.run, manifest.version) as staged:
             failpoints.hit("staging_created")
-            checksums = adapter.write(staged / ADAPTER_DIR)
+            try:
+                checksums = adapter.write(staged / ADAPTER_DIR, blank=blank)
+            finally:
+                if blank is not None:
+                    self.blanks.give_back(blank)  # nothing left to close once the write took it
             failpoints.hit("weights_written")
             t1 = time.perf_counter()
             manifest = self.store.publish(staged, manifest, checksums=checksums, durable=False)
@@ -100,10 +110,13 @@ class Publisher:
         t3 = time.perf_counter()
         self.store.sync(job.run, manifest.version)
         failpoints.hit("after_sync")
-        log.info("publish run=%s version=%d bytes=%d copy_ms=%.1f write_ms=%.1f rename_ms=%.1f announce_ms=%.1f "
+        over = " (over a blank)" if blank is not None and blank.used else ""
+        log.info("publish run=%s version=%d bytes=%d copy_ms=%.1f write_ms=%.1f%s rename_ms=%.1f announce_ms=%.1f "
                  "fsync_ms=%.1f (after the announcement)", job.run, manifest.version, adapter.nbytes,
-                 adapter.copy_ms, stages["write"], stages["rename"], (t3 - t2) * 1000,
+                 adapter.copy_ms, stages["write"], over, stages["rename"], (t3 - t2) * 1000,
                  (time.perf_counter() - t3) * 1000)
+        weights = self.store.adapter_dir(job.run, manifest.version) / ADAPTER_WEIGHTS
+        self.blanks.prepare(weights.stat().st_size)
         return result_of(manifest, reused=False, train_s=train_s, published_at=published_at)
 
     def announce(self, manifest: Manifest, *, published_at: float, stepped_at: float | None = None,

@@ -42,6 +42,12 @@ class TrainerBackendSettings(BaseModel):
     it took 0.62-0.80 x the time of the copy (float32 matrices, 0.5B and 8B shapes); in the Unsloth
     trainer at 0.5B the suite's copy stage read 4.5 ms p50 against 5.4 without it, and optimizer
     step -> first response 95.0 against 99.2 (2 x H200, 2026-11-30; docs/benchmarks.md)."""
+    blank_adapter_file: bool = True
+    """Write each version's weights over a blank: a file of zeros (no name, never seen in the store)
+    that the trainer writes after a publish, off the path, while the next step trains. Writing
+    over pages that already exist skips the page cache's and the filesystem's allocation, most
+    of the write into a new file (trainer/src/tandem_trainer/blanks.py). Where the store's
+    filesystem cannot make unnamed files (`O_TMPFILE`), versions go into new files as before."""
     resident_runs: int | None = Field(None, ge=1, le=4096)
     """Runs whose LoRA weights (in the dtype they train in) and optimizer state the trainer keeps in
     memory, the run training now included, so that a job of one of them starts without reading its

@@ -62,7 +62,7 @@ class JobContext:
         """Data-parallel training: this process is rank 0 of these ranks (step.py)."""
         self.store = store or AdapterStore(settings.store.root)
         self.registry, self.events = Registry(conn), EventStream(conn)
-        self.publisher = Publisher(conn, self.store)
+        self.publisher = Publisher(conn, self.store, blanks=settings.backend.blank_adapter_file)
         self.owner, self.holder_alive, self.entropy = owner, holder_alive, entropy
         self.metrics = metrics or TrainerMetrics()
         """Prometheus metrics of the jobs (metrics.py); the worker serves them on /metrics."""
