@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 from bench.gpu.gpu_stage_copy import SHAPES, lora_tensors
 from tandem.adapters import CHECKSUM, new_hasher
 from tandem_trainer.adapter_files import safetensors_header, write_safetensors
-from tandem_trainer.blanks import write_blank
+from tandem_trainer.blanks import Blank, write_blank
 
 METADATA = {"format": "pt"}
 
@@ -82,6 +82,15 @@ def mmap_write(path: Path, tensors: Mapping[str, torch.Tensor], pool: ThreadPool
     finally:
         os.close(fd)
     return str(hasher.hexdigest())
+
+
+def blank_write(path: Path, tensors: Mapping[str, torch.Tensor], blank: Blank) -> str:
+    """`write_safetensors` over `blank`; raises if the blank could not be used (a new file would
+    be measured instead)."""
+    digest = write_safetensors(path, tensors, METADATA, blank=blank)
+    if not blank.used:
+        raise RuntimeError(f"the blank could not be linked at {path}; see the log")
+    return digest
 
 
 def _fill(target: torch.Tensor, group: list[tuple[int, torch.Tensor]]) -> None:
@@ -119,7 +128,7 @@ def measure(shape: str, parent: str, counts: list[int], pool: ThreadPoolExecutor
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     methods: dict[str, Callable[[Path], str]] = {"writev": partial(write_safetensors, tensors=tensors, metadata=METADATA)}
     methods |= {f"mmap-{n}": partial(mmap_write, tensors=tensors, pool=pool, threads=n) for n in counts}
-    methods["blank"] = methods["writev"]
+    methods["blank"] = partial(blank_write, tensors=tensors)
     rows = []
     with tempfile.TemporaryDirectory(dir=parent) as tmp:
         folder = Path(tmp)

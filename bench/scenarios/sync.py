@@ -16,12 +16,16 @@ gateway. The trainer reads its clocks after synchronising CUDA:
     written -> ready   -> registered and `adapter_ready` appended
     ready -> loaded    -> the controller checked it, the engine loaded it while the checksums
                           were verified, the alias switched
+      read             `adapter_ready` -> the controller begins the load: the event's way through
+                       Redis and the controller's read of it (inside)
       check            the controller's checks of the files before the load (inside)
       attempt          the load attempt's number, from Redis, after the checks (inside)
       room             making room in the engine (inside): its list of adapters is asked for
                        beside the checks, so this is the wait past them, and any unloads if it
                        is full (before 2026-11-30 the list was asked for here)
       verify           the checksums, beside the engine's load (inside)
+      agree            the version loaded and checked -> the alias switched: the replicas'
+                       agreement, read from Redis (with no other replica, one read) (inside)
     loaded -> served   -> a response by the new version came back
     step -> served     the whole path
 
@@ -166,7 +170,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
         published_stages, loaded_stages = r.data.get("stages_ms") or {}, ld.data.get("stages_ms") or {}
         for key in ("stage", "copy", "prepare", "write", "rename"):
             row[f"{key}_ms"] = published_stages.get(key)
-        for key in ("check", "attempt", "room", "verify"):
+        for key in ("read", "check", "attempt", "room", "verify", "agree"):
             row[f"{key}_ms"] = loaded_stages.get(key)
         if row["step_to_served_ms"] is not None:
             row["probe_wait_ms"] = max(0.0, row["loaded_to_served_ms"] - row["first_forward_ms"])
@@ -180,7 +184,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     # the first version pays one-off costs (the engine wraps the base model on its first load)
     steady = rows[1:] if len(rows) > 2 else rows
     keys = ["step_to_written_ms", "stage_ms", "copy_ms", "prepare_ms", "write_ms", "rename_ms", "written_to_ready_ms",
-            "ready_to_loaded_ms", "check_ms", "attempt_ms", "room_ms", "engine_load_ms", "verify_ms",
+            "ready_to_loaded_ms", "read_ms", "check_ms", "attempt_ms", "room_ms", "engine_load_ms", "verify_ms",
+            "agree_ms",
             "loaded_to_served_ms", "probe_wait_ms", "first_forward_ms",
             "step_to_served_ms", "publish_to_served_ms", "overhead_ms", "floor_ms"]
     stages = {k: summary([r[k] for r in steady if r.get(k) is not None]) for k in keys

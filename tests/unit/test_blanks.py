@@ -142,3 +142,29 @@ def test_a_blank_that_cannot_be_linked_switches_blanks_off(tmp_path: Path, caplo
     blanks.settle()
     assert blanks.take() is None
     blanks.close()
+
+
+def test_a_system_without_unnamed_files_never_tries_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(os, "O_TMPFILE")
+    blanks = Blanks(tmp_path)
+    blanks.prepare(4096)
+    assert not blanks.enabled and blanks.take() is None
+
+
+def test_a_publish_that_fails_before_its_write_leaves_the_blank_for_the_next(tmp_path: Path, redis_conn) -> None:
+    store = AdapterStore(tmp_path)
+    publisher = Publisher(redis_conn, store)
+    publish(publisher, 1, seed=1)
+    publisher.blanks.settle()
+    run_dir = store.run_dir("r")
+    parked = tmp_path / "parked"
+    run_dir.rename(parked)
+    run_dir.write_text("")  # the run's directory is a file now: no staging directory can be made in it
+    with pytest.raises(OSError):
+        publish(publisher, 2, seed=2)
+    run_dir.unlink()
+    parked.rename(run_dir)
+    blank = publisher.blanks.take()  # not taken by the failed publish, so not lost with it
+    assert blank is not None and blank.fd >= 0
+    publisher.blanks.give_back(blank)
+    publisher.blanks.close()

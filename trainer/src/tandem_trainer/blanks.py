@@ -8,7 +8,8 @@ alone. On a 2-core machine (`bench/gpu/gpu_write.py`, docs/benchmarks.md) an 8B 
 adapter (84 MB) took 14.8 ms over a blank against 23.9 into a new file on ext4 whose pages had
 just been freed, and against 211 ms with the last 20 files kept, as a store keeps versions;
 on tmpfs 22.3 against 37.1. On a GPU host, where one thread copies only about 3 GB/s, the gain is
-smaller: in the suite at 8B the write went from 38.7 to 29.4 ms p50 (2 x H200).
+smaller: in the suite at 8B the write went from 38.7 to 29.4 ms p50 (2 x H200); at 0.5B there
+was none.
 
 So after each publish the trainer writes a blank off the path, in a thread of its own while the
 next step trains: a file opened with `O_TMPFILE` in the store, with no name, and as many zero
@@ -36,8 +37,10 @@ log = logging.getLogger(__name__)
 
 #: The zeros written at a time.
 _CHUNK = 8 << 20
-#: What the filesystem says when it cannot make an unnamed file: no O_TMPFILE there.
-_UNSUPPORTED = {errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT, errno.ENOTDIR}
+#: Failures that may pass (a full disk, too many open files): the next blank is tried again.
+#: Any other (no O_TMPFILE on the filesystem: EOPNOTSUPP, EISDIR; no permission; no /proc; the
+#: store on two filesystems: EXDEV) would recur, so blanks are switched off.
+_PASSING = {errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN}
 
 
 @dataclass
@@ -49,7 +52,7 @@ class Blank:
     used: bool = False
     """Whether a version's file was written over it (`claim` succeeded)."""
     refused: bool = False
-    """Whether it could not be linked where the version's file goes (`claim` failed)."""
+    """Whether it could not be linked where the version's file goes, for a reason that would recur."""
 
     def claim(self, path: Path) -> int | None:
         """Give the blank the name `path` (a new file on the blank's filesystem) and return its
@@ -63,7 +66,7 @@ class Blank:
                 os.close(parent)
         except OSError as exc:
             log.info("blank.unused path=%s: %s; the version is written into a new file", path, exc)
-            self.refused = True
+            self.refused = exc.errno not in _PASSING
             self.close()
             return None
         os.lseek(self.fd, 0, os.SEEK_SET)
@@ -98,8 +101,9 @@ class Blanks:
 
     def __init__(self, directory: Path, *, enabled: bool = True) -> None:
         self.directory = directory
-        self.enabled = enabled
-        """Off (`backend.blank_adapter_file`, or a filesystem without `O_TMPFILE`): `take` is always None."""
+        self.enabled = enabled and hasattr(os, "O_TMPFILE")
+        """Off (`backend.blank_adapter_file`, a system or filesystem without `O_TMPFILE`, a blank
+        that could not be linked): `take` is always None."""
         self.taken = 0
         """Versions written over a blank so far."""
         self._pool: ThreadPoolExecutor | None = None
@@ -113,7 +117,7 @@ class Blanks:
         self._next = None
         try:
             blank = future.result()
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - a blank is an optimisation: never a failed publish
             self._failed(exc)
             return None
         self.taken += 1
@@ -128,8 +132,8 @@ class Blanks:
         self._next = self._pool.submit(write_blank, self.directory, size)
 
     def give_back(self, blank: Blank) -> None:
-        """Close a blank that `take` gave; one that could not be linked switches blanks off (the
-        next would not be either: no `/proc`, or the store spans filesystems)."""
+        """Close a blank that `take` gave; one that could not be linked for a reason that would
+        recur (no `/proc`, the store on two filesystems) switches blanks off."""
         blank.close()
         if blank.refused and self.enabled:
             self.enabled = False
@@ -141,7 +145,7 @@ class Blanks:
         if self._next is not None:
             try:
                 self._next.result()
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - as in take
                 self._next = None
                 self._failed(exc)
 
@@ -155,11 +159,10 @@ class Blanks:
             self._pool.shutdown()
             self._pool = None
 
-    def _failed(self, exc: OSError) -> None:
-        if exc.errno in _UNSUPPORTED:
+    def _failed(self, exc: Exception) -> None:
+        if not isinstance(exc, OSError) or exc.errno not in _PASSING:
             self.enabled = False
-            log.info("blank.off directory=%s: the filesystem makes no unnamed files (%s); versions are "
-                     "written into new files", self.directory, exc)
+            log.info("blank.off directory=%s: %s; versions are written into new files", self.directory, exc)
         else:
             log.warning("blank.failed directory=%s: %s; the next version is written into a new file",
                         self.directory, exc)

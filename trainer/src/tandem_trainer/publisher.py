@@ -89,14 +89,15 @@ class Publisher:
             log.info("store.staging.cleaned run=%s removed=%d", job.run, removed)
         before_ms = (time.time() - stepped_at) * 1000
         t0 = time.perf_counter()
-        blank = self.blanks.take()
         with self.store.staging(job.run, manifest.version) as staged:
             failpoints.hit("staging_created")
+            blank = self.blanks.take()
             try:
                 checksums = adapter.write(staged / ADAPTER_DIR, blank=blank)
             finally:
                 if blank is not None:
                     self.blanks.give_back(blank)  # nothing left to close once the write took it
+            weights_size = (staged / ADAPTER_DIR / ADAPTER_WEIGHTS).stat().st_size
             failpoints.hit("weights_written")
             t1 = time.perf_counter()
             manifest = self.store.publish(staged, manifest, checksums=checksums, durable=False)
@@ -115,8 +116,7 @@ class Publisher:
                  "fsync_ms=%.1f (after the announcement)", job.run, manifest.version, adapter.nbytes,
                  adapter.copy_ms, stages["write"], over, stages["rename"], (t3 - t2) * 1000,
                  (time.perf_counter() - t3) * 1000)
-        weights = self.store.adapter_dir(job.run, manifest.version) / ADAPTER_WEIGHTS
-        self.blanks.prepare(weights.stat().st_size)
+        self.blanks.prepare(weights_size)
         return result_of(manifest, reused=False, train_s=train_s, published_at=published_at)
 
     def announce(self, manifest: Manifest, *, published_at: float, stepped_at: float | None = None,

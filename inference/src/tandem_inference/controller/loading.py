@@ -123,6 +123,8 @@ class AdapterLoader:
         it; PENDING if the engine did not answer in time.
         """
         t0 = time.monotonic()
+        # adapter_ready -> here: the event's way through Redis and the controller's read of it
+        read_ms = (time.time() - ready_ts) * 1000 if ready_ts is not None else None
         # the engine's list of adapters (for room) is asked for while the files are checked: it
         # is on the path only for as long as it outlasts the checks and the attempt's number
         look = asyncio.create_task(self.engine.loaded_adapters()) if self.slots is not None else None
@@ -187,6 +189,8 @@ class AdapterLoader:
         ready_to_loaded_ms = (time.time() - ready_ts) * 1000.0 if ready_ts is not None else None
         stages = {"check": (t_files - t0) * 1000, "attempt": (t_checked - t_files) * 1000, "room": room_ms,
                   "verify": verify_ms, "load_and_verify": (t_both - t_checked) * 1000}
+        if read_ms is not None:
+            stages["read"] = max(0.0, read_ms)
         if hold is not None:
             hold(Held(run, version, manifest, name, load_ms, ready_ts, stages))
         elif announce:

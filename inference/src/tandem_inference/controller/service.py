@@ -47,7 +47,7 @@ from tandem.adapters import AdapterStore
 from tandem.errors import BackendUnavailable
 from tandem.events import Cursor, Event, EventKind, EventStream
 from tandem.registry import Registry
-from tandem.replicas import Replicas
+from tandem.replicas import Replicas, ReplicaState
 from tandem.runs import RUN_NAME
 from tandem.settings import InferenceSettings
 from tandem_inference.controller.agreement import Agreement
@@ -317,13 +317,14 @@ class Controller:
         outcome = await self.loader.load(run, version, path=path, ready_ts=ready_ts, job_id=job_id,
                                          hold=self.agreement.hold)
         if outcome is Outcome.LOADED:
-            if await asyncio.to_thread(self.agreement.others):  # replicas to agree with: tell them at once
+            others = await asyncio.to_thread(self.agreement.others)
+            if others:  # replicas to agree with: tell them at once, then read what they hold afresh
                 if self.on_change is not None:
                     await self.on_change()
                 held = self.agreement.held.get((run, version))
                 await asyncio.to_thread(self.announcer.held, run, version, job_id,
                                         held.held_at if held is not None else time.time())
-            await self._advance()
+            await self._advance(None if others else [])  # alone: the replicas just read stand, no second read
         return outcome
 
     # loading on demand ------------------------------------------------------
@@ -374,8 +375,10 @@ class Controller:
             await self._advance()
         self._next_advance = time.monotonic() + ADVANCE_S
 
-    async def _advance(self) -> None:
-        others = await asyncio.to_thread(self.agreement.others)
+    async def _advance(self, others: list[ReplicaState] | None = None) -> None:
+        """Serve what is due; `others`: the other ready replicas, read just now (None: read them)."""
+        if others is None:
+            others = await asyncio.to_thread(self.agreement.others)
         due = self.agreement.due(others)
         for held in due:
             self.table.serve(held.run, held.version)

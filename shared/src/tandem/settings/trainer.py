@@ -46,9 +46,9 @@ class TrainerBackendSettings(BaseModel):
     """Write each version's weights over a blank: a file of zeros (no name, never seen in the store)
     that the trainer writes after a publish, off the path, while the next step trains. Writing
     over pages that already exist skips the page cache's and the filesystem's allocation: the
-    suite's write of an 8B rank-16 adapter went from 38.7 to 29.4 ms p50, and optimizer step ->
-    first response from 161.8 to 147.8 (2 x H200, 2026-11-30; docs/benchmarks.md). Where the
-    store's filesystem cannot make unnamed files (`O_TMPFILE`), versions go into new files as before."""
+    suite's write of an 8B rank-16 adapter went from 38.7 to 29.4 ms p50 (2 x H200, 2026-11-30;
+    no gain at 0.5B there; docs/benchmarks.md). Where the store's filesystem cannot make unnamed
+    files (`O_TMPFILE`), versions go into new files as before."""
     resident_runs: int | None = Field(None, ge=1, le=4096)
     """Runs whose LoRA weights (in the dtype they train in) and optimizer state the trainer keeps in
     memory, the run training now included, so that a job of one of them starts without reading its
