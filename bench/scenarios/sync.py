@@ -16,8 +16,9 @@ gateway. The trainer reads its clocks after synchronising CUDA:
     written -> ready   -> registered and `adapter_ready` appended
     ready -> loaded    -> the controller checked it, the engine loaded it while the checksums
                           were verified, the alias switched
-      read             `adapter_ready` -> the controller begins the load: the event's way through
-                       Redis and the controller's read of it (inside)
+      read             `adapter_ready` -> the controller begins the load: the event through Redis,
+                       its read, the wait for the controller's lock and for events before it in
+                       the page (inside; the trainer's clock against the controller's)
       check            the controller's checks of the files before the load (inside)
       attempt          the load attempt's number, from Redis, after the checks (inside)
       room             making room in the engine (inside): its list of adapters is asked for

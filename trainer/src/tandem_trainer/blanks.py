@@ -40,7 +40,7 @@ _CHUNK = 8 << 20
 #: Failures that may pass (a full disk, too many open files): the next blank is tried again.
 #: Any other (no O_TMPFILE on the filesystem: EOPNOTSUPP, EISDIR; no permission; no /proc; the
 #: store on two filesystems: EXDEV) would recur, so blanks are switched off.
-_PASSING = {errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN}
+_PASSING = {errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN}
 
 
 @dataclass

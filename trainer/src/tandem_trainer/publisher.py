@@ -97,9 +97,9 @@ class Publisher:
             finally:
                 if blank is not None:
                     self.blanks.give_back(blank)  # nothing left to close once the write took it
-            weights_size = (staged / ADAPTER_DIR / ADAPTER_WEIGHTS).stat().st_size
             failpoints.hit("weights_written")
             t1 = time.perf_counter()
+            weights_size = (staged / ADAPTER_DIR / ADAPTER_WEIGHTS).stat().st_size  # the next blank's
             manifest = self.store.publish(staged, manifest, checksums=checksums, durable=False)
         failpoints.hit("after_rename")
         published_at = time.time()

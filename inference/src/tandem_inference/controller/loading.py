@@ -114,17 +114,20 @@ class AdapterLoader:
     async def load(
         self, run: str, version: int, *, path: str | None = None, ready_ts: float | None = None,
         job_id: str | None = None, announce: bool = True, hold: Callable[[Held], None] | None = None,
+        event_ts: float | None = None,
     ) -> Outcome:
         """Check and load one version under a fresh name, then switch the alias -- or, with
         `hold`, hand it over held (loaded, the alias unchanged, nothing announced) for the
         replicas to agree on (tandem_inference.controller.agreement).
 
         REFUSED (and an `adapter_rejected`) if the version fails a check or the engine refuses
-        it; PENDING if the engine did not answer in time.
+        it; PENDING if the engine did not answer in time. `event_ts`: the `adapter_ready` this load
+        answers, when it answers one (its `ts`, the trainer's clock), for the `read` stage.
         """
         t0 = time.monotonic()
-        # adapter_ready -> here: the event's way through Redis and the controller's read of it
-        read_ms = (time.time() - ready_ts) * 1000 if ready_ts is not None else None
+        # adapter_ready -> here: the event through Redis, the controller's read of it, the wait for
+        # its lock and for the events before it in the page; by two clocks (trainer's, controller's)
+        read_ms = (time.time() - event_ts) * 1000 if event_ts is not None else None
         # the engine's list of adapters (for room) is asked for while the files are checked: it
         # is on the path only for as long as it outlasts the checks and the attempt's number
         look = asyncio.create_task(self.engine.loaded_adapters()) if self.slots is not None else None
@@ -190,7 +193,7 @@ class AdapterLoader:
         stages = {"check": (t_files - t0) * 1000, "attempt": (t_checked - t_files) * 1000, "room": room_ms,
                   "verify": verify_ms, "load_and_verify": (t_both - t_checked) * 1000}
         if read_ms is not None:
-            stages["read"] = max(0.0, read_ms)
+            stages["read"] = read_ms  # negative when the controller's clock is behind the trainer's
         if hold is not None:
             hold(Held(run, version, manifest, name, load_ms, ready_ts, stages))
         elif announce:

@@ -296,7 +296,7 @@ class Controller:
             # read. Load it again and announce it, or the train() waiting for it would wait forever.
             log.info("%s v%d serves but was evicted before its adapter_ready was read; loading and announcing it",
                      run, version)
-            await self.loader.load(run, version, ready_ts=event.ts, job_id=event.job_id)
+            await self.loader.load(run, version, ready_ts=event.ts, job_id=event.job_id, event_ts=event.ts)
             return
         if newest > version:  # a controller behind the trainer loads each run's newest, not every version
             log.info("skipping %s v%d: v%d of the run is announced after it, in this read", run, version, newest)
@@ -309,13 +309,13 @@ class Controller:
             message = f"{run} v{version}: data.path {quoted(path)} is not a string"
             await self.loader.reject(run, version, message, event.job_id)
             return
-        await self._load_new(run, version, path=path, ready_ts=event.ts, job_id=event.job_id)
+        await self._load_new(run, version, path=path, ready_ts=event.ts, job_id=event.job_id, event_ts=event.ts)
 
     async def _load_new(self, run: str, version: int, *, path: str | None, ready_ts: float | None,
-                        job_id: str | None) -> Outcome:
+                        job_id: str | None, event_ts: float | None = None) -> Outcome:
         """Load a version newer than the run serves, held until the replicas agree (agreement.py)."""
         outcome = await self.loader.load(run, version, path=path, ready_ts=ready_ts, job_id=job_id,
-                                         hold=self.agreement.hold)
+                                         hold=self.agreement.hold, event_ts=event_ts)
         if outcome is Outcome.LOADED:
             others = await asyncio.to_thread(self.agreement.others)
             if others:  # replicas to agree with: tell them at once, then read what they hold afresh
