@@ -12,6 +12,10 @@ gateway. The trainer reads its clocks after synchronising CUDA:
       prepare          the rest before the first byte is written: the step's statistics, the
                        manifest, clearing stale staging directories (inside step -> written)
       write            the files written from those buffers, with their checksums (inside)
+        hash           the weights' checksum, from the buffers (inside `write`)
+        weights        their file opened (or a blank linked), written and closed (inside `write`)
+        config         adapter_config.json written and hashed (inside `write`; the rest of
+                       `write` is the staging directory made and a blank taken)
       rename           manifest + rename into place (inside; the fsync comes after the announcement)
     written -> ready   -> registered and `adapter_ready` appended
     ready -> loaded    -> the controller checked it, the engine loaded it while the checksums
@@ -20,10 +24,14 @@ gateway. The trainer reads its clocks after synchronising CUDA:
                        its read, the wait for the controller's lock and for events before it in
                        the page (inside; the trainer's clock against the controller's)
       check            the controller's checks of the files before the load (inside)
+        check_work     the checks themselves (inside `check`; the rest, where they run in a
+                       thread, is the hand-off to it and back to the event loop)
       attempt          the load attempt's number, from Redis, after the checks (inside)
       room             making room in the engine (inside): its list of adapters is asked for
                        beside the checks, so this is the wait past them, and any unloads if it
                        is full (before 2026-11-30 the list was asked for here)
+        look           that list, from the call's start to its answer read (beside `check`
+                       and `attempt`, and `room` past them)
       verify           the checksums, beside the engine's load (inside)
       agree            the version loaded and checked -> the alias switched: the replicas'
                        agreement, read from Redis (with no other replica, one read) (inside)
@@ -169,9 +177,9 @@ def run(ctx: Ctx) -> dict[str, Any]:
             "step_to_served_ms": (first[0] - stepped) * 1000 if first and stepped else None,
         }
         published_stages, loaded_stages = r.data.get("stages_ms") or {}, ld.data.get("stages_ms") or {}
-        for key in ("stage", "copy", "prepare", "write", "rename"):
+        for key in ("stage", "copy", "prepare", "write", "hash", "weights", "config", "rename"):
             row[f"{key}_ms"] = published_stages.get(key)
-        for key in ("read", "check", "attempt", "room", "verify", "agree"):
+        for key in ("read", "check", "check_work", "attempt", "room", "look", "verify", "agree"):
             row[f"{key}_ms"] = loaded_stages.get(key)
         if row["step_to_served_ms"] is not None:
             row["probe_wait_ms"] = max(0.0, row["loaded_to_served_ms"] - row["first_forward_ms"])
@@ -184,8 +192,10 @@ def run(ctx: Ctx) -> dict[str, Any]:
         rows.append(row)
     # the first version pays one-off costs (the engine wraps the base model on its first load)
     steady = rows[1:] if len(rows) > 2 else rows
-    keys = ["step_to_written_ms", "stage_ms", "copy_ms", "prepare_ms", "write_ms", "rename_ms", "written_to_ready_ms",
-            "ready_to_loaded_ms", "read_ms", "check_ms", "attempt_ms", "room_ms", "engine_load_ms", "verify_ms",
+    keys = ["step_to_written_ms", "stage_ms", "copy_ms", "prepare_ms", "write_ms", "hash_ms", "weights_ms", "config_ms",
+            "rename_ms", "written_to_ready_ms",
+            "ready_to_loaded_ms", "read_ms", "check_ms", "check_work_ms", "attempt_ms", "room_ms", "look_ms", "engine_load_ms",
+            "verify_ms",
             "agree_ms",
             "loaded_to_served_ms", "probe_wait_ms", "first_forward_ms",
             "step_to_served_ms", "publish_to_served_ms", "overhead_ms", "floor_ms"]

@@ -28,6 +28,7 @@ from tandem import keys
 from tandem.adapters import AdapterStore
 from tandem.deletion import delete_run
 from tandem.events import Cursor, Event, EventKind, EventStream, entry_order
+from tandem.mounts import is_local
 from tandem.registry import Registry
 from tandem.runs import RunSpec
 from tandem.settings import (
@@ -90,13 +91,15 @@ def engine_url(tiny_model: Path) -> Iterator[str]:
 
 
 @pytest.fixture
-def settings(redis_url: str, tmp_path: Path, engine_url: str, tiny_model: Path) -> InferenceSettings:
+def settings(request: pytest.FixtureRequest, redis_url: str, tmp_path: Path, engine_url: str,
+             tiny_model: Path) -> InferenceSettings:
+    """`controller.check_inline` from an indirect parameter, where a test gives one."""
     return InferenceSettings(
         redis=RedisSettings(url=redis_url),
         store=StoreSettings(root=tmp_path / "store"),
         engine=EngineSettings(url=engine_url, model=str(tiny_model), max_lora_rank=64, max_loaded_adapters=64,
                               unload_timeout_s=10),
-        controller=ControllerSettings(block_ms=50, keep_versions=2),
+        controller=ControllerSettings(block_ms=50, keep_versions=2, check_inline=getattr(request, "param", None)),
     )
 
 
@@ -132,10 +135,15 @@ async def start(
 
 
 # tests ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("settings", [None, False], ids=["checks-where-the-store-says", "checks-in-a-thread"],
+                         indirect=True)
 async def test_ready_event_loads_switches_alias_and_announces(
-    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: TransformersEngine, tiny_model: Path
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: TransformersEngine, tiny_model: Path,
+    settings: InferenceSettings,
 ) -> None:
     controller = await start()
+    inline = settings.controller.check_inline
+    assert controller.loader.inline_checks is (is_local(store.root) if inline is None else inline)
     registry, events = Registry(redis_conn), EventStream(redis_conn)
     assert controller.table.resolve(run).version == 0  # a known run with no version: the base model
 
@@ -148,7 +156,8 @@ async def test_ready_event_loads_switches_alias_and_announces(
     assert loaded.data["adapter"] == f"{run}-v1" and loaded.data["step"] == 1
     assert loaded.data["load_ms"] > 0 and loaded.data["ready_to_loaded_ms"] >= loaded.data["load_ms"]
     stages = loaded.data["stages_ms"]  # the sync path's stages, each timed on its own
-    assert all(stages[k] > 0 for k in ("check", "attempt", "verify")) and stages["room"] >= 0
+    assert all(stages[k] > 0 for k in ("check", "check_work", "attempt", "verify")) and stages["room"] >= 0
+    assert stages["check_work"] <= stages["check"]  # the checks themselves, inside the stage
     assert stages["load_and_verify"] >= max(loaded.data["load_ms"], stages["verify"])
     assert stages["check"] + stages["attempt"] + stages["load_and_verify"] <= loaded.data["ready_to_loaded_ms"]
     # the event's read before the checks, the agreement after the load: the stages follow one another
@@ -173,15 +182,17 @@ async def test_ready_event_loads_switches_alias_and_announces(
     assert "tandem_adapter_load_seconds_count 1.0" in metrics
 
 
+@pytest.mark.parametrize("settings", [True, False], ids=["checks-on-the-loop", "checks-in-a-thread"], indirect=True)
 async def test_a_failed_look_at_the_engines_adapters_beside_the_checks_costs_only_a_second_look(
     run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: TransformersEngine, tiny_model: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, settings: InferenceSettings,
 ) -> None:
-    """The loader asks for the engine's adapters while it checks the files; when that call fails,
-    the slots ask again and the version loads. A version that fails its checks cancels its look
-    (a hung engine holds up no rejection), and the next version's first attempt keeps the plain
-    name."""
+    """Where the ledger of the engine's adapters is not known, the loader asks for them while it
+    checks the files; when that call fails, the slots ask again and the version loads. A version
+    that fails its checks cancels its look (a hung engine holds up no rejection; checked on the
+    loop, the look never began), and the next version's first attempt keeps the plain name."""
     controller = await start()
+    controller.loader.ledger.lost()  # as after a load of unknown outcome: the next load looks
     registry, events = Registry(redis_conn), EventStream(redis_conn)
     real, calls, cancelled = engine.loaded_adapters, [0], [0]
     hang = asyncio.Event()  # set: the engine hangs on this call (never answers)
@@ -207,14 +218,43 @@ async def test_a_failed_look_at_the_engines_adapters_beside_the_checks_costs_onl
     bad = publish(store, registry, tiny_model, run, 2)
     (store.adapter_dir(run, 2) / "adapter_config.json").write_text("{not json")
     hang.set()
+    asked = calls[0]
+    controller.loader.ledger.lost()
     announce(events, store, bad)
     await wait_until(lambda: events_of(events, EventKind.ADAPTER_REJECTED, run), what="adapter_rejected")
-    await wait_until(lambda: cancelled[0] >= 1, timeout_s=5, what="the rejected version's look cancelled")
+    if settings.controller.check_inline:
+        assert calls[0] == asked and not cancelled[0]  # refused before the loop ran the look at all
+    else:
+        await wait_until(lambda: cancelled[0] >= 1, timeout_s=5, what="the rejected version's look cancelled")
     hang.clear()
     good = publish(store, registry, tiny_model, run, 3)
     announce(events, store, good)
     await wait_until(lambda: controller.table.serving(run) == 3, what="v3 serving")
     assert controller.table.resolve(run).adapter == f"{run}-v3"
+
+
+async def test_a_known_ledger_of_the_engines_adapters_spares_the_look_on_the_way_to_serving(
+    run: str, start, redis_conn: redis.Redis, store: AdapterStore, engine: TransformersEngine, tiny_model: Path,
+) -> None:
+    """Once the reconcile has read the engine's list, every load and unload keeps the ledger
+    (tandem_inference.controller.ledger): a version finds room in it and loads without asking the
+    engine for its adapters, and the ledger stays what the engine holds. Unknown again (a load or
+    unload of unknown outcome), the next load asks."""
+    controller = await start()
+    registry, events = Registry(redis_conn), EventStream(redis_conn)
+    for version in (1, 2, 3):  # keep_versions=2: v1 is unloaded on the way
+        announce(events, store, publish(store, registry, tiny_model, run, version))
+        await wait_until(lambda v=version: controller.table.serving(run) == v, what=f"v{version} serving")
+    stages = [e.data["stages_ms"] for e in events_of(events, EventKind.ADAPTER_LOADED, run)]
+    assert len(stages) == 3 and not any("look" in s for s in stages)
+    await wait_until(lambda: f"{run}-v1" not in (controller.loader.ledger.names or {}), what="v1 unloaded")
+    assert controller.loader.ledger.names == await engine.loaded_adapters()
+
+    controller.loader.ledger.lost()
+    announce(events, store, publish(store, registry, tiny_model, run, 4))
+    await wait_until(lambda: controller.table.serving(run) == 4, what="v4 serving")
+    assert "look" in events_of(events, EventKind.ADAPTER_LOADED, run)[-1].data["stages_ms"]
+    assert controller.loader.ledger.names == await engine.loaded_adapters()
 
 
 async def test_restart_resumes_from_cursor_and_reconciles(

@@ -121,8 +121,9 @@ def test_first_job_publishes_v1(trainer: Trainer, run: RunSpec, store: AdapterSt
     assert event.data["published_at"] == pytest.approx(result.published_at)
     # the stages between the optimizer step and the version in place, which together make it up
     stages = event.data["stages_ms"]
-    assert set(stages) == {"stage", "copy", "prepare", "write", "rename"}
+    assert set(stages) == {"stage", "copy", "prepare", "write", "hash", "weights", "config", "rename"}
     assert 0 < stages["copy"] <= stages["stage"] and stages["prepare"] >= 0
+    assert 0 < stages["hash"] + stages["weights"] + stages["config"] <= stages["write"]  # its parts, inside it
     whole = (event.data["published_at"] - event.data["stepped_at"]) * 1000
     parts = stages["stage"] + stages["prepare"] + stages["write"] + stages["rename"]
     assert parts == pytest.approx(whole, abs=1.0)

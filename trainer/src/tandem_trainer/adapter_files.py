@@ -147,6 +147,9 @@ class StagedAdapter:
     copy_ms: float
     """Device -> host, synchronised: the time the stage took."""
     metadata: dict[str, str] = field(default_factory=lambda: {"format": "pt"})
+    write_ms: dict[str, float] = field(default_factory=dict)
+    """The last `write`'s parts: `hash` (the weights' checksum), `weights` (their file opened or
+    linked, written, closed), `config` (adapter_config.json written and hashed)."""
 
     @property
     def nbytes(self) -> int:
@@ -156,15 +159,17 @@ class StagedAdapter:
         """Write adapter_model.safetensors (over `blank`, when given) and adapter_config.json into
         `adapter_dir`; returns their checksums (`CHECKSUM`) by path relative to the version
         directory. Raises CheckpointError naming the directory when it cannot be written."""
+        self.write_ms = {}
         try:
-            digest = write_safetensors(adapter_dir / ADAPTER_WEIGHTS, self.tensors, self.metadata, blank=blank)
+            digest = write_safetensors(adapter_dir / ADAPTER_WEIGHTS, self.tensors, self.metadata, blank=blank,
+                                       clock=self.write_ms)
+            t0 = time.perf_counter()
             copy.deepcopy(self.config).save_pretrained(str(adapter_dir))
+            config_digest = file_checksum(adapter_dir / ADAPTER_CONFIG, CHECKSUM)
+            self.write_ms["config"] = (time.perf_counter() - t0) * 1000
         except OSError as exc:
             raise CheckpointError(f"cannot write the adapter to {adapter_dir}: {exc}") from exc
-        return {
-            f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}": digest,
-            f"{ADAPTER_DIR}/{ADAPTER_CONFIG}": file_checksum(adapter_dir / ADAPTER_CONFIG, CHECKSUM),
-        }
+        return {f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}": digest, f"{ADAPTER_DIR}/{ADAPTER_CONFIG}": config_digest}
 
 
 def safetensors_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
@@ -184,11 +189,14 @@ def safetensors_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[st
 
 
 def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor],
-                      metadata: Mapping[str, str] | None = None, *, blank: Blank | None = None) -> str:
+                      metadata: Mapping[str, str] | None = None, *, blank: Blank | None = None,
+                      clock: dict[str, float] | None = None) -> str:
     """Write `tensors` (contiguous, on the CPU) as a safetensors file; returns the file's
     checksum (`CHECKSUM`), computed from the bytes as they are written. With `blank` the file
     is the blank, linked at `path` and written over (cut to size when the blank was longer); a
-    blank that cannot be linked there is closed and a new file written. Raises OSError."""
+    blank that cannot be linked there is closed and a new file written. `clock`, when given,
+    gets the ms of `hash` and of `weights` (the file opened or linked, written, closed).
+    Raises OSError."""
     for name, tensor in tensors.items():
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise CheckpointError(f"tensor {name!r} must be contiguous on the CPU to be written (it is on "
@@ -196,10 +204,12 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor],
     head = safetensors_header(tensors, metadata)
     views = [memoryview(head)]
     views += [memoryview(t.reshape(-1).view(torch.uint8).numpy().data) for t in tensors.values() if t.numel()]
+    t0 = time.perf_counter()
     hasher = new_hasher(CHECKSUM)
     for data in views:
         hasher.update(data)
     size = sum(len(v) for v in views)
+    t1 = time.perf_counter()
     fd = blank.claim(path) if blank is not None else None
     longer = fd is not None and blank is not None and blank.size > size
     if fd is None:
@@ -210,6 +220,8 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor],
             os.ftruncate(fd, size)
     finally:
         os.close(fd)
+    if clock is not None:
+        clock["hash"], clock["weights"] = (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000
     return str(hasher.hexdigest())
 
 

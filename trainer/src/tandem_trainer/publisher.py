@@ -82,7 +82,8 @@ class Publisher:
 
         The announcement's stages: `stage` (the adapter into host memory, `stage_ms`; `copy` is its
         device copy), `prepare` (the rest between the optimizer step and the first byte written:
-        the step's statistics, the manifest, clearing stale staging directories), `write`, `rename`.
+        the step's statistics, the manifest, clearing stale staging directories), `write` (its
+        parts inside: `hash`, `weights`, `config`, StagedAdapter.write_ms), `rename`.
         """
         removed = self.store.remove_stale_staging(job.run)
         if removed:
@@ -105,7 +106,7 @@ class Publisher:
         published_at = time.time()
         t2 = time.perf_counter()
         stages = {"stage": stage_ms, "copy": adapter.copy_ms, "prepare": max(0.0, before_ms - stage_ms),
-                  "write": (t1 - t0) * 1000, "rename": (t2 - t1) * 1000}
+                  "write": (t1 - t0) * 1000, **adapter.write_ms, "rename": (t2 - t1) * 1000}
         self.announce(manifest, published_at=published_at, stepped_at=stepped_at, stages_ms=stages)
         failpoints.hit("after_announce")
         t3 = time.perf_counter()

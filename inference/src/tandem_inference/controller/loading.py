@@ -26,6 +26,7 @@ from pathlib import Path
 
 from tandem.adapters import ADAPTER_DIR, AdapterStore, Manifest
 from tandem.errors import AdapterNotVisible, AdapterRejected
+from tandem.mounts import filesystem_type, is_local
 from tandem.registry import Registry
 from tandem.runs import adapter_name, parse_adapter_name
 from tandem.settings import InferenceSettings
@@ -110,6 +111,14 @@ class AdapterLoader:
         self._max_rank: int | None = None
         self.slots: Slots | None = None
         """Makes room before each load (set by the controller); None: the engine's refusal stands."""
+        self.ledger = unloader.ledger
+        """The engine's adapters between looks, kept with each load (tandem_inference.controller.ledger)."""
+        inline = settings.controller.check_inline
+        self.inline_checks = is_local(store.root) if inline is None else inline
+        """Whether a version's files are checked on the event loop (`controller.check_inline`)."""
+        log.info("a new version's files are checked %s (controller.check_inline=%s; the store %s is on %s)",
+                 "on the event loop" if self.inline_checks else "in a thread", inline, store.root,
+                 filesystem_type(store.root) or "an unknown filesystem")
 
     async def load(
         self, run: str, version: int, *, path: str | None = None, ready_ts: float | None = None,
@@ -128,12 +137,19 @@ class AdapterLoader:
         # adapter_ready -> here: the event through Redis, the controller's read of it, the wait for
         # its lock and for the events before it in the page; by two clocks (trainer's, controller's)
         read_ms = (time.time() - event_ts) * 1000 if event_ts is not None else None
-        # the engine's list of adapters (for room) is asked for while the files are checked: it
-        # is on the path only for as long as it outlasts the checks and the attempt's number
-        look = asyncio.create_task(self.engine.loaded_adapters()) if self.slots is not None else None
+        # room is judged by the ledger of the engine's adapters (controller.ledger); where it is not
+        # known, the engine's list is asked for while the files are checked: it is on the path only
+        # for as long as it outlasts the checks and the attempt's number
+        known = self.ledger.names if self.slots is not None and not self.pending else None  # a late load may land
+        looked: dict[str, float] = {}
+        look = (asyncio.create_task(self._timed_look(looked)) if self.slots is not None and known is None
+                else None)
         try:
             max_rank = await self._max_lora_rank()
-            adapter_dir = await asyncio.to_thread(self._check, run, version, path, max_rank)
+            if self.inline_checks:
+                adapter_dir, check_ms = self._timed_check(run, version, path, max_rank)
+            else:
+                adapter_dir, check_ms = await asyncio.to_thread(self._timed_check, run, version, path, max_rank)
             t_files = time.monotonic()
             # counted only for a version that passed its checks: its first attempt is `<run>-v<N>`
             attempt = await asyncio.to_thread(self.announcer.next_attempt, run, version)
@@ -152,8 +168,13 @@ class AdapterLoader:
         refused: AdapterLoadRefused | None = None
         room_ms = 0.0
         try:
-            room_ms = await self._make_room(name, look)
-            load_ms = await self.engine.load_adapter(name, str(adapter_dir))
+            room_ms = await self._make_room(name, look, known)
+            try:
+                load_ms = await self.engine.load_adapter(name, str(adapter_dir))
+            except BaseException:
+                self.ledger.lost()  # refused, timed out, failed: what the engine holds is read again
+                raise
+            self.ledger.loaded(name, str(adapter_dir))
         except AdapterLoadRefused as exc:
             load_ms, refused = 0.0, exc
         except EngineTimeout as exc:
@@ -190,8 +211,10 @@ class AdapterLoader:
         self.metrics.loads.labels(run).inc()
         self.metrics.load_seconds.observe(load_ms / 1000.0)
         ready_to_loaded_ms = (time.time() - ready_ts) * 1000.0 if ready_ts is not None else None
-        stages = {"check": (t_files - t0) * 1000, "attempt": (t_checked - t_files) * 1000, "room": room_ms,
+        stages = {"check": (t_files - t0) * 1000, "check_work": check_ms, "attempt": (t_checked - t_files) * 1000,
+                  "room": room_ms,
                   "verify": verify_ms, "load_and_verify": (t_both - t_checked) * 1000}
+        stages.update(looked)
         if read_ms is not None:
             stages["read"] = read_ms  # negative when the controller's clock is behind the trainer's
         if hold is not None:
@@ -276,8 +299,10 @@ class AdapterLoader:
             self.pending.clear()
 
     def forget_engine(self) -> None:
-        """The engine restarted: its limits are read again and no timed-out load completes there."""
+        """The engine restarted: its limits and adapters are read again and no timed-out load
+        completes there."""
         self._max_rank = None
+        self.ledger.lost()
         self.forget_pending("the engine restarted")
 
     def forget_old_pending(self) -> None:
@@ -302,6 +327,10 @@ class AdapterLoader:
             )
         return self.store.adapter_dir(run, version)
 
+    def _timed_check(self, run: str, version: int, path: str | None, max_rank: int) -> tuple[Path, float]:
+        t0 = time.perf_counter()
+        return self._check(run, version, path, max_rank), (time.perf_counter() - t0) * 1000
+
     def _timed_verify(self, run: str, version: int) -> tuple[Manifest, float]:
         t0 = time.perf_counter()
         return self._verify(run, version), (time.perf_counter() - t0) * 1000
@@ -315,15 +344,28 @@ class AdapterLoader:
         except Exception as exc:  # noqa: BLE001 - unverified files must never serve
             raise AdapterRejected(f"{run} v{version}: its checksums could not be checked: {exc!r}") from exc
 
-    async def _make_room(self, name: str, look: asyncio.Task[dict[str, str]] | None) -> float:
+    async def _timed_look(self, clock: dict[str, float]) -> dict[str, str]:
+        """The engine's adapters, into the ledger; `clock["look"]`: the ms from the call's start
+        to its answer read."""
+        t0 = time.monotonic()
+        asked = self.ledger.asking()
+        try:
+            names = await self.engine.loaded_adapters()
+        finally:
+            clock["look"] = (time.monotonic() - t0) * 1000
+        self.ledger.seen(names, asked)
+        return names
+
+    async def _make_room(self, name: str, look: asyncio.Task[dict[str, str]] | None,
+                         known: dict[str, str] | None) -> float:
         """Room in the engine for one more adapter (tandem_inference.controller.slots: retired
         versions, then the least recently used adapters no request holds, are unloaded; while
         every slot serves a request it waits, up to `controller.slot_wait_s`, then raises
-        Overloaded). `look`: the engine's adapters, asked for beside the checks (when it failed,
-        the slots ask again). Returns the ms it took."""
+        Overloaded). `known`: the engine's adapters by the ledger; else `look`: asked for beside
+        the checks (when it failed, the slots ask again). Returns the ms it took."""
         t0 = time.monotonic()
         if self.slots is not None:
-            (seen,) = await asyncio.gather(look, return_exceptions=True) if look is not None else (None,)
+            (seen,) = await asyncio.gather(look, return_exceptions=True) if look is not None else (known,)
             names = None if isinstance(seen, BaseException) else seen
             for touched in await self.slots.make_room(name, names):
                 if self.table.has_run(touched):
@@ -354,8 +396,11 @@ class AdapterLoader:
         try:
             await self.engine.unload_adapter(name)
         except EngineClientError as exc:
+            self.ledger.lost()
             log.warning("unloading %s after failed checksums failed too (%s); retrying later", name, exc)
             self.unloader.add(name, run, version, routed=False)
+            return
+        self.ledger.unloaded(name)
 
 
 async def _dropped(task: asyncio.Task[dict[str, str]] | None) -> None:

@@ -63,6 +63,8 @@ class Slots:
     def __init__(self, engine: Engine, table: RoutingTable, unloader: Unloader, *, limit: int, wait_s: float,
                  evictions: Counter, run_limit: int | None = None) -> None:
         self.engine = engine
+        self.ledger = unloader.ledger
+        """The engine's adapters between looks, kept with the unloader's unloads and the loads."""
         self.table = table
         self.unloader = unloader
         self.limit = limit
@@ -160,7 +162,10 @@ class Slots:
     async def _count(self, run: str | None) -> int:
         """Adapters the engine holds (its own list: strays and retired ones take slots too), or,
         with `run`, those of that run."""
-        return _held(await self.engine.loaded_adapters(), run)
+        asked = self.ledger.asking()
+        names = await self.engine.loaded_adapters()
+        self.ledger.seen(names, asked)
+        return _held(names, run)
 
     def _drain(self, for_adapter: str, *, run: str | None = None) -> bool:
         """Drain the least recently used adapter (of `run` only, when given) for `for_adapter`:
@@ -187,9 +192,11 @@ class Slots:
         try:
             await self.engine.unload_adapter(name)
         except EngineClientError as exc:
+            self.ledger.lost()
             log.warning("evicting %s failed (%s); the unloader retries it", name, exc)
             self.unloader.add(name, run, version, routed=False)
             return
+        self.ledger.unloaded(name)
         self.evictions.labels(run).inc()
         log.info("adapter_evict end run=%s version=%d adapter=%s duration_ms=%.1f (least recently used, idle)",
                  run, version, name, (time.monotonic() - t0) * 1000)

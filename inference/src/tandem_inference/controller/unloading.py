@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from prometheus_client import Counter
 
 from tandem.runs import adapter_name
+from tandem_inference.controller.ledger import Ledger
 from tandem_inference.engines.base import Engine
 from tandem_inference.errors import EngineClientError, EngineResponseError
 from tandem_inference.routing import RoutingTable
@@ -58,6 +59,8 @@ class Unloader:
         """Counter of unload attempts, labelled run and outcome."""
         self.restart_engine = restart_engine
         self.queued: dict[str, Retiring] = {}
+        self.ledger = Ledger()
+        """The engine's adapters between looks (tandem_inference.controller.slots), kept with each unload."""
 
     def add(self, name: str, run: str, version: int, *, routed: bool) -> None:
         """Queue `name` (a version of `run`) for unloading; queuing it twice changes nothing."""
@@ -101,11 +104,13 @@ class Unloader:
             try:
                 await self.engine.unload_adapter(name)
             except EngineClientError as exc:
+                self.ledger.lost()
                 if isinstance(exc, EngineResponseError) and await self._gone(name):
                     log.info("%s was no longer loaded in the engine (%s)", name, exc)
                 else:
                     await self._failed(name, state, exc)
                     continue
+            self.ledger.unloaded(name)
             self.queued.pop(name, None)  # a concurrent call (making room for a load) may have unloaded it too
             touched.add(run)
             self.unloads.labels(run, "ok").inc()
