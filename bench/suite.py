@@ -131,6 +131,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--blank-adapter-file", choices=["on", "off"], default="on",
                    help="backend.blank_adapter_file (default on, as shipped): each version's weights are written over "
                         "a file of zeros the trainer wrote after the last version, off the path; off: into a new file")
+    p.add_argument("--check-inline", choices=["auto", "on", "off"], default="auto",
+                   help="controller.check_inline (default auto, as shipped: the store's checks on the event loop "
+                        "where the store is on a local filesystem); off: in a thread")
     p.add_argument("--engine-slots", type=int, default=MAX_LOADED_ADAPTERS,
                    help=f"engine.max_loaded_adapters of the suite's stack (default {MAX_LOADED_ADAPTERS}; "
                         "8, the shipped default, makes the density scenario's runs share 8 slots)")
@@ -211,6 +214,8 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
     }
     env["TANDEM_BACKEND__GATHER_ADAPTER_COPY"] = "true" if args.gather_adapter_copy == "on" else "false"
     env["TANDEM_BACKEND__BLANK_ADAPTER_FILE"] = "true" if args.blank_adapter_file == "on" else "false"
+    if args.check_inline != "auto":
+        env["TANDEM_CONTROLLER__CHECK_INLINE"] = "true" if args.check_inline == "on" else "false"
     if args.engine == "sglang":
         env["TANDEM_ENGINE__EAGER_ADAPTER_SLOT"] = "true" if args.eager_adapter_slot == "on" else "false"
         env["TANDEM_ENGINE__PREFILL_GRAPHS_FROM_ONE_TOKEN"] = (

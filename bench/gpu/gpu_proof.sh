@@ -55,6 +55,8 @@
 # GATHER=0 (suite) switches backend.gather_adapter_copy off (on by default: the trainer's copy in one transfer).
 # BLANK=0 (suite) switches backend.blank_adapter_file off (on by default: each version's weights written over
 # a file of zeros the trainer wrote before, off the path).
+# INLINE=0 (suite) checks a new version's files in a thread (controller.check_inline off; as shipped they are
+# checked on the controller's event loop where the store is on a local filesystem).
 # KERNELS=bench (check, suite) pins SGLang's triton attention and PyTorch sampling instead of the shipped
 # kernels (a lever to measure beside them).
 # ENGINE=sglang (default) or vllm; ENVS, as bench/gpu/gpu_env.sh reads it, adds vLLM's environment;
@@ -193,7 +195,8 @@ suite)
     $([ "${EAGER:-1}" = 0 ] && echo --eager-adapter-slot off) \
     $([ "${SMALL_PREFILL:-1}" = 0 ] && echo --prefill-graphs-from-one-token off) \
     $([ "${GATHER:-1}" = 0 ] && echo --gather-adapter-copy off) \
-    $([ "${BLANK:-1}" = 0 ] && echo --blank-adapter-file off) --out /tmp/suite --state /tmp/suite-state \
+    $([ "${BLANK:-1}" = 0 ] && echo --blank-adapter-file off) $([ "${INLINE:-1}" = 0 ] && echo --check-inline off) \
+    --out /tmp/suite --state /tmp/suite-state \
     >/tmp/suite.log 2>&1
   echo "suite: exit $? after $((SECONDS - t0)) s"
   tail -50 /tmp/suite.log
