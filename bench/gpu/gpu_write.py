@@ -11,6 +11,9 @@ stages them:
 - `mmap-N`: the file sized first, mapped, and its byte ranges filled by N threads at once
   (PyTorch's copy lets go of the GIL), hashed from the same tensors by the calling thread
   meanwhile;
+- `whole`: tandem's write from the gathered copy (`backend.gather_adapter_copy`, on by default): the
+  tensors back to back in one host buffer in the file's order, written as the file's header and
+  that buffer's bytes, two buffers instead of one a tensor (HostBuffers.stage);
 - `blank`: tandem's write over a blank (`backend.blank_adapter_file`, on by default): the same
   `writev` into an unnamed file of zeros written before the clock starts, as the trainer
   writes one between versions (trainer/src/tandem_trainer/blanks.py).
@@ -128,6 +131,11 @@ def measure(shape: str, parent: str, counts: list[int], pool: ThreadPoolExecutor
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     methods: dict[str, Callable[[Path], str]] = {"writev": partial(write_safetensors, tensors=tensors, metadata=METADATA)}
     methods |= {f"mmap-{n}": partial(mmap_write, tensors=tensors, pool=pool, threads=n) for n in counts}
+    flat = torch.cat([t.reshape(-1) for t in tensors.values()])
+    views = dict(zip(tensors, torch.split(flat, [t.numel() for t in tensors.values()]), strict=True))
+    views = {name: view.view(tensors[name].shape) for name, view in views.items()}
+    methods["whole"] = partial(write_safetensors, tensors=views, metadata=METADATA,
+                               header=safetensors_header(views, METADATA), data=flat.view(torch.uint8).numpy().data)
     methods["blank"] = partial(blank_write, tensors=tensors)
     rows = []
     with tempfile.TemporaryDirectory(dir=parent) as tmp:

@@ -43,7 +43,10 @@ duration of the request that first came back from the new version; a prober star
 requests when `adapter_ready` appears and stops when the new version answers). The probe's wait,
 loaded -> served minus the first forward (0 when that request started before `adapter_loaded`
 was appended, after the switch), is shown beside it: the prober's request in flight at the
-switch went to the old version, so the first the new version answers may start later. The floor is what the
+switch went to the old version, so the first the new version answers may start later. So is
+`overhead_to_loaded`, step -> `adapter_loaded` minus the engine's load: the overhead without
+the probe's wait (a request sent when `adapter_ready` appeared that reaches the engine after
+the load began waits behind it, and answers from the old version after the switch). The floor is what the
 same bytes cost without tandem: write the adapter file (fsync), read it back, and copy its
 tensors to the engine's device.
 """
@@ -186,6 +189,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
             row["overhead_ms"] = row["step_to_served_ms"] - (row["engine_load_ms"] or 0) - row["first_forward_ms"]
         else:
             row["probe_wait_ms"] = row["overhead_ms"] = None
+        if stepped:
+            row["overhead_to_loaded_ms"] = (ld.ts - stepped) * 1000 - (row["engine_load_ms"] or 0)
         adapter = store / run.name / f"v{v:06d}" / "adapter"
         row["floor_ms"] = floor_ms(adapter, ctx.device) if adapter.is_dir() else None
         row["adapter_bytes"] = sum(p.stat().st_size for p in adapter.glob("*")) if adapter.is_dir() else None
@@ -198,7 +203,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
             "verify_ms",
             "agree_ms",
             "loaded_to_served_ms", "probe_wait_ms", "first_forward_ms",
-            "step_to_served_ms", "publish_to_served_ms", "overhead_ms", "floor_ms"]
+            "step_to_served_ms", "publish_to_served_ms", "overhead_ms", "overhead_to_loaded_ms", "floor_ms"]
     stages = {k: summary([r[k] for r in steady if r.get(k) is not None]) for k in keys
               if any(r.get(k) is not None for r in steady)}
     overhead = stages["overhead_ms"]["p50"]

@@ -99,6 +99,31 @@ def test_with_gather_tensors_of_two_dtypes_each_keep_a_buffer_of_their_own() -> 
     assert all(torch.equal(again[k], v.to(torch.bfloat16)) for k, v in lora_tensors(6).items())
 
 
+def test_from_one_buffer_the_file_is_written_whole_and_the_same_byte_for_byte(tmp_path: Path) -> None:
+    """Staged from the flat buffer (gather), the file goes out as its header and the buffer's bytes,
+    not a tensor at a time: the same file, the same checksum. The header is made once a layout
+    and again when the layout changes (another rank)."""
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], base_model_name_or_path="base")
+    host = HostBuffers(torch.device("cpu"), gather=True)
+    files = {}
+    for name, gather, seed, rank in [("each", False, 1, 4), ("flat", True, 1, 4), ("again", True, 2, 4),
+                                     ("rank8", True, 3, 8)]:
+        staged = (host if gather else HostBuffers(torch.device("cpu"))).stage(
+            lora_tensors(seed, rank), torch.bfloat16, config)
+        assert (staged.data is not None) is gather
+        adapter = tmp_path / name
+        adapter.mkdir()
+        checksums = staged.write(adapter)
+        weights = adapter / "adapter_model.safetensors"
+        assert checksums["adapter/adapter_model.safetensors"] == file_checksum(weights)
+        back = load_file(weights)
+        assert all(torch.equal(back[k], v.to(torch.bfloat16)) for k, v in lora_tensors(seed, rank).items())
+        files[name] = (weights.read_bytes(), staged.header)
+    assert files["flat"][0] == files["each"][0]  # byte for byte the file written a tensor at a time
+    assert files["again"][1] is files["flat"][1]  # the same layout: the header made once
+    assert files["rank8"][1] != files["flat"][1]
+
+
 def test_the_staged_adapter_writes_what_peft_and_the_manifest_need(tmp_path: Path) -> None:
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], base_model_name_or_path="base")
     staged = HostBuffers(torch.device("cpu")).stage(lora_tensors(3), torch.bfloat16, config)
