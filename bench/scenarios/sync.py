@@ -12,7 +12,8 @@ gateway. The trainer reads its clocks after synchronising CUDA:
       prepare          the rest before the first byte is written: the step's statistics, the
                        manifest, clearing stale staging directories (inside step -> written)
       write            the files written from those buffers, with their checksums (inside)
-        hash           the weights' checksum, from the buffers (inside `write`)
+        hash           the weights' checksum, from the buffers, in a thread beside `weights`
+                       (inside `write`)
         weights        their file opened (or a blank linked), written and closed (inside `write`)
         config         adapter_config.json written and hashed (inside `write`; the rest of
                        `write` is the staging directory made and a blank taken)
@@ -27,11 +28,12 @@ gateway. The trainer reads its clocks after synchronising CUDA:
         check_work     the checks themselves (inside `check`; the rest, where they run in a
                        thread, is the hand-off to it and back to the event loop)
       attempt          the load attempt's number, from Redis, after the checks (inside)
-      room             making room in the engine (inside): its list of adapters is asked for
-                       beside the checks, so this is the wait past them, and any unloads if it
-                       is full (before 2026-11-30 the list was asked for here)
-        look           that list, from the call's start to its answer read (beside `check`
-                       and `attempt`, and `room` past them)
+      room             making room in the engine (inside): judged by the controller's ledger of
+                       the engine's adapters; where that is unknown, the engine's list is asked
+                       for beside the checks, and this is the wait past them; any unloads if it
+                       is full
+        look           that list, when asked, from the call's start to its answer read (beside
+                       `check` and `attempt`, and `room` past them)
       verify           the checksums, beside the engine's load (inside)
       agree            the version loaded and checked -> the alias switched: the replicas'
                        agreement, read from Redis (with no other replica, one read) (inside)

@@ -1071,6 +1071,31 @@ async def three_slot_controller(redis_conn: redis.Redis, settings: InferenceSett
                 await started.stop()
 
 
+async def test_an_adapter_the_ledger_missed_costs_a_second_try_not_a_rejection(
+    redis_conn: redis.Redis, settings: InferenceSettings, store: AdapterStore, tiny_model: Path
+) -> None:
+    """The ledger misses an adapter the controller did not load (here one loaded past it; in life a
+    load whose outcome it never saw, landed late): it shows room in a full engine, the engine
+    refuses the load, and the loader makes room from the engine's own list and loads again. The
+    version serves and nothing is rejected."""
+    registry, events = Registry(redis_conn), EventStream(redis_conn)
+    async with three_slot_controller(redis_conn, settings, store, tiny_model, "missed", reconcile_s=3600) as (
+            controller, engine, (a, b, c, _)):
+        await wait_until(lambda: controller.reconciled, what="reconcile")
+        for run in (a, b):
+            announce(events, store, publish(store, registry, tiny_model, run, 1))
+            await wait_until(lambda r=run: controller.table.serving(r) == 1, what=f"{run} v1")
+        await engine.load_adapter("loaded-past-tandem", str(store.adapter_dir(a, 1)))  # the engine is full now
+        assert len(controller.loader.ledger.names or {}) == 2
+
+        announce(events, store, publish(store, registry, tiny_model, c, 1))
+        await wait_until(lambda: controller.table.serving(c) == 1, what="c v1 serving")
+        assert not [e for e in events.history() if e.kind is EventKind.ADAPTER_REJECTED]
+        held = await engine.loaded_adapters()
+        assert f"{c}-v1" in held and len(held) == 3 and f"{a}-v1" not in held  # the least recently used made room
+        assert controller.loader.ledger.names == held
+
+
 async def test_a_full_engine_evicts_the_least_recently_used_idle_adapter_and_loads_on_demand(
     redis_conn: redis.Redis, settings: InferenceSettings, store: AdapterStore, tiny_model: Path
 ) -> None:

@@ -171,6 +171,41 @@ def test_a_symlink_anywhere_in_a_version_is_refused_before_checksums(tmp_path: P
         store.verify("r", 1)
 
 
+@pytest.mark.parametrize("what", ["run_dir", "version_dir", "adapter_dir", "weights_file", "manifest"])
+def test_a_version_with_a_symlink_anywhere_is_not_plain(tmp_path: Path, what: str) -> None:
+    """`plain` (whether `check` would touch only the store) finds each link without following it."""
+    store = AdapterStore(tmp_path / "store")
+    publish(store)
+    assert store.plain("r", 1) and store.plain("r", 1, path="r/v000001/adapter")
+    target = {
+        "run_dir": store.run_dir("r"),
+        "version_dir": store.version_dir("r", 1),
+        "adapter_dir": store.adapter_dir("r", 1),
+        "weights_file": store.adapter_dir("r", 1) / "adapter_model.safetensors",
+        "manifest": store.version_dir("r", 1) / "manifest.json",
+    }[what]
+    move_out(target, tmp_path / "outside")
+    assert not store.plain("r", 1)
+
+
+@pytest.mark.parametrize(("path", "plain"), [
+    ("r/v000001/adapter", True), ("r/v000001/../v000001/adapter/", True),
+    ("r/v000001", False), ("../elsewhere/r/v000001/adapter", False), ("/elsewhere/adapter", False),
+])
+def test_an_event_path_is_plain_only_where_it_names_the_adapter_directory_as_written(
+    tmp_path: Path, path: str, plain: bool
+) -> None:
+    store = AdapterStore(tmp_path)
+    publish(store)
+    assert store.plain("r", 1, path=path) is plain
+
+
+def test_a_missing_version_or_a_bad_run_name_is_not_plain(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path)
+    publish(store)
+    assert not store.plain("r", 2) and not store.plain("../r", 1) and not store.plain("nope", 1)
+
+
 def test_a_symlink_to_elsewhere_in_the_store_is_refused_too(tmp_path: Path) -> None:
     store = AdapterStore(tmp_path)
     publish(store, version=1, payload=b"one")

@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Iterator
@@ -347,6 +348,28 @@ class AdapterStore:
         if f"{ADAPTER_DIR}/adapter_config.json" not in manifest.files or not config.is_file():
             raise AdapterNotVisible(f"{run} v{version}: adapter/adapter_config.json is missing")
         return manifest
+
+    def plain(self, run: str, version: int, *, path: str | Path | None = None) -> bool:
+        """Whether `check` can run without touching anything outside the store: `path` (from an
+        event), taken as written, names the version's adapter directory, and neither the run's and
+        version's directories, nor the manifest, nor any entry of `adapter/` is a symlink. Found
+        without following a link or resolving a path. False where anything is missing or odd:
+        `check` then says why."""
+        try:
+            check_run_name(run)
+        except ValueError:
+            return False
+        vdir = self.root / run / f"v{version:06d}"
+        adapter = vdir / ADAPTER_DIR
+        if path is not None and os.path.normpath(self.root / path) != str(adapter):
+            return False
+        try:
+            if any(stat.S_ISLNK(os.lstat(p).st_mode) for p in (vdir.parent, vdir, adapter, vdir / MANIFEST)):
+                return False
+            with os.scandir(adapter) as entries:
+                return not any(entry.is_symlink() for entry in entries)
+        except (OSError, ValueError):
+            return False
 
     def verify(self, run: str, version: int, *, only: str | None = None) -> Manifest:
         """`check`, then the checksums of every file (under `only`) against the manifest.

@@ -25,6 +25,7 @@ import os
 import struct
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -210,12 +211,13 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor],
     checksum (`CHECKSUM`), computed from the bytes as they are written. With `blank` the file
     is the blank, linked at `path` and written over (cut to size when the blank was longer); a
     blank that cannot be linked there is closed and a new file written. `clock`, when given,
-    gets the ms of `hash` and of `weights` (the file opened or linked, written, closed).
+    gets the ms of `hash` (taken in a thread beside the write) and of `weights` (the file opened
+    or linked, written, closed).
     `header` and `data`, when given, are the file's header (`safetensors_header` of `tensors`)
     and all of `tensors`' bytes back to back in its order, written as they are (a 0.5B adapter's
     336 tensors cost milliseconds to look at one by one). Raises OSError."""
     if header is not None and data is not None:
-        size = int.from_bytes(header[:8], "little") + 8 + len(data)
+        size = len(header) + len(data)
         views = [memoryview(header), data]
     else:
         for name, tensor in tensors.items():
@@ -225,24 +227,47 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor],
         views = [memoryview(safetensors_header(tensors, metadata))]
         views += [memoryview(t.reshape(-1).view(torch.uint8).numpy().data) for t in tensors.values() if t.numel()]
         size = sum(len(v) for v in views)
+    # the checksum is taken in a thread while this one writes the same bytes: xxhash lets go of
+    # the interpreter's lock for buffers over 64 KiB, as the write does, so the two overlap
+    hashing = _hasher().submit(_timed_hash, list(views))  # its own list: the write shortens its views
+    t1 = time.perf_counter()
+    try:
+        fd = blank.claim(path) if blank is not None else None
+        longer = fd is not None and blank is not None and blank.size > size
+        if fd is None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, views)
+            if longer:
+                os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        t2 = time.perf_counter()
+    finally:
+        digest, hash_ms = hashing.result()  # never left reading buffers the caller may refill
+    if clock is not None:
+        clock["hash"], clock["weights"] = hash_ms, (t2 - t1) * 1000
+    return digest
+
+
+_HASHER: ThreadPoolExecutor | None = None
+
+
+def _hasher() -> ThreadPoolExecutor:
+    """The thread that takes a file's checksum beside its write (made on first use)."""
+    global _HASHER
+    if _HASHER is None:
+        _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-hash")
+    return _HASHER
+
+
+def _timed_hash(views: list[memoryview]) -> tuple[str, float]:
+    """The checksum (`CHECKSUM`) of `views` back to back, and the ms it took."""
     t0 = time.perf_counter()
     hasher = new_hasher(CHECKSUM)
     for view in views:
         hasher.update(view)
-    t1 = time.perf_counter()
-    fd = blank.claim(path) if blank is not None else None
-    longer = fd is not None and blank is not None and blank.size > size
-    if fd is None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        _write_all(fd, views)
-        if longer:
-            os.ftruncate(fd, size)
-    finally:
-        os.close(fd)
-    if clock is not None:
-        clock["hash"], clock["weights"] = (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000
-    return str(hasher.hexdigest())
+    return str(hasher.hexdigest()), (time.perf_counter() - t0) * 1000
 
 
 #: The most buffers one `writev` takes (the system's IOV_MAX; 1024 on Linux).

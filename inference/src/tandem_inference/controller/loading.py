@@ -146,7 +146,9 @@ class AdapterLoader:
                 else None)
         try:
             max_rank = await self._max_lora_rank()
-            if self.inline_checks:
+            # on the loop only what stays inside a local store: a link or an event's path that leads
+            # elsewhere (another mount, which may hang) is checked, and refused, in a thread
+            if self.inline_checks and self.store.plain(run, version, path=path):
                 adapter_dir, check_ms = self._timed_check(run, version, path, max_rank)
             else:
                 adapter_dir, check_ms = await asyncio.to_thread(self._timed_check, run, version, path, max_rank)
@@ -170,11 +172,17 @@ class AdapterLoader:
         try:
             room_ms = await self._make_room(name, look, known)
             try:
-                load_ms = await self.engine.load_adapter(name, str(adapter_dir))
-            except BaseException:
-                self.ledger.lost()  # refused, timed out, failed: what the engine holds is read again
-                raise
-            self.ledger.loaded(name, str(adapter_dir))
+                load_ms = await self._engine_load(name, adapter_dir)
+            except AdapterLoadRefused as exc:
+                if known is None:
+                    raise
+                # room was judged by the ledger, which may have missed an adapter (a load whose
+                # outcome was not seen landed since, or one made outside tandem): with room made
+                # from the engine's own list, the load is tried once more before it is refused
+                log.info("adapter_load refused run=%s version=%d adapter=%s (%s); making room from the engine's "
+                         "list and trying once more", run, version, name, exc)
+                room_ms += await self._make_room(name, None, None)
+                load_ms = await self._engine_load(name, adapter_dir)
         except AdapterLoadRefused as exc:
             load_ms, refused = 0.0, exc
         except EngineTimeout as exc:
@@ -343,6 +351,17 @@ class AdapterLoader:
             raise
         except Exception as exc:  # noqa: BLE001 - unverified files must never serve
             raise AdapterRejected(f"{run} v{version}: its checksums could not be checked: {exc!r}") from exc
+
+    async def _engine_load(self, name: str, adapter_dir: Path) -> float:
+        """The engine's load of `name`, kept in the ledger: any failure (a refusal, a timeout, a
+        cancelled call the engine may still complete) leaves the ledger unknown until the next list."""
+        try:
+            load_ms = await self.engine.load_adapter(name, str(adapter_dir))
+        except BaseException:
+            self.ledger.lost()
+            raise
+        self.ledger.loaded(name, str(adapter_dir))
+        return load_ms
 
     async def _timed_look(self, clock: dict[str, float]) -> dict[str, str]:
         """The engine's adapters, into the ledger; `clock["look"]`: the ms from the call's start

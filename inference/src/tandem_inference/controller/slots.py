@@ -82,15 +82,16 @@ class Slots:
     async def make_room(self, for_adapter: str, seen: Mapping[str, str] | None = None) -> set[str]:
         """Return once the engine holds fewer than `limit` adapters (and the adapter's run fewer than
         `run_limit`); returns the runs that lost one (their status is to be written). Overloaded
-        when no slot came free within `wait_s`. `seen`: the engine's adapters as it listed them
-        just before (beside the load's checks). A list with room for the adapter is enough; a
-        full one is not trusted (a slot may have come free since), so the engine is asked again
-        before anything is unloaded, and after anything is unloaded or waited for.
+        when no slot came free within `wait_s`. `seen`: the engine's adapters as the controller
+        knows them (its ledger, tandem_inference.controller.ledger, or the engine's list asked for
+        beside the load's checks). A list with room for the adapter is enough; a full one is not
+        trusted (a slot may have come free since), so the engine is asked again before anything
+        is unloaded, and after anything is unloaded or waited for.
 
-        Between that list and the load only a load that timed out earlier and completes late in
-        the engine can take a slot (every other load and unload goes through the controller);
-        the engine then refuses the load, as it would had the late one completed just after a
-        fresh count."""
+        A list with room may have missed an adapter that took a slot since it was read (a load
+        whose outcome the controller never saw, landing late; one made outside tandem): the engine
+        then refuses the load, and the loader makes room from the engine's own list and tries once
+        more (AdapterLoader.load)."""
         parsed = parse_adapter_name(for_adapter)
         if seen is not None and _held(seen, None) < self.limit and (
                 parsed is None or _held(seen, parsed[0]) < self.run_limit):

@@ -34,13 +34,16 @@ class ControllerSettings(BaseModel):
     flight (or waits to serve) the load waits, as for a free slot, up to `slot_wait_s`. It should be
     at least `keep_versions`, or the run's newest versions take turns in its slots."""
     check_inline: bool | None = None
-    """Whether the controller checks a new version's files (paths, no symlinks, the manifest's files:
-    a few metadata reads, well under a millisecond on a local disk) on its event loop, rather than in
-    a thread. A thread costs a hand-off there and back, and on a busy replica each waits behind the
-    gateway's requests; on a filesystem that can hang (NFS, SMB, a FUSE mount) it keeps the gateway
-    answering meanwhile. Unset: on the loop where the adapter store lies on a local filesystem (ext4,
-    xfs, btrfs, zfs, f2fs, tmpfs, overlay), in a thread anywhere else. The checksums, which read every
-    byte, always run in a thread, beside the engine's load."""
+    """Whether the controller checks a new version's files (paths confined, no symlinks, the
+    manifest's files; it reads the manifest and adapter_config.json: about 1-2 ms on a local disk) on
+    its event loop, rather than in a thread. In a thread the checks' many small system calls each wait
+    to take the interpreter's lock back from the event loop, which serves the gateway's requests
+    meanwhile (5.7 ms against 1.8 on a GPU host, docs/benchmarks.md); on a filesystem that can hang
+    (NFS, SMB, a FUSE mount) a thread keeps the gateway answering. Unset: on the loop where the adapter
+    store lies on a local filesystem (ext4, xfs, btrfs, zfs, f2fs, tmpfs, overlay), in a thread anywhere
+    else. Even on the loop, a version whose event path or files lead anywhere but plainly into the
+    store (a symlink, a path outside it) is checked, and refused, in a thread. The checksums, which
+    read every byte, always run in a thread, beside the engine's load."""
     reconcile_s: float = Field(5.0, gt=0, le=3600)
     """How often the controller reconciles with the registry and the engine, in seconds: it loads
     a registered version that was never announced, loads again what the engine lost and unloads
