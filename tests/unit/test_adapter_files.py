@@ -124,6 +124,17 @@ def test_from_one_buffer_the_file_is_written_whole_and_the_same_byte_for_byte(tm
     assert files["rank8"][1] != files["flat"][1]
 
 
+def test_a_write_that_fails_names_its_directory_while_the_checksum_beside_it_is_waited_for(tmp_path: Path) -> None:
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], base_model_name_or_path="base")
+    staged = HostBuffers(torch.device("cpu"), gather=True).stage(lora_tensors(3), torch.bfloat16, config)
+    with pytest.raises(CheckpointError, match="no-such-dir"):
+        staged.write(tmp_path / "no-such-dir" / "adapter")
+    adapter = tmp_path / "adapter"  # and the same buffers write whole afterwards
+    adapter.mkdir()
+    checksums = staged.write(adapter)
+    assert checksums["adapter/adapter_model.safetensors"] == file_checksum(adapter / "adapter_model.safetensors")
+
+
 def test_the_staged_adapter_writes_what_peft_and_the_manifest_need(tmp_path: Path) -> None:
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], base_model_name_or_path="base")
     staged = HostBuffers(torch.device("cpu")).stage(lora_tensors(3), torch.bfloat16, config)

@@ -147,6 +147,17 @@ def test_trainer_state_is_attached_whole_or_not_at_all(tmp_path: Path) -> None:
             pass
 
 
+def part_of_version(store: AdapterStore, what: str) -> Path:
+    """One part of run r's v1: its run, version or adapter directory, its weights or its manifest."""
+    return {
+        "run_dir": store.run_dir("r"),
+        "version_dir": store.version_dir("r", 1),
+        "adapter_dir": store.adapter_dir("r", 1),
+        "weights_file": store.adapter_dir("r", 1) / "adapter_model.safetensors",
+        "manifest": store.version_dir("r", 1) / "manifest.json",
+    }[what]
+
+
 def move_out(target: Path, outside: Path) -> None:
     """Replace `target` by a symlink to where it now lies, `outside`."""
     target.rename(outside)
@@ -157,13 +168,7 @@ def move_out(target: Path, outside: Path) -> None:
 def test_a_symlink_anywhere_in_a_version_is_refused_before_checksums(tmp_path: Path, what: str) -> None:
     store = AdapterStore(tmp_path / "store")
     publish(store)
-    target = {
-        "run_dir": store.run_dir("r"),
-        "version_dir": store.version_dir("r", 1),
-        "adapter_dir": store.adapter_dir("r", 1),
-        "weights_file": store.adapter_dir("r", 1) / "adapter_model.safetensors",
-        "manifest": store.version_dir("r", 1) / "manifest.json",
-    }[what]
+    target = part_of_version(store, what)
     move_out(target, tmp_path / "outside")
     with pytest.raises(AdapterRejected, match="outside the adapter store"):
         store.check("r", 1, only="adapter")
@@ -177,19 +182,14 @@ def test_a_version_with_a_symlink_anywhere_is_not_plain(tmp_path: Path, what: st
     store = AdapterStore(tmp_path / "store")
     publish(store)
     assert store.plain("r", 1) and store.plain("r", 1, path="r/v000001/adapter")
-    target = {
-        "run_dir": store.run_dir("r"),
-        "version_dir": store.version_dir("r", 1),
-        "adapter_dir": store.adapter_dir("r", 1),
-        "weights_file": store.adapter_dir("r", 1) / "adapter_model.safetensors",
-        "manifest": store.version_dir("r", 1) / "manifest.json",
-    }[what]
+    target = part_of_version(store, what)
     move_out(target, tmp_path / "outside")
     assert not store.plain("r", 1)
 
 
 @pytest.mark.parametrize(("path", "plain"), [
-    ("r/v000001/adapter", True), ("r/v000001/../v000001/adapter/", True),
+    ("r/v000001/adapter", True), ("./r/v000001/adapter/", True),
+    ("r/v000001/../v000001/adapter", False),  # `..` is resolved through links by check: not on the loop
     ("r/v000001", False), ("../elsewhere/r/v000001/adapter", False), ("/elsewhere/adapter", False),
 ])
 def test_an_event_path_is_plain_only_where_it_names_the_adapter_directory_as_written(
@@ -200,10 +200,12 @@ def test_an_event_path_is_plain_only_where_it_names_the_adapter_directory_as_wri
     assert store.plain("r", 1, path=path) is plain
 
 
-def test_a_missing_version_or_a_bad_run_name_is_not_plain(tmp_path: Path) -> None:
+def test_a_missing_version_a_bad_run_name_or_a_directory_in_adapter_is_not_plain(tmp_path: Path) -> None:
     store = AdapterStore(tmp_path)
     publish(store)
     assert not store.plain("r", 2) and not store.plain("../r", 1) and not store.plain("nope", 1)
+    (store.adapter_dir("r", 1) / "sub").mkdir()  # check walks into it: a link there is not looked for here
+    assert not store.plain("r", 1)
 
 
 def test_a_symlink_to_elsewhere_in_the_store_is_refused_too(tmp_path: Path) -> None:

@@ -351,23 +351,26 @@ class AdapterStore:
 
     def plain(self, run: str, version: int, *, path: str | Path | None = None) -> bool:
         """Whether `check` can run without touching anything outside the store: `path` (from an
-        event), taken as written, names the version's adapter directory, and neither the run's and
-        version's directories, nor the manifest, nor any entry of `adapter/` is a symlink. Found
-        without following a link or resolving a path. False where anything is missing or odd:
-        `check` then says why."""
+        event), as written and without `..`, names the version's adapter directory; the run's and
+        version's directories and the manifest are no symlinks and lie on the root's device; and
+        `adapter/` holds no symlink and no directory. Found without following a link or resolving
+        a path. False where anything is missing or odd: `check` then says why."""
         try:
             check_run_name(run)
         except ValueError:
             return False
         vdir = self.root / run / f"v{version:06d}"
         adapter = vdir / ADAPTER_DIR
-        if path is not None and os.path.normpath(self.root / path) != str(adapter):
+        if path is not None and (".." in PurePosixPath(path).parts or self.root / path != adapter):
             return False
         try:
-            if any(stat.S_ISLNK(os.lstat(p).st_mode) for p in (vdir.parent, vdir, adapter, vdir / MANIFEST)):
-                return False
+            device = os.lstat(self.root).st_dev
+            for part in (vdir.parent, vdir, adapter, vdir / MANIFEST):
+                st = os.lstat(part)
+                if stat.S_ISLNK(st.st_mode) or st.st_dev != device:
+                    return False
             with os.scandir(adapter) as entries:
-                return not any(entry.is_symlink() for entry in entries)
+                return not any(entry.is_symlink() or entry.is_dir(follow_symlinks=False) for entry in entries)
         except (OSError, ValueError):
             return False
 

@@ -53,8 +53,10 @@ def _device(path: Path) -> str | None:
     for candidate in (path, *path.parents):
         try:
             st_dev = os.stat(candidate).st_dev
-        except OSError:
+        except (FileNotFoundError, NotADirectoryError):
             continue
+        except OSError:  # a mount that answers with an error (a dead FUSE mount, a stale NFS handle)
+            return None
         return f"{os.major(st_dev)}:{os.minor(st_dev)}"
     return None
 

@@ -25,7 +25,7 @@ import os
 import struct
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -243,8 +243,10 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor],
         finally:
             os.close(fd)
         t2 = time.perf_counter()
-    finally:
-        digest, hash_ms = hashing.result()  # never left reading buffers the caller may refill
+    except BaseException:
+        wait([hashing])  # never left reading buffers the caller may refill; the write's error stands
+        raise
+    digest, hash_ms = hashing.result()
     if clock is not None:
         clock["hash"], clock["weights"] = hash_ms, (t2 - t1) * 1000
     return digest

@@ -169,23 +169,31 @@ class AdapterLoader:
         checksums = asyncio.create_task(asyncio.to_thread(self._timed_verify, run, version))
         refused: AdapterLoadRefused | None = None
         room_ms = 0.0
+        sent = False  # whether the load in flight went to the engine (a timeout then leaves it pending)
         try:
             room_ms = await self._make_room(name, look, known)
             try:
+                sent = True
                 load_ms = await self._engine_load(name, adapter_dir)
             except AdapterLoadRefused as exc:
-                if known is None:
+                sent = False
+                full = await self._engine_full(name) if self.slots is not None else None
+                if full is None:
                     raise
-                # room was judged by the ledger, which may have missed an adapter (a load whose
-                # outcome was not seen landed since, or one made outside tandem): with room made
-                # from the engine's own list, the load is tried once more before it is refused
-                log.info("adapter_load refused run=%s version=%d adapter=%s (%s); making room from the engine's "
-                         "list and trying once more", run, version, name, exc)
-                room_ms += await self._make_room(name, None, None)
+                # the list room was judged by (the ledger, or one read beside the checks) missed an
+                # adapter that took a slot since (a load whose outcome was not seen, landing late; one
+                # made outside tandem), and the engine's own list is full: room is made from it and
+                # the load tried once more before it is refused
+                log.info("adapter_load refused run=%s version=%d adapter=%s (%s) with the engine full; making "
+                         "room from its list and trying once more", run, version, name, exc)
+                room_ms += await self._make_room(name, None, full)
+                sent = True
                 load_ms = await self._engine_load(name, adapter_dir)
         except AdapterLoadRefused as exc:
             load_ms, refused = 0.0, exc
         except EngineTimeout as exc:
+            if not sent:  # a list of the engine's adapters timed out: the engine's trouble, not the version's
+                raise
             now = time.monotonic()
             retry_s = PENDING_LOAD_TIMEOUTS * self.settings.engine.load_timeout_s
             self.pending[name] = Pending(run, version, since=now, retry_after=now + retry_s)
@@ -362,6 +370,14 @@ class AdapterLoader:
             raise
         self.ledger.loaded(name, str(adapter_dir))
         return load_ms
+
+    async def _engine_full(self, name: str) -> dict[str, str] | None:
+        """The engine's adapters, read afresh (into the ledger), where they leave no room for
+        `name` (the engine's slots, or its run's); None where there is room."""
+        asked = self.ledger.asking()
+        names = await self.engine.loaded_adapters()
+        self.ledger.seen(names, asked)
+        return None if self.slots is None or self.slots.has_room(name, names) else names
 
     async def _timed_look(self, clock: dict[str, float]) -> dict[str, str]:
         """The engine's adapters, into the ledger; `clock["look"]`: the ms from the call's start

@@ -90,11 +90,10 @@ class Slots:
 
         A list with room may have missed an adapter that took a slot since it was read (a load
         whose outcome the controller never saw, landing late; one made outside tandem): the engine
-        then refuses the load, and the loader makes room from the engine's own list and tries once
-        more (AdapterLoader.load)."""
+        then refuses the load, and where its own list is full the loader makes room from it and
+        tries once more (AdapterLoader.load)."""
         parsed = parse_adapter_name(for_adapter)
-        if seen is not None and _held(seen, None) < self.limit and (
-                parsed is None or _held(seen, parsed[0]) < self.run_limit):
+        if seen is not None and self.has_room(for_adapter, seen):
             return set()  # room in the list: nothing to unload (a full list is asked for afresh below)
         deadline = time.monotonic() + self.wait_s
         drain_at = time.monotonic() + DRAIN_AFTER_S
@@ -102,6 +101,11 @@ class Slots:
         if parsed is not None and self.run_limit < self.limit:
             touched |= await self._room(for_adapter, parsed[0], deadline, drain_at)
         return touched | await self._room(for_adapter, None, deadline, drain_at)
+
+    def has_room(self, for_adapter: str, names: Mapping[str, str]) -> bool:
+        """Whether the engine holding `names` has a slot for `for_adapter`, within its run's quota."""
+        parsed = parse_adapter_name(for_adapter)
+        return _held(names, None) < self.limit and (parsed is None or _held(names, parsed[0]) < self.run_limit)
 
     async def _room(self, for_adapter: str, run: str | None, deadline: float, drain_at: float) -> set[str]:
         """Return once the engine holds fewer adapters than its slots, or, with `run`, the run fewer

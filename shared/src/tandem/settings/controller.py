@@ -42,8 +42,8 @@ class ControllerSettings(BaseModel):
     (NFS, SMB, a FUSE mount) a thread keeps the gateway answering. Unset: on the loop where the adapter
     store lies on a local filesystem (ext4, xfs, btrfs, zfs, f2fs, tmpfs, overlay), in a thread anywhere
     else. Even on the loop, a version whose event path or files lead anywhere but plainly into the
-    store (a symlink, a path outside it) is checked, and refused, in a thread. The checksums, which
-    read every byte, always run in a thread, beside the engine's load."""
+    store (a symlink, a `..` or a path outside it, another mount inside it) is checked in a thread.
+    The checksums, which read every byte, always run in a thread, beside the engine's load."""
     reconcile_s: float = Field(5.0, gt=0, le=3600)
     """How often the controller reconciles with the registry and the engine, in seconds: it loads
     a registered version that was never announced, loads again what the engine lost and unloads
