@@ -3,6 +3,10 @@ unloads since; unknown after a call of unknown outcome, or for a list that may p
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+
 from tandem_inference.controller.ledger import Ledger
 
 
@@ -45,3 +49,38 @@ def test_the_names_given_out_are_a_copy() -> None:
     assert names is not None
     names["x"] = "/x"
     assert ledger.names == {"a-v1": "/a"}
+
+
+class Engine:
+    """The engine's adapter calls (a unit test's network edge): a dict, or an error for each call."""
+
+    def __init__(self, held: dict[str, str], error: Exception | None = None) -> None:
+        self.held, self.error = held, error
+
+    async def loaded_adapters(self) -> dict[str, str]:
+        return dict(self.held)
+
+    async def load_adapter(self, name: str, path: str) -> float:
+        if self.error is not None:
+            raise self.error
+        self.held[name] = path
+        return 1.0
+
+    async def unload_adapter(self, name: str) -> None:
+        if self.error is not None:
+            raise self.error
+        del self.held[name]
+
+
+def test_the_engine_calls_through_the_ledger_keep_it_or_forget_it() -> None:
+    engine, ledger = Engine({"a-v1": "/a"}), Ledger()
+    assert asyncio.run(ledger.look(engine)) == {"a-v1": "/a"} == ledger.names  # type: ignore[arg-type]
+    asyncio.run(ledger.load(engine, "a-v2", "/a2"))  # type: ignore[arg-type]
+    asyncio.run(ledger.unload(engine, "a-v1"))  # type: ignore[arg-type]
+    assert ledger.names == engine.held == {"a-v2": "/a2"}
+    engine.error = TimeoutError("the engine did not answer")  # it may still complete the call
+    for call in (ledger.load(engine, "a-v3", "/a3"), ledger.unload(engine, "a-v2")):  # type: ignore[arg-type]
+        asyncio.run(ledger.look(engine))  # type: ignore[arg-type]
+        with pytest.raises(TimeoutError):
+            asyncio.run(call)
+        assert ledger.names is None

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandem_inference.engines.base import Engine
 
 
 class Ledger:
@@ -16,7 +20,8 @@ class Ledger:
 
     A load that finds room in it goes ahead without asking the engine first (the list is a round
     trip through the engine's HTTP server and the controller's event loop, on the path to serving);
-    a ledger that shows no room is not trusted, and the engine is asked (Slots.make_room)."""
+    a ledger that shows no room is not trusted, and the engine is asked (Slots.make_room). The
+    controller reaches the engine's adapters through `look`, `load` and `unload`, which keep it."""
 
     def __init__(self) -> None:
         self._names: dict[str, str] | None = None
@@ -44,6 +49,33 @@ class Ledger:
         self._changes += 1
         if self._names is not None:
             self._names.pop(name, None)
+
+    async def look(self, engine: Engine) -> dict[str, str]:
+        """The engine's adapters (name -> path), asked for now, and taken as the ledger."""
+        asked = self.asking()
+        names = await engine.loaded_adapters()
+        self.seen(names, asked)
+        return names
+
+    async def load(self, engine: Engine, name: str, path: str) -> float:
+        """The engine's load of `name` from `path` (its ms); any failure (a refusal, a timeout, a
+        cancelled call the engine may still complete) leaves the ledger unknown."""
+        try:
+            load_ms = await engine.load_adapter(name, path)
+        except BaseException:
+            self.lost()
+            raise
+        self.loaded(name, path)
+        return load_ms
+
+    async def unload(self, engine: Engine, name: str) -> None:
+        """The engine's unload of `name`; any failure leaves the ledger unknown."""
+        try:
+            await engine.unload_adapter(name)
+        except BaseException:
+            self.lost()
+            raise
+        self.unloaded(name)
 
     def lost(self) -> None:
         """A load or unload whose outcome is not known, or an engine that restarted."""

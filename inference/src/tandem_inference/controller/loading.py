@@ -174,7 +174,7 @@ class AdapterLoader:
             room_ms = await self._make_room(name, look, known)
             try:
                 sent = True
-                load_ms = await self._engine_load(name, adapter_dir)
+                load_ms = await self.ledger.load(self.engine, name, str(adapter_dir))
             except AdapterLoadRefused as exc:
                 sent = False
                 full = await self._engine_full(name) if self.slots is not None else None
@@ -188,7 +188,7 @@ class AdapterLoader:
                          "room from its list and trying once more", run, version, name, exc)
                 room_ms += await self._make_room(name, None, full)
                 sent = True
-                load_ms = await self._engine_load(name, adapter_dir)
+                load_ms = await self.ledger.load(self.engine, name, str(adapter_dir))
         except AdapterLoadRefused as exc:
             load_ms, refused = 0.0, exc
         except EngineTimeout as exc:
@@ -360,36 +360,20 @@ class AdapterLoader:
         except Exception as exc:  # noqa: BLE001 - unverified files must never serve
             raise AdapterRejected(f"{run} v{version}: its checksums could not be checked: {exc!r}") from exc
 
-    async def _engine_load(self, name: str, adapter_dir: Path) -> float:
-        """The engine's load of `name`, kept in the ledger: any failure (a refusal, a timeout, a
-        cancelled call the engine may still complete) leaves the ledger unknown until the next list."""
-        try:
-            load_ms = await self.engine.load_adapter(name, str(adapter_dir))
-        except BaseException:
-            self.ledger.lost()
-            raise
-        self.ledger.loaded(name, str(adapter_dir))
-        return load_ms
-
     async def _engine_full(self, name: str) -> dict[str, str] | None:
         """The engine's adapters, read afresh (into the ledger), where they leave no room for
         `name` (the engine's slots, or its run's); None where there is room."""
-        asked = self.ledger.asking()
-        names = await self.engine.loaded_adapters()
-        self.ledger.seen(names, asked)
+        names = await self.ledger.look(self.engine)
         return None if self.slots is None or self.slots.has_room(name, names) else names
 
     async def _timed_look(self, clock: dict[str, float]) -> dict[str, str]:
         """The engine's adapters, into the ledger; `clock["look"]`: the ms from the call's start
         to its answer read."""
         t0 = time.monotonic()
-        asked = self.ledger.asking()
         try:
-            names = await self.engine.loaded_adapters()
+            return await self.ledger.look(self.engine)
         finally:
             clock["look"] = (time.monotonic() - t0) * 1000
-        self.ledger.seen(names, asked)
-        return names
 
     async def _make_room(self, name: str, look: asyncio.Task[dict[str, str]] | None,
                          known: dict[str, str] | None) -> float:
@@ -429,13 +413,10 @@ class AdapterLoader:
         """Take back an adapter that is loaded but failed its checksums (it never served);
         if the engine refuses, the unload is retried with the retired versions."""
         try:
-            await self.engine.unload_adapter(name)
+            await self.ledger.unload(self.engine, name)
         except EngineClientError as exc:
-            self.ledger.lost()
             log.warning("unloading %s after failed checksums failed too (%s); retrying later", name, exc)
             self.unloader.add(name, run, version, routed=False)
-            return
-        self.ledger.unloaded(name)
 
 
 async def _dropped(task: asyncio.Task[dict[str, str]] | None) -> None:

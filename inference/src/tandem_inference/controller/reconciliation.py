@@ -115,9 +115,7 @@ class Reconciler:
         a newest version whose `adapter_ready` is already in the stream past it is left to that
         event (see `UnreadReady`).
         """
-        asked = self.unloader.ledger.asking()
-        held = await self.engine.loaded_adapters()
-        self.unloader.ledger.seen(held, asked)
+        held = await self.unloader.ledger.look(self.engine)
         runs = await self.registered_runs()
         for run in set(self.table.runs()) - set(runs):
             self.forget(run)

@@ -167,10 +167,7 @@ class Slots:
     async def _count(self, run: str | None) -> int:
         """Adapters the engine holds (its own list: strays and retired ones take slots too), or,
         with `run`, those of that run."""
-        asked = self.ledger.asking()
-        names = await self.engine.loaded_adapters()
-        self.ledger.seen(names, asked)
-        return _held(names, run)
+        return _held(await self.ledger.look(self.engine), run)
 
     def _drain(self, for_adapter: str, *, run: str | None = None) -> bool:
         """Drain the least recently used adapter (of `run` only, when given) for `for_adapter`:
@@ -195,13 +192,11 @@ class Slots:
         unloader (it keeps its slot until then)."""
         t0 = time.monotonic()
         try:
-            await self.engine.unload_adapter(name)
+            await self.ledger.unload(self.engine, name)
         except EngineClientError as exc:
-            self.ledger.lost()
             log.warning("evicting %s failed (%s); the unloader retries it", name, exc)
             self.unloader.add(name, run, version, routed=False)
             return
-        self.ledger.unloaded(name)
         self.evictions.labels(run).inc()
         log.info("adapter_evict end run=%s version=%d adapter=%s duration_ms=%.1f (least recently used, idle)",
                  run, version, name, (time.monotonic() - t0) * 1000)

@@ -60,7 +60,7 @@ class Unloader:
         self.restart_engine = restart_engine
         self.queued: dict[str, Retiring] = {}
         self.ledger = Ledger()
-        """The engine's adapters between looks (tandem_inference.controller.slots), kept with each unload."""
+        """The engine's adapters between looks (tandem_inference.controller.ledger), kept with each unload."""
 
     def add(self, name: str, run: str, version: int, *, routed: bool) -> None:
         """Queue `name` (a version of `run`) for unloading; queuing it twice changes nothing."""
@@ -102,15 +102,13 @@ class Unloader:
                 continue
             t0 = time.monotonic()
             try:
-                await self.engine.unload_adapter(name)
+                await self.ledger.unload(self.engine, name)
             except EngineClientError as exc:
-                self.ledger.lost()
                 if isinstance(exc, EngineResponseError) and await self._gone(name):
                     log.info("%s was no longer loaded in the engine (%s)", name, exc)
                 else:
                     await self._failed(name, state, exc)
                     continue
-            self.ledger.unloaded(name)
             self.queued.pop(name, None)  # a concurrent call (making room for a load) may have unloaded it too
             touched.add(run)
             self.unloads.labels(run, "ok").inc()
