@@ -27,7 +27,8 @@ gateway. The trainer reads its clocks after synchronising CUDA:
       check            the controller's checks of the files before the load (inside)
         check_work     the checks themselves (inside `check`; the rest, where they run in a
                        thread, is the hand-off to it and back to the event loop)
-      attempt          the load attempt's number, from Redis, after the checks (inside)
+      attempt          the load attempt's number, from Redis, counted beside the checks: its
+                       wait past them (inside)
       room             making room in the engine (inside): judged by the controller's ledger of
                        the engine's adapters; where that is unknown, the engine's list is asked
                        for beside the checks, and this is the wait past them; any unloads if it
@@ -48,9 +49,13 @@ was appended, after the switch), is shown beside it: the prober's request in fli
 switch went to the old version, so the first the new version answers may start later. So is
 `overhead_to_loaded`, step -> `adapter_loaded` minus the engine's load: the overhead without
 the probe's wait (a request sent when `adapter_ready` appeared that reaches the engine after
-the load began waits behind it, and answers from the old version after the switch). The floor is what the
-same bytes cost without tandem: write the adapter file (fsync), read it back, and copy its
-tensors to the engine's device.
+the load began waits behind it, and answers from the old version after the switch).
+
+What a new request sees is measured apart: a second prober sends one request when it reads a
+version's `adapter_loaded` (`sent`: that event's `ts` -> the request sent), and `step -> fresh`
+is the optimizer step -> its response; a response from an older version there would be a
+routing error and is counted. The floor is what the same bytes cost without tandem: write the
+adapter file (fsync), read it back, and copy its tensors to the engine's device.
 """
 
 from __future__ import annotations
@@ -73,24 +78,57 @@ class Prober:
     """Follows the event stream; on each `adapter_ready` of the run it sends one-token requests
     back to back until the new version answers, and remembers that first response (its end
     and its duration). Idle otherwise, so it does not load the machine while the trainer
-    writes the next version. A version not served within `horizon_s` of its `adapter_ready` is given up."""
+    writes the next version. A version not served within `horizon_s` of its `adapter_ready` is given up.
+    With `fresh`, a second thread also sends one request as it reads each version's first
+    `adapter_loaded`: what a request sent after the switch sees."""
 
-    def __init__(self, gateway_url: str, client: Client, run: str, horizon_s: float = 60.0) -> None:
+    def __init__(self, gateway_url: str, client: Client, run: str, horizon_s: float = 60.0, *,
+                 fresh: bool = False) -> None:
         self.url, self.client, self.run_name, self.horizon_s = gateway_url, client, run, horizon_s
         self.first: dict[int, tuple[float, float]] = {}  # version -> (end, duration)
         self.answered: dict[int, int] = {}  # version -> the version that answered (newer where it was skipped)
         self.requests = self.errors = 0
+        self.fresh: dict[int, tuple[float, float, float, int]] = {}  # version -> (sent, end, duration, answered by)
+        self.fresh_errors = 0
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.threads = [threading.Thread(target=self._loop, daemon=True)]
+        if fresh:  # and one request as each version's `adapter_loaded` is read
+            self.threads.append(threading.Thread(target=self._fresh_loop, daemon=True))
         self.after = client.events.last_id()
 
     def __enter__(self) -> Prober:
-        self.thread.start()
+        for thread in self.threads:
+            thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
-        self.thread.join(30)
+        for thread in self.threads:
+            thread.join(30)
+
+    def _fresh_loop(self) -> None:
+        """One request for each version as soon as its first `adapter_loaded` is read: what a
+        request sent after the switch sees."""
+        body = {"model": self.run_name, "prompt": "1", "max_tokens": 1}
+        after = self.after
+        with httpx.Client(base_url=self.url, timeout=60) as http:
+            while not self.stop.is_set():
+                page = self.client.events.read(after, block_ms=200)
+                after = page.last_id
+                for event in page:
+                    if (event.kind is EventKind.ADAPTER_LOADED and event.run == self.run_name and event.version
+                            and event.version not in self.fresh):
+                        sent = time.time()
+                        try:
+                            resp = http.post("/v1/completions", json=body)
+                        except httpx.HTTPError:
+                            self.fresh_errors += 1
+                            continue
+                        end = time.time()
+                        if resp.status_code != 200:
+                            self.fresh_errors += 1
+                            continue
+                        self.fresh[event.version] = (sent, end, end - sent, int(resp.headers["x-tandem-version"]))
 
     def _loop(self) -> None:
         body = {"model": self.run_name, "prompt": "1", "max_tokens": 1}
@@ -150,7 +188,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
     run = bench_run(ctx)
     # the versions this call publishes: a state directory of an earlier call holds that call's too
     mine: list[int] = []
-    with Prober(ctx.stack.gateway_url, ctx.client, run.name) as probers:
+    with Prober(ctx.stack.gateway_url, ctx.client, run.name, fresh=True) as probers:
         for i in range(1, versions + 1):
             mine.append(new_version(run))
             ctx.progress(f"version {i}/{versions}")
@@ -193,6 +231,12 @@ def run(ctx: Ctx) -> dict[str, Any]:
             row["probe_wait_ms"] = row["overhead_ms"] = None
         if stepped:
             row["overhead_to_loaded_ms"] = (ld.ts - stepped) * 1000 - (row["engine_load_ms"] or 0)
+        if (fresh := probers.fresh.get(v)) is not None:
+            sent, end, duration, answered = fresh
+            row["fresh_sent_ms"] = (sent - ld.ts) * 1000
+            row["fresh_forward_ms"] = duration * 1000
+            row["fresh_answered"] = answered
+            row["step_to_fresh_ms"] = (end - stepped) * 1000 if stepped else None
         adapter = store / run.name / f"v{v:06d}" / "adapter"
         row["floor_ms"] = floor_ms(adapter, ctx.device) if adapter.is_dir() else None
         row["adapter_bytes"] = sum(p.stat().st_size for p in adapter.glob("*")) if adapter.is_dir() else None
@@ -205,9 +249,11 @@ def run(ctx: Ctx) -> dict[str, Any]:
             "verify_ms",
             "agree_ms",
             "loaded_to_served_ms", "probe_wait_ms", "first_forward_ms",
-            "step_to_served_ms", "publish_to_served_ms", "overhead_ms", "overhead_to_loaded_ms", "floor_ms"]
+            "step_to_served_ms", "publish_to_served_ms", "overhead_ms", "overhead_to_loaded_ms",
+            "fresh_sent_ms", "fresh_forward_ms", "step_to_fresh_ms", "floor_ms"]
     stages = {k: summary([r[k] for r in steady if r.get(k) is not None]) for k in keys
               if any(r.get(k) is not None for r in steady)}
+    stale = sum(1 for r in rows if r.get("fresh_answered") is not None and r["fresh_answered"] < r["version"])
     overhead = stages["overhead_ms"]["p50"]
     served = stages["publish_to_served_ms"]["p50"]
     floor = stages["floor_ms"]["p50"]
@@ -217,7 +263,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
              note="step -> served minus the engine's load and the first forward"),
         goal("publish -> served p50 within 3x the floor (ratio)", served / floor if floor else float("inf"), 3.0,
              note=f"publish -> served {served:.1f} ms, floor {floor:.2f} ms"),
-        goal("failed probe requests", float(probers.errors), 0.0),
+        goal("failed probe requests", float(probers.errors + probers.fresh_errors), 0.0),
+        goal("requests sent after the switch answered by an older version", float(stale), 0.0),
     ]
     if ctx.shape == "8b":
         step_to_served = stages["step_to_served_ms"]
@@ -228,11 +275,12 @@ def run(ctx: Ctx) -> dict[str, Any]:
     table = stage_table(stages)
     table += (f"\n\n{len(rows)} versions (statistics leave out the first, which pays the engine's one-off "
               f"wrap of the base model); {probers.requests} probe requests, "
-              f"{probers.errors} failed; adapter {rows[-1]['adapter_bytes'] if rows else 0} bytes.")
+              f"{probers.errors} failed; {len(probers.fresh)} sent after a switch ({probers.fresh_errors} failed), "
+              f"{stale} of them answered by an older version; adapter {rows[-1]['adapter_bytes'] if rows else 0} bytes.")
     return {
         "name": "sync", "title": "1. Policy sync latency", "summary": {k: v for k, v in stages.items()},
         "rows": rows, "goals": goals, "table": table, "plots": [plot_name],
-        "probe_requests": probers.requests, "probe_errors": probers.errors,
+        "probe_requests": probers.requests, "probe_errors": probers.errors + probers.fresh_errors,
     }
 
 

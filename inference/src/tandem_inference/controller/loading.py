@@ -144,6 +144,10 @@ class AdapterLoader:
         looked: dict[str, float] = {}
         look = (asyncio.create_task(self._timed_look(looked)) if self.slots is not None and known is None
                 else None)
+        # the attempt's number is counted in Redis while the files are checked, so a version refused
+        # by its checks uses one up (its next load is named `-a1`): a name is only ever new
+        # (submitted now, not at the task's first step: checked on the loop, the checks never yield)
+        numbered = asyncio.get_running_loop().run_in_executor(None, self.announcer.next_attempt, run, version)
         try:
             max_rank = await self._max_lora_rank()
             # on the loop only what stays inside a local store: a link or an event's path that leads
@@ -153,14 +157,15 @@ class AdapterLoader:
             else:
                 adapter_dir, check_ms = await asyncio.to_thread(self._timed_check, run, version, path, max_rank)
             t_files = time.monotonic()
-            # counted only for a version that passed its checks: its first attempt is `<run>-v<N>`
-            attempt = await asyncio.to_thread(self.announcer.next_attempt, run, version)
+            attempt = await numbered
         except AdapterRejected as exc:
             await _dropped(look)
+            await _settled(numbered)
             await self.reject(run, version, str(exc), job_id, transient=isinstance(exc, AdapterNotVisible))
             return Outcome.REFUSED
         except BaseException:
             await _dropped(look)
+            await _settled(numbered)
             raise
         name = adapter_name(run, version, attempt)
         t_checked = time.monotonic()
@@ -417,6 +422,12 @@ class AdapterLoader:
         except EngineClientError as exc:
             log.warning("unloading %s after failed checksums failed too (%s); retrying later", name, exc)
             self.unloader.add(name, run, version, routed=False)
+
+
+async def _settled(task: asyncio.Future[int]) -> None:
+    """Wait for the attempt's number of a load that goes no further (a thread cannot be
+    cancelled, and its error is not the one to report)."""
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def _dropped(task: asyncio.Task[dict[str, str]] | None) -> None:
