@@ -15,8 +15,9 @@ gateway. The trainer reads its clocks after synchronising CUDA:
         hash           the weights' checksum, from the buffers, in a thread beside `weights`
                        (inside `write`)
         weights        their file opened (or a blank linked), written and closed (inside `write`)
-        config         adapter_config.json written and hashed (inside `write`; the rest of
-                       `write` is the staging directory made and a blank taken)
+        config         adapter_config.json written and hashed, in a thread beside `weights`
+                       (inside `write`; the rest of `write` is the wait for those threads, the
+                       blank taken and the header's view made)
       rename           manifest + rename into place (inside; the fsync comes after the announcement)
     written -> ready   -> registered and `adapter_ready` appended
     ready -> loaded    -> the controller checked it, the engine loaded it while the checksums

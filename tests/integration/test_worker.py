@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -18,6 +21,10 @@ from tandem.registry import Registry
 from tandem.runs import LoraConfig, LossConfig, RunSpec
 
 pytestmark = pytest.mark.integration
+
+#: How soon an idle worker ends after a SIGTERM, whichever of its threads took it: its wait for a
+#: job (tandem_trainer.worker.JOB_WAIT_S) and its warm shutdown, with room for a loaded machine.
+WORKER_STOPS_WITHIN_S = 20
 
 
 def test_bad_job_fails_once_and_the_worker_serves_the_next(workers, redis_conn, tiny_model: Path,
@@ -155,3 +162,22 @@ def test_restart_under_the_same_name_recovers_its_own_job(redis_conn) -> None:
     again.register_birth()
     assert recover_abandoned(redis_conn, dead_names=frozenset({"trainer-0"})) == ["job-b"]
     assert status(redis_conn, "job-b") == JobStatus.QUEUED
+
+
+def test_a_sigterm_taken_by_another_thread_still_stops_the_idle_worker_soon(workers, redis_conn) -> None:
+    """Linux hands a process's SIGTERM to any of its threads that does not block it: usually the
+    main thread, but not when that one has a signal pending already. Python runs the handler only
+    on the main thread, which sits in rq's wait for the next job (a BLPOP); taken by another
+    thread, the warm shutdown waits for that wait to end. The wait is kept short, so that `docker
+    stop` (10 s to SIGKILL) still finds the worker shutting down warm."""
+    worker = workers()
+    worker.wait_listening()
+    pid = worker.proc.pid
+    others = [int(tid) for tid in os.listdir(f"/proc/{pid}/task") if int(tid) != pid]
+    assert others, "the worker runs threads beside its main one (liveness, metrics)"
+    os.kill(others[0], signal.SIGTERM)  # a thread's id: the signal goes to that thread
+    try:
+        code = worker.proc.wait(WORKER_STOPS_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the worker still waits for a job {WORKER_STOPS_WITHIN_S} s after SIGTERM:\n{worker.log()[-3000:]}")
+    assert code == 0 and "warm shut down requested" in worker.log().lower(), worker.log()[-3000:]

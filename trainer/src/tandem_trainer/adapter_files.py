@@ -160,7 +160,8 @@ class StagedAdapter:
     metadata: dict[str, str] = field(default_factory=lambda: {"format": "pt"})
     write_ms: dict[str, float] = field(default_factory=dict)
     """The last `write`'s parts: `hash` (the weights' checksum), `weights` (their file opened or
-    linked, written, closed), `config` (adapter_config.json written and hashed)."""
+    linked, written, closed), `config` (adapter_config.json written and hashed); the checksum and
+    the config each in a thread beside the weights."""
     header: bytes | None = None
     """The file's safetensors header, where `data` is given (HostBuffers.stage)."""
     data: memoryview | None = None
@@ -175,16 +176,28 @@ class StagedAdapter:
         `adapter_dir`; returns their checksums (`CHECKSUM`) by path relative to the version
         directory. Raises CheckpointError naming the directory when it cannot be written."""
         self.write_ms = {}
+        # adapter_config.json is written in a thread beside the weights: making a file can wait on
+        # the filesystem's journal (the last version's fsync, a blank), which the weights need not
+        config = _hasher().submit(self._write_config, adapter_dir)
         try:
-            digest = write_safetensors(adapter_dir / ADAPTER_WEIGHTS, self.tensors, self.metadata, blank=blank,
-                                       clock=self.write_ms, header=self.header, data=self.data)
-            t0 = time.perf_counter()
-            copy.deepcopy(self.config).save_pretrained(str(adapter_dir))
-            config_digest = file_checksum(adapter_dir / ADAPTER_CONFIG, CHECKSUM)
-            self.write_ms["config"] = (time.perf_counter() - t0) * 1000
+            try:
+                digest = write_safetensors(adapter_dir / ADAPTER_WEIGHTS, self.tensors, self.metadata, blank=blank,
+                                           clock=self.write_ms, header=self.header, data=self.data)
+            finally:
+                wait([config])  # never left writing into a directory the caller may remove
+            config_digest, self.write_ms["config"] = config.result()
         except OSError as exc:
             raise CheckpointError(f"cannot write the adapter to {adapter_dir}: {exc}") from exc
         return {f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}": digest, f"{ADAPTER_DIR}/{ADAPTER_CONFIG}": config_digest}
+
+    def _write_config(self, adapter_dir: Path) -> tuple[str, float]:
+        """adapter_config.json written (by peft) and hashed, and the ms it took."""
+        t0 = time.perf_counter()
+        if not adapter_dir.is_dir():  # peft would make it: the weights' write is to find it missing
+            raise CheckpointError(f"cannot write the adapter to {adapter_dir}: the directory is missing")
+        copy.deepcopy(self.config).save_pretrained(str(adapter_dir))
+        digest = file_checksum(adapter_dir / ADAPTER_CONFIG, CHECKSUM)
+        return digest, (time.perf_counter() - t0) * 1000
 
 
 def safetensors_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
@@ -256,10 +269,11 @@ _HASHER: ThreadPoolExecutor | None = None
 
 
 def _hasher() -> ThreadPoolExecutor:
-    """The thread that takes a file's checksum beside its write (made on first use)."""
+    """The threads that take the weights' checksum and write adapter_config.json beside the
+    weights' write (made on first use)."""
     global _HASHER
     if _HASHER is None:
-        _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-hash")
+        _HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="adapter-write")
     return _HASHER
 
 

@@ -64,6 +64,12 @@ from tandem_trainer.trackers import open_tracker
 
 log = logging.getLogger(__name__)
 
+#: The longest one wait for the next job lasts (rq's BLPOP; rq's default is 405 s). A SIGTERM that
+#: the kernel hands to another of the worker's threads (it does when the main thread has a signal
+#: pending already) is acted on only when the main thread next runs Python: at the latest when this
+#: wait ends, well inside `docker stop`'s 10 s.
+JOB_WAIT_S = 5
+
 #: Timeout of the Redis command a /metrics scrape makes (the queue's depth), below Prometheus'
 #: default scrape timeout of 10 s.
 SCRAPE_REDIS_TIMEOUT_S = 2.0
@@ -271,7 +277,8 @@ def serve(settings: TrainerSettings, conn: redis.Redis, name: str, *, burst: boo
         scrape_queue = train_queue(scrape_conn)
         trainer.metrics.watch_queue(lambda: scrape_queue.count)
         metrics_server = serve_metrics(trainer.metrics, settings.metrics)
-        worker = TrainWorker([train_queue(conn)], connection=conn, name=name, serializer=JSONSerializer)
+        worker = TrainWorker([train_queue(conn)], connection=conn, name=name, serializer=JSONSerializer,
+                             worker_ttl=JOB_WAIT_S + 15)  # rq waits for a job worker_ttl - 15 s at a time
         worker.group = group
         return worker.work(burst=burst, with_scheduler=False)
     finally:
