@@ -95,7 +95,7 @@ class Prober:
         self.threads = [threading.Thread(target=self._loop, daemon=True)]
         if fresh:  # and one request as each version's `adapter_loaded` is read
             self.threads.append(threading.Thread(target=self._fresh_loop, daemon=True))
-        self.after = client.events.last_id()
+        self.start_id = client.events.last_id()
 
     def __enter__(self) -> Prober:
         for thread in self.threads:
@@ -110,8 +110,7 @@ class Prober:
     def _fresh_loop(self) -> None:
         """One request for each version as soon as its first `adapter_loaded` is read: what a
         request sent after the switch sees."""
-        body = {"model": self.run_name, "prompt": "1", "max_tokens": 1}
-        after = self.after
+        after = self.start_id
         with httpx.Client(base_url=self.url, timeout=60) as http:
             while not self.stop.is_set():
                 page = self.client.events.read(after, block_ms=200)
@@ -119,46 +118,46 @@ class Prober:
                 for event in page:
                     if (event.kind is EventKind.ADAPTER_LOADED and event.run == self.run_name and event.version
                             and event.version not in self.fresh):
-                        sent = time.time()
-                        try:
-                            resp = http.post("/v1/completions", json=body)
-                        except httpx.HTTPError:
+                        if (answer := self._post(http)) is None:
                             self.fresh_errors += 1
                             continue
-                        end = time.time()
-                        if resp.status_code != 200:
-                            self.fresh_errors += 1
-                            continue
-                        self.fresh[event.version] = (sent, end, end - sent, int(resp.headers["x-tandem-version"]))
+                        sent, end, served = answer
+                        self.fresh[event.version] = (sent, end, end - sent, served)
 
     def _loop(self) -> None:
-        body = {"model": self.run_name, "prompt": "1", "max_tokens": 1}
+        after = self.start_id
         with httpx.Client(base_url=self.url, timeout=60) as http:
             while not self.stop.is_set():
-                page = self.client.events.read(self.after, block_ms=200)
-                self.after = page.last_id
+                page = self.client.events.read(after, block_ms=200)
+                after = page.last_id
                 for event in page:
                     if event.kind is EventKind.ADAPTER_READY and event.run == self.run_name and event.version:
-                        self._until_served(http, body, event.version)
+                        self._until_served(http, event.version)
 
-    def _until_served(self, http: httpx.Client, body: dict[str, Any], version: int) -> None:
+    def _until_served(self, http: httpx.Client, version: int) -> None:
         deadline = time.time() + self.horizon_s
         while time.time() < deadline and not self.stop.is_set():
-            start = time.time()
-            try:
-                resp = http.post("/v1/completions", json=body)
-            except httpx.HTTPError:
-                self.errors += 1
-                continue
-            end = time.time()
             self.requests += 1
-            if resp.status_code != 200:
+            if (answer := self._post(http)) is None:
                 self.errors += 1
                 continue
-            if (served := int(resp.headers["x-tandem-version"])) >= version:
+            start, end, served = answer
+            if served >= version:
                 self.first[version] = (end, end - start)
                 self.answered[version] = served
                 return
+
+    def _post(self, http: httpx.Client) -> tuple[float, float, int] | None:
+        """One one-token request: when it was sent, when it came back, the version that answered;
+        None where it failed."""
+        start = time.time()
+        try:
+            resp = http.post("/v1/completions", json={"model": self.run_name, "prompt": "1", "max_tokens": 1})
+        except httpx.HTTPError:
+            return None
+        if resp.status_code != 200:
+            return None
+        return start, time.time(), int(resp.headers["x-tandem-version"])
 
 
 def floor_ms(adapter_dir: Path, device: str) -> float:
