@@ -105,7 +105,7 @@ class Prober:
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
         for thread in self.threads:
-            thread.join(30)
+            thread.join(90)  # past a request's timeout (60 s)
 
     def _fresh_loop(self) -> None:
         """One request for each version as soon as its first `adapter_loaded` is read: what a
@@ -155,7 +155,7 @@ class Prober:
             resp = http.post("/v1/completions", json={"model": self.run_name, "prompt": "1", "max_tokens": 1})
         except httpx.HTTPError:
             return None
-        if resp.status_code != 200:
+        if resp.status_code != 200 or not resp.headers.get("x-tandem-version", "").isdigit():
             return None
         return start, time.time(), int(resp.headers["x-tandem-version"])
 
@@ -254,6 +254,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
     stages = {k: summary([r[k] for r in steady if r.get(k) is not None]) for k in keys
               if any(r.get(k) is not None for r in steady)}
     stale = sum(1 for r in rows if r.get("fresh_answered") is not None and r["fresh_answered"] < r["version"])
+    unasked = sum(1 for r in rows if r.get("fresh_answered") is None)
     overhead = stages["overhead_ms"]["p50"]
     served = stages["publish_to_served_ms"]["p50"]
     floor = stages["floor_ms"]["p50"]
@@ -265,6 +266,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
              note=f"publish -> served {served:.1f} ms, floor {floor:.2f} ms"),
         goal("failed probe requests", float(probers.errors + probers.fresh_errors), 0.0),
         goal("requests sent after the switch answered by an older version", float(stale), 0.0),
+        goal("versions with no answer to a request sent after the switch", float(unasked), 0.0),
     ]
     if ctx.shape == "8b":
         step_to_served = stages["step_to_served_ms"]

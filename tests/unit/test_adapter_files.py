@@ -129,10 +129,30 @@ def test_a_write_that_fails_names_its_directory_while_the_checksum_beside_it_is_
     staged = HostBuffers(torch.device("cpu"), gather=True).stage(lora_tensors(3), torch.bfloat16, config)
     with pytest.raises(CheckpointError, match="no-such-dir"):
         staged.write(tmp_path / "no-such-dir" / "adapter")
+    assert not (tmp_path / "no-such-dir").exists()  # the config's thread beside the write made nothing
     adapter = tmp_path / "adapter"  # and the same buffers write whole afterwards
     adapter.mkdir()
     checksums = staged.write(adapter)
     assert checksums["adapter/adapter_model.safetensors"] == file_checksum(adapter / "adapter_model.safetensors")
+
+
+def test_a_config_that_cannot_be_written_beside_good_weights_names_its_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], base_model_name_or_path="base")
+    staged = HostBuffers(torch.device("cpu"), gather=True).stage(lora_tensors(3), torch.bfloat16, config)
+
+    def full(self: LoraConfig, save_directory: str, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(LoraConfig, "save_pretrained", full)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    with pytest.raises(CheckpointError, match=f"{adapter}.*No space left"):
+        staged.write(adapter)
+    monkeypatch.undo()
+    checksums = staged.write(adapter)  # the same buffers, written whole once the disk has room
+    assert checksums["adapter/adapter_config.json"] == file_checksum(adapter / "adapter_config.json")
 
 
 def test_the_staged_adapter_writes_what_peft_and_the_manifest_need(tmp_path: Path) -> None:

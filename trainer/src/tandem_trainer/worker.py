@@ -83,6 +83,13 @@ class TrainWorker(SimpleWorker):
     group: Group | None = None
     """Data-parallel training: the ranks this worker is rank 0 of."""
 
+    @property
+    def dequeue_timeout(self) -> int:
+        """rq's wait for the next job, at a time (JOB_WAIT_S). rq also raises the connection's
+        socket timeout to this plus 10 s where that is longer: at 5 s it never is, so the
+        trainer's connection keeps its own (`redis.socket_timeout_s`)."""
+        return JOB_WAIT_S
+
     def execute_job(self, job: Job, queue: Queue) -> None:
         failpoints.hit("after_dequeue")
         if claim(self.connection, job.key, STARTED) != STARTED:
@@ -277,8 +284,7 @@ def serve(settings: TrainerSettings, conn: redis.Redis, name: str, *, burst: boo
         scrape_queue = train_queue(scrape_conn)
         trainer.metrics.watch_queue(lambda: scrape_queue.count)
         metrics_server = serve_metrics(trainer.metrics, settings.metrics)
-        worker = TrainWorker([train_queue(conn)], connection=conn, name=name, serializer=JSONSerializer,
-                             worker_ttl=JOB_WAIT_S + 15)  # rq waits for a job worker_ttl - 15 s at a time
+        worker = TrainWorker([train_queue(conn)], connection=conn, name=name, serializer=JSONSerializer)
         worker.group = group
         return worker.work(burst=burst, with_scheduler=False)
     finally:

@@ -147,8 +147,9 @@ class AdapterLoader:
         # the attempt's number is counted in Redis while the files are checked, so a version refused
         # by its checks uses one up (its next load is named `-a1`): a name is only ever new
         # (submitted now, not at the task's first step: checked on the loop, the checks never yield)
-        numbered = asyncio.get_running_loop().run_in_executor(None, self.announcer.next_attempt, run, version)
+        numbered: asyncio.Future[int] | None = None
         try:
+            numbered = asyncio.get_running_loop().run_in_executor(None, self.announcer.next_attempt, run, version)
             max_rank = await self._max_lora_rank()
             # on the loop only what stays inside a local store: a link or an event's path that leads
             # elsewhere (another mount, which may hang) is checked, and refused, in a thread
@@ -160,12 +161,12 @@ class AdapterLoader:
             attempt = await numbered
         except AdapterRejected as exc:
             await _dropped(look)
-            await _settled(numbered)
+            _abandoned(numbered)
             await self.reject(run, version, str(exc), job_id, transient=isinstance(exc, AdapterNotVisible))
             return Outcome.REFUSED
         except BaseException:
             await _dropped(look)
-            await _settled(numbered)
+            _abandoned(numbered)
             raise
         name = adapter_name(run, version, attempt)
         t_checked = time.monotonic()
@@ -424,10 +425,12 @@ class AdapterLoader:
             self.unloader.add(name, run, version, routed=False)
 
 
-async def _settled(task: asyncio.Future[int]) -> None:
-    """Wait for the attempt's number of a load that goes no further (a thread cannot be
-    cancelled, and its error is not the one to report)."""
-    await asyncio.gather(task, return_exceptions=True)
+def _abandoned(future: asyncio.Future[int] | None) -> None:
+    """Leave the attempt's number of a load that goes no further to its thread, unwaited (a
+    thread cannot be cancelled, and a stalled Redis would hold up the refusal or a cancelled
+    load); its error, if any, is read and dropped: it is not the one to report."""
+    if future is not None:
+        future.add_done_callback(lambda done: done.cancelled() or done.exception())
 
 
 async def _dropped(task: asyncio.Task[dict[str, str]] | None) -> None:
