@@ -65,6 +65,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,9 +93,11 @@ class Prober:
         self.fresh: dict[int, tuple[float, float, float, int]] = {}  # version -> (sent, end, duration, answered by)
         self.fresh_errors = 0
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._loop, daemon=True)]
+        self.threads = [threading.Thread(target=self._follow, args=(EventKind.ADAPTER_READY, self._until_served),
+                                         daemon=True)]
         if fresh:  # and one request as each version's `adapter_loaded` is read
-            self.threads.append(threading.Thread(target=self._fresh_loop, daemon=True))
+            self.threads.append(threading.Thread(target=self._follow, args=(EventKind.ADAPTER_LOADED, self._at_switch),
+                                                 daemon=True))
         self.start_id = client.events.last_id()
 
     def __enter__(self) -> Prober:
@@ -107,32 +110,27 @@ class Prober:
         for thread in self.threads:
             thread.join(90)  # past a request's timeout (60 s)
 
-    def _fresh_loop(self) -> None:
-        """One request for each version as soon as its first `adapter_loaded` is read: what a
-        request sent after the switch sees."""
+    def _follow(self, kind: EventKind, handle: Callable[[httpx.Client, int], None]) -> None:
+        """Read the stream from where the prober began; `handle` each of the run's `kind` events' version."""
         after = self.start_id
         with httpx.Client(base_url=self.url, timeout=60) as http:
             while not self.stop.is_set():
                 page = self.client.events.read(after, block_ms=200)
                 after = page.last_id
                 for event in page:
-                    if (event.kind is EventKind.ADAPTER_LOADED and event.run == self.run_name and event.version
-                            and event.version not in self.fresh):
-                        if (answer := self._post(http)) is None:
-                            self.fresh_errors += 1
-                            continue
-                        sent, end, served = answer
-                        self.fresh[event.version] = (sent, end, end - sent, served)
+                    if event.kind is kind and event.run == self.run_name and event.version:
+                        handle(http, event.version)
 
-    def _loop(self) -> None:
-        after = self.start_id
-        with httpx.Client(base_url=self.url, timeout=60) as http:
-            while not self.stop.is_set():
-                page = self.client.events.read(after, block_ms=200)
-                after = page.last_id
-                for event in page:
-                    if event.kind is EventKind.ADAPTER_READY and event.run == self.run_name and event.version:
-                        self._until_served(http, event.version)
+    def _at_switch(self, http: httpx.Client, version: int) -> None:
+        """One request as the version's first `adapter_loaded` is read: what a request sent after
+        the switch sees."""
+        if version in self.fresh:
+            return
+        if (answer := self._post(http)) is None:
+            self.fresh_errors += 1
+            return
+        sent, end, served = answer
+        self.fresh[version] = (sent, end, end - sent, served)
 
     def _until_served(self, http: httpx.Client, version: int) -> None:
         deadline = time.time() + self.horizon_s
