@@ -178,7 +178,7 @@ class StagedAdapter:
         self.write_ms = {}
         # adapter_config.json is written in a thread beside the weights: making a file can wait on
         # the filesystem's journal (the last version's fsync, a blank), which the weights need not
-        config = _hasher().submit(self._write_config, adapter_dir)
+        config = _beside_the_write().submit(self._write_config, adapter_dir)
         try:
             try:
                 digest = write_safetensors(adapter_dir / ADAPTER_WEIGHTS, self.tensors, self.metadata, blank=blank,
@@ -242,7 +242,7 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor],
         size = sum(len(v) for v in views)
     # the checksum is taken in a thread while this one writes the same bytes: xxhash lets go of
     # the interpreter's lock for buffers over 64 KiB, as the write does, so the two overlap
-    hashing = _hasher().submit(_timed_hash, list(views))  # its own list: the write shortens its views
+    hashing = _beside_the_write().submit(_timed_hash, list(views))  # its own list: the write shortens its views
     t1 = time.perf_counter()
     try:
         fd = blank.claim(path) if blank is not None else None
@@ -265,16 +265,16 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor],
     return digest
 
 
-_HASHER: ThreadPoolExecutor | None = None
+_BESIDE_THE_WRITE: ThreadPoolExecutor | None = None
 
 
-def _hasher() -> ThreadPoolExecutor:
+def _beside_the_write() -> ThreadPoolExecutor:
     """The threads that take the weights' checksum and write adapter_config.json beside the
     weights' write (made on first use)."""
-    global _HASHER
-    if _HASHER is None:
-        _HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="adapter-write")
-    return _HASHER
+    global _BESIDE_THE_WRITE
+    if _BESIDE_THE_WRITE is None:
+        _BESIDE_THE_WRITE = ThreadPoolExecutor(max_workers=2, thread_name_prefix="adapter-write")
+    return _BESIDE_THE_WRITE
 
 
 def _timed_hash(views: list[memoryview]) -> tuple[str, float]:
